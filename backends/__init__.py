@@ -1,0 +1,1 @@
+"""Backend plugins shipped with polyspec (cpu, cuda, npu)."""

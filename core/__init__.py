@@ -1,0 +1,1 @@
+"""polyspec: hardware-neutral EAGLE speculative decoding."""

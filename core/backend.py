@@ -1,0 +1,341 @@
+"""The backend contract: everything the engine asks of an accelerator.
+
+A backend plugin's factory returns a :class:`Backend`. The engine (``polyspec.spec``,
+``polyspec.engine``) only ever talks to that object; it never asks which vendor it is and
+branches only on :class:`BackendCapabilities`.
+
+Notation used in shapes: ``bs`` requests, ``K`` topk, ``S`` num_steps, ``N`` num_draft_tokens
+(tree nodes verified per request, root included), ``T`` tokens in one forward, ``H`` hidden
+size, ``Hq``/``Hkv`` query / key-value heads, ``D`` head dim, ``V`` vocabulary size.
+
+KV cache model: one slot index space per engine, shared by the target and the draft pool (each
+model owns its own :class:`KVPool` tensors, indexed by the same slots). Slot 0 is never handed
+out: it is the padding target, so padded index entries may safely point at it. With
+``page_size > 1`` a page is ``page_size`` consecutive slots and page ``p`` holds slots
+``[p * page_size, (p + 1) * page_size)``; page 0 is reserved.
+
+``req_to_token`` is a ``[max_requests, max_context]`` table: ``req_to_token[r, pos]`` is the
+slot holding the K/V of position ``pos`` of the request in row ``r``. Before a forward, the core
+writes the slots of the new tokens into it, so that for every mode except DRAFT_DECODE the keys
+of request ``b`` are ``req_to_token[req_pool_indices[b], : prefix_lens[b] + extend_lens[b]]``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+BACKEND_API_VERSION = 1
+"""Version of this contract. A plugin built for another version is refused at load time."""
+
+
+class ForwardMode(enum.Enum):
+    """The five attention modes of a speculative engine (DESIGN.md section 2)."""
+
+    EXTEND = "extend"
+    """Prefill: new prompt tokens; each sees the cached prefix and earlier new tokens."""
+    DECODE = "decode"
+    """One query per request; it sees the whole prefix and itself."""
+    DRAFT_DECODE = "draft_decode"
+    """Step i of the multi-step draft: K lanes per request; a lane sees the shared prefix and its
+    own lane slots ``lane_locs[b, l, : lane_lens[b]]``."""
+    TARGET_VERIFY = "target_verify"
+    """N tree nodes per request; node j sees the prefix and the nodes ``tree_mask[b, j]`` marks."""
+    DRAFT_EXTEND = "draft_extend"
+    """A block of tokens per request (fixed width or the accepted tokens), causal in the block."""
+
+
+class TreeMaskMode(enum.Enum):
+    """Layouts of the tree mask produced by ``build_tree``."""
+
+    FULL = "full"
+    """Flat bool; request b contributes ``N * (seq_lens[b] + N)`` entries, row-major ``[N, seq_len
+    + N]``: prefix columns all True, then the tree columns."""
+    TREE_ONLY = "tree_only"
+    """Bool ``[bs, N, N]``: ``mask[b, i, j]`` is True when node j is node i or its ancestor."""
+    BITPACKED = "bitpacked"
+    """int32 ``[bs, N, ceil(N / 32)]``: bit ``j % 32`` of word ``j // 32`` set as in TREE_ONLY."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do. The core branches on these fields, never on a backend's name."""
+
+    graph_capture: bool = False
+    """The graph runner really captures graphs (replay is cheaper than eager)."""
+    graph_needs_prepare: bool = False
+    """Replaying a captured graph needs ``GraphRunner.prepare`` with new host-side parameters."""
+    max_graph_shapes: int | None = None
+    """How many graph keys may be captured; None = unlimited."""
+    tree_attention: bool = True
+    """TARGET_VERIFY with an arbitrary tree mask (topk > 1). False: chains only (topk == 1)."""
+    page_sizes: tuple[int, ...] | None = None
+    """Supported KV page sizes; None = any positive size."""
+    index_dtype: str = "int64"
+    """dtype of slot and position indices the backend's kernels take: "int64" or "int32"."""
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    """Model dtypes the attention and model kernels support."""
+    sampling_dtypes: tuple[str, ...] = ("float32",)
+    """dtypes the sampling kernels accept; the core casts probabilities to the first one."""
+    sampling_verify: bool = True
+    """``verify_tree_sampling`` is implemented (lossless sampling of tempered requests)."""
+    host_seq_lens: bool = False
+    """Attention metadata needs host-side lists of sequence lengths each step
+    (``ForwardBatch.prefix_lens_cpu`` / ``extend_lens_cpu`` must be filled)."""
+    tree_mask_mode: TreeMaskMode = TreeMaskMode.TREE_ONLY
+    """The tree-mask layout the backend's TARGET_VERIFY attention reads."""
+
+    def supports_page_size(self, page_size: int) -> bool:
+        return page_size >= 1 and (self.page_sizes is None or page_size in self.page_sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view (used by ``polyspec backends --json``)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, enum.Enum):
+                v = v.value
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    """What one model forward computes, in backend-neutral terms.
+
+    Built by the core (``polyspec.runtime``); turned into backend-specific
+    :class:`AttentionMetadata` by :meth:`AttentionBackend.build_metadata` once per forward.
+    Token order in ``input_ids`` is request-major: request 0's tokens, then request 1's, ...
+    For DRAFT_DECODE it is ``[bs, K]`` flattened (lane-major within a request).
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] slots receiving the new tokens' K/V
+    req_pool_indices: torch.Tensor  # [bs] rows of req_to_token
+    req_to_token: torch.Tensor  # [max_requests, max_context]
+    prefix_lens: torch.Tensor  # [bs] keys before the new tokens (shared prefix for DRAFT_DECODE)
+    extend_lens: torch.Tensor  # [bs] queries per request (1 DECODE, K DRAFT_DECODE, N VERIFY)
+    prefix_lens_cpu: list[int] | None = None  # host copy, filled when host_seq_lens
+    extend_lens_cpu: list[int] | None = None
+    tree_mask: torch.Tensor | None = None  # TARGET_VERIFY: [bs, N, N] bool (TREE_ONLY layout)
+    lane_locs: torch.Tensor | None = None  # DRAFT_DECODE: [bs, K, W] slots of each lane
+    lane_lens: torch.Tensor | None = None  # DRAFT_DECODE: [bs] lane slots visible this step
+    lane_lens_cpu: list[int] | None = None
+    topk: int = 1
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class AttentionMetadata:
+    """Backend-specific, precomputed per forward and reused by every layer. Opaque to the core."""
+
+
+class AttentionBackend(abc.ABC):
+    """Attention of one model over its KV pool, for all five :class:`ForwardMode` s."""
+
+    @abc.abstractmethod
+    def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
+        """Precompute index tensors / masks for ``batch``; called once per forward."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        layer: int,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Store ``k``/``v`` at the batch's ``out_cache_loc`` in layer ``layer`` of the pool,
+        then attend each query to the keys its mode makes visible (softmax scale given at
+        construction; GQA: query head h reads kv head ``h // (Hq // Hkv)``)."""
+
+
+class KVPool(abc.ABC):
+    """Per-model K/V storage: for each layer a ``[num_slots, Hkv, D]`` tensor for K and for V."""
+
+    num_slots: int
+    num_layers: int
+
+    @abc.abstractmethod
+    def k_cache(self, layer: int) -> torch.Tensor:  # [num_slots, Hkv, D]
+        """The K tensor of ``layer``."""
+
+    @abc.abstractmethod
+    def v_cache(self, layer: int) -> torch.Tensor:  # [num_slots, Hkv, D]
+        """The V tensor of ``layer``."""
+
+    @abc.abstractmethod
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``loc`` [T] slots; ``k``/``v`` [T, Hkv, D]."""
+
+    @abc.abstractmethod
+    def move(self, dst_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+        """Copy every layer's K/V from ``src_loc`` [n] to ``dst_loc`` [n]; all sources are read
+        before any destination is written, so overlapping lists are safe."""
+
+
+class KVAllocator(abc.ABC):
+    """Hands out KV slots (``page_size == 1``) or whole pages of slots (``page_size > 1``).
+
+    Slot 0 (page 0) is reserved. Allocation returns slot indices on the backend's device, in the
+    backend's index dtype; freeing a slot that is not allocated raises ``ValueError``.
+    """
+
+    num_slots: int
+    page_size: int
+
+    @abc.abstractmethod
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` slots (a multiple of ``page_size``: whole pages, each page's slots
+        consecutive), or None when not enough are free (nothing is allocated then)."""
+
+    @abc.abstractmethod
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots [n]. With pages, every page touched must be passed whole."""
+
+    @property
+    @abc.abstractmethod
+    def available(self) -> int:
+        """Exact number of free slots (``page_size`` times free pages)."""
+
+    @abc.abstractmethod
+    def backup_state(self) -> Any:
+        """An opaque snapshot of the free lists."""
+
+    @abc.abstractmethod
+    def restore_state(self, state: Any) -> None:
+        """Return to a snapshot taken by :meth:`backup_state`."""
+
+
+class GraphRunner(abc.ABC):
+    """Capture-and-replay of fixed-shape computations (CUDA graphs, NPU graphs, or eager).
+
+    Rules every implementation enforces, eager ones included: a replay reaches its inputs only
+    through the static buffers given at capture (new values are copied into them), and only
+    captured keys can be replayed.
+    """
+
+    @abc.abstractmethod
+    def capture(
+        self,
+        key: Any,
+        fn: Callable[[Mapping[str, torch.Tensor]], Any],
+        static_inputs: Mapping[str, torch.Tensor],
+    ) -> Any:
+        """Record ``fn(static_inputs)`` under ``key``; returns its (static) outputs."""
+
+    @abc.abstractmethod
+    def can_run(self, key: Any) -> bool:
+        """True when ``key`` was captured."""
+
+    def prepare(self, key: Any, host_params: Mapping[str, Any]) -> None:
+        """Update host-side parameters of a captured graph before replay (Ascend graphs need
+        the new sequence lengths). The default does nothing."""
+
+    @abc.abstractmethod
+    def replay(self, key: Any, new_inputs: Mapping[str, torch.Tensor]) -> Any:
+        """Copy ``new_inputs`` into the static buffers of the same names (each must fit in its
+        buffer: same dtype and rank, leading dimension <= the captured one), run the recorded
+        computation, and return the static outputs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """The named kernels of DESIGN.md section 3.
+
+    Each field is a callable with exactly the signature and semantics of the function of the same
+    name in :mod:`polyspec.kernels.reference` (documented there, with shapes). A backend starts
+    from :meth:`reference` and overrides the ones it accelerates with :func:`dataclasses.replace`.
+    """
+
+    select_top_k: Callable[..., Any]
+    organize_draft_results: Callable[..., Any]
+    build_tree: Callable[..., Any]
+    verify_tree_greedy: Callable[..., Any]
+    verify_tree_sampling: Callable[..., Any]
+    assign_draft_cache_locs: Callable[..., Any]
+    assign_req_to_token: Callable[..., Any]
+    assign_extend_cache_locs: Callable[..., Any]
+    get_last_loc: Callable[..., Any]
+    move_kv: Callable[..., Any]
+    store_kv: Callable[..., Any]
+    rms_norm: Callable[..., Any]
+    fused_add_rms_norm: Callable[..., Any]
+    rotary_embedding: Callable[..., Any]
+    silu_and_mul: Callable[..., Any]
+    top_k_top_p_renorm: Callable[..., Any]
+    sample: Callable[..., Any]
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def reference(cls) -> KernelSet:
+        """Every kernel from :mod:`polyspec.kernels.reference`."""
+        from polyspec.kernels import reference
+
+        return cls(**{name: getattr(reference, name) for name in cls.names()})
+
+
+class Backend(abc.ABC):
+    """One accelerator. Created by a plugin's factory; held by the engine for its lifetime."""
+
+    name: str
+    """Registered backend name ("cpu", "cuda", "npu", ...)."""
+    device_type: str
+    """torch device type string ("cpu", "cuda", "npu")."""
+    api_version: int = BACKEND_API_VERSION
+    capabilities: BackendCapabilities
+    kernels: KernelSet
+
+    def device(self, rank: int = 0) -> torch.device:
+        """The torch device of local rank ``rank``."""
+        return torch.device(self.device_type, rank) if self.device_type != "cpu" else torch.device("cpu")
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (timing); a no-op on synchronous devices."""
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of device memory."""
+        return (0, 0)
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        return getattr(torch, self.capabilities.index_dtype)
+
+    @abc.abstractmethod
+    def make_allocator(self, num_slots: int, page_size: int) -> KVAllocator:
+        """An allocator over ``num_slots`` slots (a multiple of ``page_size``)."""
+
+    @abc.abstractmethod
+    def make_kv_pool(
+        self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> KVPool:
+        """Zero-initialised K/V storage for one model."""
+
+    @abc.abstractmethod
+    def make_attention(
+        self, kv_pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> AttentionBackend:
+        """Attention for one model over ``kv_pool``."""
+
+    @abc.abstractmethod
+    def make_graph_runner(self) -> GraphRunner:
+        """A graph runner (an eager one that enforces the rules is acceptable)."""

@@ -1,0 +1,1 @@
+"""Kernels: the PyTorch reference (the oracle) and portable Triton versions."""

@@ -1,1 +1,324 @@
-x=1
+"""The PyTorch reference of every kernel in :class:`polyspec.backend.KernelSet` (the oracle).
+
+Plain PyTorch, device-agnostic: every function works on whatever device its inputs are on and
+avoids host synchronisation (the tree kernels loop in Python over depths and sibling hops, never
+over requests, and never read tensor values on the host). Index tensors may be int64 or int32;
+results are written in the dtype of the ``out`` tensors given. Kernels with ``out`` arguments
+write every entry of them.
+
+Notation: ``bs`` requests, ``K`` topk, ``S`` num_steps, ``N`` num_draft_tokens (root included),
+``T`` tokens, ``H`` hidden size, ``Hq`` / ``Hkv`` heads, ``D`` head dim, ``V`` vocabulary,
+``R`` / ``C`` rows / columns of ``req_to_token``.
+
+The draft-tree kernels live in :mod:`polyspec.kernels._tree` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from polyspec.backend import TreeMaskMode
+from polyspec.kernels._tree import (
+    build_tree,
+    inverse_cdf,
+    organize_draft_results,
+    select_top_k,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
+
+__all__ = [
+    "TreeMaskMode",
+    "select_top_k",
+    "organize_draft_results",
+    "build_tree",
+    "verify_tree_greedy",
+    "verify_tree_sampling",
+    "inverse_cdf",
+    "draft_lane_width",
+    "assign_draft_cache_locs",
+    "assign_req_to_token",
+    "assign_extend_cache_locs",
+    "get_last_loc",
+    "move_kv",
+    "store_kv",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "top_k_top_p_renorm",
+    "sample",
+]
+
+
+def _check(condition: bool, message: str) -> None:
+    """Raise ValueError with ``message`` unless ``condition`` (shape checks only)."""
+    if not condition:
+        raise ValueError(message)
+
+
+# --------------------------------------------------------------------------- slot bookkeeping
+
+
+def draft_lane_width(num_steps: int, page_size: int) -> int:
+    """W, the slots each lane owns: S, or whole pages covering a prefix tail plus S steps."""
+    if page_size == 1:
+        return num_steps
+    return page_size * ((page_size - 1 + num_steps + page_size - 1) // page_size)
+
+
+def assign_draft_cache_locs(
+    req_pool_indices: torch.Tensor,  # [bs] rows of req_to_token
+    req_to_token: torch.Tensor,  # [R, C]
+    seq_lens: torch.Tensor,  # [bs] committed prefix lengths
+    alloc_slots: torch.Tensor,  # [bs*K*W] freshly allocated slots, request- then lane-major
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    lane_locs: torch.Tensor,  # out: [bs, K, W]
+    tail_lens: torch.Tensor,  # out: [bs]
+    copy_src: torch.Tensor,  # out: [bs*K*(page_size-1)]
+    copy_dst: torch.Tensor,  # out: [bs*K*(page_size-1)]
+) -> None:
+    """Lay out the draft KV slots of each lane and the prefix-tail copies paging needs.
+
+    ``W = S`` when ``page_size == 1``, else ``page_size * ceil((page_size - 1 + S) / page_size)``.
+    ``lane_locs = alloc_slots.view(bs, K, W)`` (with pages, W/page_size whole pages per lane).
+    ``page_size == 1``: ``tail_lens = 0``, the copy arrays are empty. ``page_size > 1``:
+    ``tail = seq_lens[b] % page_size`` (the prefix's last partial page); every lane l starts with
+    a private copy of it: for ``j < tail``, ``copy_src[(b*K + l)*(page_size-1) + j] =
+    req_to_token[req_pool_indices[b], seq_lens[b] - tail + j]`` and ``copy_dst[...] =
+    lane_locs[b, l, j]``; entries ``j >= tail`` are 0 in both (slot 0 -> slot 0, a no-op on the
+    reserved padding slot). ``tail_lens[b] = tail``. Draft step i of lane l writes
+    ``lane_locs[b, l, tail + i]``.
+    """
+    bs = seq_lens.shape[0]
+    _check(page_size >= 1 and topk >= 1 and num_steps >= 1, "page_size, topk, num_steps >= 1")
+    width = draft_lane_width(num_steps, page_size)
+    _check(
+        alloc_slots.numel() == bs * topk * width,
+        f"alloc_slots must hold bs*K*W = {bs}*{topk}*{width} slots (W for num_steps={num_steps}, "
+        f"page_size={page_size}), got {alloc_slots.numel()}",
+    )
+    _check(
+        tuple(lane_locs.shape) == (bs, topk, width), f"lane_locs must be [{bs}, {topk}, {width}]"
+    )
+    copies = bs * topk * (page_size - 1)
+    _check(
+        copy_src.numel() == copies and copy_dst.numel() == copies,
+        f"copy_src / copy_dst must have bs*K*(page_size-1) = {copies} entries",
+    )
+    lanes = alloc_slots.view(bs, topk, width)
+    lane_locs.copy_(lanes)
+    if page_size == 1:
+        tail_lens.zero_()
+        return
+    seq = seq_lens.long()
+    tail = seq % page_size  # [bs]
+    tail_lens.copy_(tail.view(tail_lens.shape))
+    j = torch.arange(page_size - 1, device=seq.device)  # [page_size-1]
+    real = j.unsqueeze(0) < tail.unsqueeze(1)  # [bs, page_size-1]
+    cols = (seq - tail).unsqueeze(1) + j  # [bs, page_size-1]
+    cols = torch.where(real, cols, 0).clamp(0, req_to_token.shape[1] - 1)
+    rows = req_pool_indices.long().unsqueeze(1).expand_as(cols)
+    src = torch.where(real, req_to_token[rows, cols].long(), 0)  # [bs, page_size-1]
+    dst = torch.where(real.unsqueeze(1), lanes[:, :, : page_size - 1].long(), 0)
+    copy_src.copy_(src.unsqueeze(1).expand(bs, topk, page_size - 1).flatten())
+    copy_dst.copy_(dst.flatten())
+
+
+def _segments(
+    start: torch.Tensor,  # [bs]
+    end: torch.Tensor,  # [bs]
+    total: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # owner [total], column [total]
+    """For the concatenation of ranges ``start[b]:end[b]``: each element's request and column."""
+    lens = (end.long() - start.long()).clamp(min=0)
+    owner = torch.repeat_interleave(
+        torch.arange(lens.shape[0], device=lens.device), lens, output_size=total
+    )
+    offsets = torch.cumsum(lens, 0) - lens
+    col = start.long()[owner] + torch.arange(total, device=lens.device) - offsets[owner]
+    return owner, col
+
+
+def assign_req_to_token(
+    req_pool_indices: torch.Tensor,  # [bs]
+    req_to_token: torch.Tensor,  # [R, C] in/out
+    start: torch.Tensor,  # [bs]
+    end: torch.Tensor,  # [bs]
+    slots: torch.Tensor,  # [sum(end - start)]
+) -> None:
+    """``req_to_token[req_pool_indices[b], start[b]:end[b]]`` = the b-th segment of ``slots``
+    (segments concatenated in request order; ``slots`` must hold exactly sum(end - start))."""
+    owner, col = _segments(start, end, slots.numel())
+    rows = req_pool_indices.long()[owner]
+    req_to_token[rows, col] = slots.to(req_to_token.dtype)
+
+
+def assign_extend_cache_locs(
+    req_pool_indices: torch.Tensor,  # [bs]
+    req_to_token: torch.Tensor,  # [R, C]
+    start: torch.Tensor,  # [bs]
+    end: torch.Tensor,  # [bs]
+    out: torch.Tensor,  # out: [sum(end - start)]
+) -> None:
+    """``out`` segment b = ``req_to_token[req_pool_indices[b], start[b]:end[b]]`` (segments
+    concatenated in request order)."""
+    owner, col = _segments(start, end, out.numel())
+    rows = req_pool_indices.long()[owner]
+    out.copy_(req_to_token[rows, col])
+
+
+def get_last_loc(
+    req_to_token: torch.Tensor,  # [R, C]
+    req_pool_indices: torch.Tensor,  # [bs]
+    prefix_lens: torch.Tensor,  # [bs]
+) -> torch.Tensor:  # [bs], dtype of req_to_token
+    """The slot of each request's last prefix position, ``req_to_token[r_b, prefix_lens[b]-1]``,
+    or -1 where ``prefix_lens[b] == 0`` (paged allocation continues that slot's page)."""
+    last = (prefix_lens.long() - 1).clamp(min=0)
+    loc = req_to_token[req_pool_indices.long(), last]
+    return torch.where(prefix_lens > 0, loc, torch.full_like(loc, -1))
+
+
+def move_kv(
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    dst_loc: torch.Tensor,  # [n]
+    src_loc: torch.Tensor,  # [n]
+) -> None:
+    """Copy K/V of ``src_loc`` into ``dst_loc``. Every source is gathered before any destination
+    is written, so overlapping lists are safe (accepted-path compaction moves slots onto slots
+    of the same tree)."""
+    _check(dst_loc.numel() == src_loc.numel(), "dst_loc and src_loc must have the same length")
+    src = src_loc.long()
+    dst = dst_loc.long()
+    k_moved = k_cache[src]  # advanced indexing copies: the gather is complete before scatter
+    v_moved = v_cache[src]
+    k_cache[dst] = k_moved
+    v_cache[dst] = v_moved
+
+
+def store_kv(
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    loc: torch.Tensor,  # [T]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+) -> None:
+    """``k_cache[loc] = k``, ``v_cache[loc] = v`` (cast to the cache dtype)."""
+    idx = loc.long()
+    k_cache[idx] = k.to(k_cache.dtype)
+    v_cache[idx] = v.to(v_cache.dtype)
+
+
+# ----------------------------------------------------------------------------- model kernels
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # [T, H]
+    """RMSNorm in the Hugging Face LlamaRMSNorm order: normalise in fp32, cast back to
+    ``x.dtype``, then multiply by ``weight``."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H], [T, H])
+    """``(rms_norm(x + residual, weight, eps), x + residual)``; the sum is in ``x.dtype``.
+    Inputs are left untouched."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32: D/2 cos columns then D/2 sin columns
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hq, D], [T, Hkv, D])
+    """Rotary position embedding, computed in fp32 and cast back to q / k's dtypes.
+
+    ``is_neox``: rotate halves (pair i with i + D/2; the Hugging Face Llama layout); otherwise
+    rotate interleaved pairs (2i, 2i+1; GPT-J). New tensors are returned; inputs are untouched.
+    """
+    head_dim = q.shape[-1]
+    _check(
+        cos_sin_cache.shape[-1] == head_dim and k.shape[-1] == head_dim and head_dim % 2 == 0,
+        f"cos_sin_cache must be [max_pos, D={head_dim}] (D even) and match q / k's head dim; "
+        f"got cache {tuple(cos_sin_cache.shape)}, k {tuple(k.shape)}",
+    )
+    half = head_dim // 2
+    cache = cos_sin_cache[positions.long()].float()  # [T, D]
+    cos = cache[:, :half].unsqueeze(1)  # [T, 1, D/2]
+    sin = cache[:, half:].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if is_neox:
+            x1, x2 = xf[..., :half], xf[..., half:]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.flatten(-2).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x [T, 2I] -> [T, I]
+    """``silu(x[:, :I]) * x[:, I:]`` computed in fp32, returned in ``x.dtype``."""
+    _check(x.shape[-1] % 2 == 0, f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    xf = x.float()
+    return (F.silu(xf[..., :inter]) * xf[..., inter:]).to(x.dtype)
+
+
+# -------------------------------------------------------------------------- sampling helpers
+
+
+def top_k_top_p_renorm(
+    probs: torch.Tensor,  # [bs, V] fp32
+    top_k: torch.Tensor,  # [bs] int; <= 0 or >= V: off
+    top_p: torch.Tensor,  # [bs] fp32; >= 1: off
+) -> torch.Tensor:  # [bs, V] fp32
+    """Top-k then top-p filtering, renormalised, without host syncs.
+
+    Tokens are ranked by probability (ties: lower token id first). Keep the ``top_k[b]`` best;
+    then, measured against the mass kept by top-k, keep the smallest prefix of the ranking whose
+    mass reaches ``top_p[b]``: rank i stays when the kept mass before it is ``< top_p * kept``
+    (so the token crossing the threshold stays, and rank 0 always stays). Everything else is 0;
+    the result is divided by its sum (rows whose kept mass is 0 stay 0).
+    """
+    bs, vocab = probs.shape
+    sorted_p, order = probs.float().sort(dim=1, descending=True, stable=True)  # [bs, V]
+    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    k = top_k.long().unsqueeze(1)
+    k = torch.where((k <= 0) | (k >= vocab), vocab, k)
+    kept = torch.where(rank < k, sorted_p, 0.0)
+    kept_mass = kept.sum(dim=1, keepdim=True)
+    before = kept.cumsum(dim=1) - kept
+    p = top_p.float().unsqueeze(1)
+    in_p = (p >= 1.0) | (before < p * kept_mass) | (rank == 0)
+    kept = torch.where(in_p, kept, 0.0)
+    total = kept.sum(dim=1, keepdim=True)
+    kept = torch.where(total > 0, kept / torch.where(total > 0, total, 1.0), 0.0)
+    return torch.zeros_like(kept).scatter_(1, order, kept)
+
+
+def sample(
+    probs: torch.Tensor,  # [bs, V] fp32
+    exp_noise: torch.Tensor,  # [bs, V] Exp(1) draws, > 0
+) -> torch.Tensor:  # [bs] int64
+    """``argmax(probs / exp_noise)`` (first index on ties): an exact draw from ``probs`` when
+    ``exp_noise`` holds independent Exp(1) variables, with no host sync."""
+    return (probs.float() / exp_noise.float()).argmax(dim=1)

@@ -1,0 +1,315 @@
+"""SDPA attention of the cpu backend for the five forward modes.
+
+Layout shared by every mode. Request ``b`` becomes one SDPA batch row with ``Qmax`` query rows
+and ``Lmax = Pmax + Bw`` key columns:
+
+* columns ``[0, Pmax)``: the cached prefix ``req_to_token[r_b, c]``, visible where
+  ``c < prefix_lens[b]``;
+* columns ``[Pmax, Pmax + Bw)``: the mode's block: the new tokens (EXTEND, DRAFT_EXTEND,
+  DECODE, TARGET_VERIFY: ``req_to_token[r_b, prefix_lens[b] + j]``) masked causally or by the
+  tree mask, or the K lanes side by side (DRAFT_DECODE: column ``l * Wmax + j`` is
+  ``lane_locs[b, l, j]``) where query lane ``l`` sees only its own lane.
+
+Padding columns point at slot 0 and are masked out; padded query rows see every column (so no
+softmax row is empty) and are dropped. All of this is built once per forward by
+:meth:`SDPAAttention.build_metadata`; :meth:`SDPAAttention.forward` does per layer one store,
+one K and one V gather, one SDPA call and the reshape back to token order.
+
+GQA never repeats K/V: with one query per row (DECODE) the ``G = Hq // Hkv`` query heads of a
+kv head are folded into SDPA's query rows (``[B, Hkv, G, D]`` against ``[B, Hkv, Lmax, D]``);
+otherwise SDPA's ``enable_gqa`` maps query head ``h`` to kv head ``h // G``.
+
+The gathered K/V live in two buffers allocated once per forward and reused by every layer:
+fresh per-layer allocations of that size cost more in page faults than the gather itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from polyspec.backend import AttentionBackend, AttentionMetadata, ForwardBatch, ForwardMode
+
+from .kv_pool import TensorKVPool, write_kv
+
+
+@dataclasses.dataclass
+class SDPAMetadata(AttentionMetadata):
+    """Per-forward index tensors and mask, shared by every layer."""
+
+    mode: ForwardMode
+    num_tokens: int  # T
+    batch_rows: int  # B: SDPA batch rows (requests)
+    max_queries: int  # Qmax: query rows per batch row
+    out_cache_loc: torch.Tensor  # [T] int64 slots receiving the new K/V
+    kv_index: torch.Tensor  # [B * Lmax] slots of the key columns (slot 0 = padding)
+    kv_len: int  # Lmax
+    mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool (True = visible); None = all visible
+    query_index: torch.Tensor | None  # [B * Qmax] token of each padded query row; None = view
+    output_index: torch.Tensor | None  # [T] padded row of each token; None = view
+    k_buffer: torch.Tensor  # [B * Lmax, Hkv, D] scratch for the gathered keys (every layer)
+    v_buffer: torch.Tensor  # [B * Lmax, Hkv, D] scratch for the gathered values
+
+
+class SDPAAttention(AttentionBackend):
+    """Attention over a :class:`TensorKVPool` with ``torch.nn.functional.scaled_dot_product_attention``."""
+
+    def __init__(
+        self, kv_pool: TensorKVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> None:
+        """``num_heads`` must be a multiple of ``num_kv_heads``; the pool must match the KV
+        head count and head dim."""
+        if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"attention: num_heads ({num_heads}) must be a positive multiple of "
+                f"num_kv_heads ({num_kv_heads})"
+            )
+        if kv_pool.num_kv_heads != num_kv_heads or kv_pool.head_dim != head_dim:
+            raise ValueError(
+                f"attention: the KV pool holds {kv_pool.num_kv_heads} heads of dim "
+                f"{kv_pool.head_dim}, but the attention was asked for {num_kv_heads} KV heads "
+                f"of dim {head_dim}; build the pool with the model's KV head count and head dim"
+            )
+        self.kv_pool = kv_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = float(scale)
+        self.group = num_heads // num_kv_heads
+
+    # ------------------------------------------------------------------ metadata
+
+    def build_metadata(self, batch: ForwardBatch) -> SDPAMetadata:
+        """Index tensors and the bool mask of ``batch`` (host-side lengths read once here)."""
+        device = self.kv_pool.device
+        bs = batch.batch_size
+        if bs < 1:
+            raise ValueError("attention: a forward batch needs at least one request")
+        prefix = _host_list(batch.prefix_lens_cpu, batch.prefix_lens, bs, "prefix_lens")
+        extend = _host_list(batch.extend_lens_cpu, batch.extend_lens, bs, "extend_lens")
+        num_tokens = batch.num_tokens
+        if sum(extend) != num_tokens:
+            raise ValueError(
+                f"attention: sum(extend_lens) = {sum(extend)} but the batch has {num_tokens} "
+                f"tokens (input_ids); extend_lens must count each request's new tokens"
+            )
+        if batch.out_cache_loc.shape != (num_tokens,):
+            raise ValueError(
+                f"attention: out_cache_loc must have shape [T] = [{num_tokens}], got "
+                f"{list(batch.out_cache_loc.shape)}"
+            )
+        if num_tokens < 1:
+            raise ValueError("attention: a forward batch needs at least one token")
+        mode = batch.mode
+        out_cache_loc = batch.out_cache_loc.to(device=device, dtype=torch.int64)
+        rt = batch.req_to_token.to(device)  # [R, C]
+        # Only the req_to_token columns some key reads are copied out.
+        if mode is ForwardMode.DRAFT_DECODE:
+            width = max(prefix)
+        else:
+            width = max(p + e for p, e in zip(prefix, extend))
+        if width > rt.shape[1]:
+            raise ValueError(
+                f"attention: a request needs {width} req_to_token columns but the table has "
+                f"{rt.shape[1]}; prefix_lens + extend_lens must not exceed max_context"
+            )
+        rpi = batch.req_pool_indices.to(device=device, dtype=torch.int64)
+        rows = rt[:, :width].index_select(0, rpi)  # [bs, width]
+        q_max = max(extend)
+        uniform_q = min(extend) == q_max
+
+        if mode is ForwardMode.DECODE and uniform_q and min(prefix) == max(prefix):
+            # Hot path (batch-1 decode above all): every row has the same keys count and sees
+            # all of them, so no mask and no padding.
+            kv_len = prefix[0] + q_max
+            kv_index = rows[:, :kv_len].reshape(-1)
+            return SDPAMetadata(
+                mode,
+                num_tokens,
+                bs,
+                q_max,
+                out_cache_loc,
+                kv_index,
+                kv_len,
+                None,
+                None,
+                None,
+                *self._kv_buffers(kv_index.numel()),
+            )
+
+        p_max = max(prefix)
+        prefix_lens = torch.tensor(prefix, dtype=torch.int64, device=device)  # [bs]
+        extend_lens = torch.tensor(extend, dtype=torch.int64, device=device)  # [bs]
+        cols = torch.arange(p_max, device=device)  # [Pmax]
+        prefix_visible = cols[None, :] < prefix_lens[:, None]  # [bs, Pmax]
+        prefix_index = torch.where(prefix_visible, rows[:, :p_max], 0)  # [bs, Pmax]
+        if mode is ForwardMode.DRAFT_DECODE:
+            block_index, block_mask = self._draft_decode_block(batch, extend, device)
+        else:
+            block_index, block_mask = self._new_token_block(
+                batch, rows, prefix_lens, extend_lens, q_max, device
+            )
+        kv_index = torch.cat([prefix_index, block_index.to(prefix_index.dtype)], 1)  # [bs, Lmax]
+        mask = torch.cat(
+            [prefix_visible[:, None, :].expand(bs, q_max, p_max), block_mask], 2
+        )  # [bs, Qmax, Lmax]
+        q_rows = torch.arange(q_max, device=device)  # [Qmax]
+        q_valid = q_rows[None, :] < extend_lens[:, None]  # [bs, Qmax]
+        # Padded query rows see everything so that no softmax row is empty; they are dropped.
+        mask = mask | ~q_valid[:, :, None]
+        sdpa_mask = None if bool(mask.all()) else mask[:, None]  # [bs, 1, Qmax, Lmax]
+        query_index = output_index = None
+        if not uniform_q:
+            starts = torch.cumsum(extend_lens, 0) - extend_lens  # [bs]
+            token_of_row = starts[:, None] + q_rows[None, :]  # [bs, Qmax]
+            query_index = torch.where(q_valid, token_of_row, 0).reshape(-1)
+            output_index = (torch.arange(bs, device=device)[:, None] * q_max + q_rows[None, :])[
+                q_valid
+            ]  # [T], request-major like the tokens
+        return SDPAMetadata(
+            mode,
+            num_tokens,
+            bs,
+            q_max,
+            out_cache_loc,
+            kv_index.reshape(-1),
+            int(kv_index.shape[1]),
+            sdpa_mask,
+            query_index,
+            output_index,
+            *self._kv_buffers(kv_index.numel()),
+        )
+
+    def _kv_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch for one layer's gathered K and V ([rows, Hkv, D] each)."""
+        pool = self.kv_pool
+        shape = (rows, self.num_kv_heads, self.head_dim)
+        return (
+            torch.empty(shape, dtype=pool.dtype, device=pool.device),
+            torch.empty(shape, dtype=pool.dtype, device=pool.device),
+        )
+
+    def _new_token_block(
+        self,
+        batch: ForwardBatch,
+        rows: torch.Tensor,  # [bs, C] req_to_token rows of the batch
+        prefix_lens: torch.Tensor,  # [bs]
+        extend_lens: torch.Tensor,  # [bs]
+        q_max: int,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([bs, Qmax] slots, [bs, Qmax, Qmax] mask)
+        """Columns of the new tokens and which query sees which (causal or tree mask)."""
+        bs = rows.shape[0]
+        j = torch.arange(q_max, device=device)  # [Qmax]
+        valid = j[None, :] < extend_lens[:, None]  # [bs, Qmax]
+        pos = (prefix_lens[:, None] + j[None, :]).clamp(max=rows.shape[1] - 1)  # [bs, Qmax]
+        block_index = torch.where(valid, rows.gather(1, pos), 0)  # [bs, Qmax]
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            tree_mask = batch.tree_mask
+            if tree_mask is None or tuple(tree_mask.shape) != (bs, q_max, q_max):
+                got = None if tree_mask is None else list(tree_mask.shape)
+                raise ValueError(
+                    f"attention: TARGET_VERIFY needs tree_mask bool [bs, N, N] = "
+                    f"[{bs}, {q_max}, {q_max}] (TREE_ONLY layout), got {got}"
+                )
+            if (extend_lens != q_max).any():
+                raise ValueError(
+                    "attention: TARGET_VERIFY needs extend_lens == N for every request"
+                )
+            block_mask = tree_mask.to(device=device, dtype=torch.bool)
+        else:
+            block_mask = j[None, :] <= j[:, None]  # [Qmax, Qmax] causal
+            block_mask = block_mask[None] & valid[:, None, :]  # [bs, Qmax, Qmax]
+        return block_index, block_mask
+
+    def _draft_decode_block(
+        self, batch: ForwardBatch, extend: list[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([bs, K * Wmax] slots, [bs, K, K * Wmax] mask)
+        """The K lanes side by side; query lane l sees its own first ``lane_lens[b]`` slots."""
+        bs = len(extend)
+        topk = extend[0]
+        if batch.lane_locs is None or batch.lane_lens is None:
+            raise ValueError(
+                "attention: DRAFT_DECODE needs lane_locs [bs, K, W] and lane_lens [bs]"
+            )
+        lane_locs = batch.lane_locs.to(device)
+        if (
+            lane_locs.dim() != 3
+            or lane_locs.shape[:2] != (bs, topk)
+            or any(e != topk for e in extend)
+        ):
+            raise ValueError(
+                f"attention: DRAFT_DECODE needs extend_lens == K for every request and lane_locs "
+                f"[bs, K, W] = [{bs}, {topk}, W]; got extend_lens {extend} and lane_locs "
+                f"{list(lane_locs.shape)}"
+            )
+        lane_lens_list = _host_list(batch.lane_lens_cpu, batch.lane_lens, bs, "lane_lens")
+        w_max = max(lane_lens_list)
+        if min(lane_lens_list) < 1 or w_max > lane_locs.shape[2]:
+            raise ValueError(
+                f"attention: DRAFT_DECODE lane_lens must be in [1, W={lane_locs.shape[2]}] (the "
+                f"lane's own new slot is included), got {lane_lens_list}"
+            )
+        lane_lens = torch.tensor(lane_lens_list, dtype=torch.int64, device=device)  # [bs]
+        j = torch.arange(w_max, device=device)  # [Wmax]
+        slot_valid = j[None, :] < lane_lens[:, None]  # [bs, Wmax]
+        block_index = torch.where(slot_valid[:, None, :], lane_locs[:, :, :w_max], 0)
+        lane = torch.arange(topk, device=device)  # [K]
+        own_lane = lane[:, None, None] == lane[None, :, None]  # [K(query), K(column lane), 1]
+        block_mask = own_lane[None] & slot_valid[:, None, None, :]  # [bs, K, K, Wmax]
+        return block_index.reshape(bs, -1), block_mask.reshape(bs, topk, -1)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        layer: int,
+        metadata: SDPAMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Store ``k``/``v`` at ``out_cache_loc`` of ``layer``, then attend (see module doc)."""
+        m = metadata
+        if q.shape[0] != m.num_tokens:
+            raise ValueError(
+                f"attention: q has {q.shape[0]} tokens but the metadata was built for "
+                f"{m.num_tokens}; build_metadata must be called for this batch"
+            )
+        k_cache = self.kv_pool.k_cache(layer)  # [slots, Hkv, D]
+        v_cache = self.kv_pool.v_cache(layer)
+        write_kv(k_cache, v_cache, m.out_cache_loc, k, v)
+
+        bsz, q_max, hkv, d = m.batch_rows, m.max_queries, self.num_kv_heads, self.head_dim
+        torch.index_select(k_cache, 0, m.kv_index, out=m.k_buffer)
+        torch.index_select(v_cache, 0, m.kv_index, out=m.v_buffer)
+        keys = m.k_buffer.view(bsz, m.kv_len, hkv, d).transpose(1, 2).to(q.dtype)
+        values = m.v_buffer.view(bsz, m.kv_len, hkv, d).transpose(1, 2).to(q.dtype)
+        if q_max == 1 and m.query_index is None:
+            # The G query heads of each kv head become G query rows of that head.
+            qf = q.reshape(bsz, hkv, self.group, d)
+            out = F.scaled_dot_product_attention(
+                qf, keys, values, attn_mask=m.mask, scale=self.scale
+            )
+            return out.reshape(bsz, self.num_heads, d)  # [T, Hq, D] (T == B here)
+        if m.query_index is not None:
+            q = q.index_select(0, m.query_index)  # [B * Qmax, Hq, D]
+        qb = q.reshape(bsz, q_max, self.num_heads, d).transpose(1, 2)  # [B, Hq, Qmax, D]
+        out = F.scaled_dot_product_attention(
+            qb, keys, values, attn_mask=m.mask, scale=self.scale, enable_gqa=self.group > 1
+        )  # [B, Hq, Qmax, D]
+        out = out.transpose(1, 2).reshape(bsz * q_max, self.num_heads, d)
+        if m.output_index is not None:
+            out = out.index_select(0, m.output_index)
+        return out  # [T, Hq, D]
+
+
+def _host_list(host: list[int] | None, dev: torch.Tensor, bs: int, name: str) -> list[int]:
+    """Host copy of a per-request length tensor (the ``*_cpu`` field when filled)."""
+    values = list(host) if host is not None else [int(x) for x in dev.tolist()]
+    if len(values) != bs:
+        raise ValueError(f"attention: {name} has {len(values)} entries for {bs} requests")
+    if min(values) < 0:
+        raise ValueError(f"attention: {name} must be >= 0, got {values}")
+    return values

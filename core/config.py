@@ -1,0 +1,531 @@
+"""Configuration: frozen dataclasses, validated on construction, loaded from four layers.
+
+Precedence, highest first: command-line flags > environment variables > config file > defaults.
+One exception, from the backend selection rules (:mod:`polyspec.plugins`): ``backend`` set in
+the config file beats ``POLYSPEC_BACKEND``, which only fills in when the file does not name one.
+
+Config file (TOML): ``--config FILE``, else ``$POLYSPEC_CONFIG``, else ``polyspec.toml`` in the
+working directory when it exists::
+
+    target = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    backend = "cpu"
+    max_batch_size = 8
+
+    [speculative]
+    algorithm = "eagle"
+    num_steps = 3
+    topk = 1
+
+    [sampling]
+    temperature = 0.0
+    max_new_tokens = 128
+
+Environment: ``POLYSPEC_<KEY>`` for engine keys (``POLYSPEC_MAX_BATCH_SIZE=4``),
+``POLYSPEC_SPECULATIVE_<KEY>`` and ``POLYSPEC_SAMPLING_<KEY>`` for the two tables. See
+docs/configuration.md for every key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from polyspec.errors import ConfigError
+
+ALGORITHMS = ("eagle", "eagle3", "standalone")
+"""Speculative algorithms: EAGLE-1/2 head, EAGLE-3 head, a small standalone LM as the draft."""
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""Model dtypes; "auto" lets the backend choose (the checkpoint's dtype where supported)."""
+
+MAX_NUM_STEPS = 8
+MAX_TOPK = 8
+DEFAULT_CONFIG_FILE = "polyspec.toml"
+
+
+def _invalid(key: str, value: Any, allowed: str) -> ConfigError:
+    """A ConfigError naming the key, the value and what is allowed; ``err.key`` is the key."""
+    err = ConfigError(f"{key} = {value!r} is invalid: {allowed}")
+    err.key = key  # type: ignore[attr-defined]
+    return err
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(key: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if lo is not None and hi is not None:
+        allowed = f"must be an integer from {lo} to {hi}"
+    elif lo is not None:
+        allowed = f"must be an integer >= {lo}"
+    else:
+        allowed = "must be an integer"
+    if not _is_int(value):
+        raise _invalid(key, value, allowed)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _invalid(key, value, allowed)
+    return value
+
+
+def _check_opt_str(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise _invalid(key, value, "must be a non-empty string (a path or model name) or unset")
+    return value
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise _invalid(key, value, f"must be one of {', '.join(repr(c) for c in choices)}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """The draft tree: ``num_steps`` (S) draft levels, ``topk`` (K) children kept per level, and
+    ``num_draft_tokens`` (N) tree nodes verified per request, root (bonus token) included.
+
+    ``num_draft_tokens`` None means: ``S + 1`` for a chain (K == 1), else
+    ``min(K + (S - 1) * K**2 + 1, 8)``. It is an int after construction.
+    """
+
+    algorithm: str
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("speculative.algorithm", self.algorithm, ALGORITHMS)
+        s = _check_int("speculative.num_steps", self.num_steps, 1, MAX_NUM_STEPS)
+        k = _check_int("speculative.topk", self.topk, 1, MAX_TOPK)
+        max_nodes = k + (s - 1) * k * k + 1  # root + every candidate of the S levels
+        n = self.num_draft_tokens
+        if n is None:
+            n = s + 1 if k == 1 else min(max_nodes, 8)
+            object.__setattr__(self, "num_draft_tokens", n)
+        if k == 1:
+            if n != s + 1:
+                raise _invalid(
+                    "speculative.num_draft_tokens",
+                    n,
+                    f"with topk = 1 the tree is a chain, so it must equal num_steps + 1 = {s + 1} "
+                    f"(or be left unset)",
+                )
+        else:
+            _check_int("speculative.num_draft_tokens", n, 2, max_nodes)
+
+    @property
+    def is_chain(self) -> bool:
+        """True when topk == 1 (the draft tree is a single chain of num_steps tokens)."""
+        return self.topk == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 disable filtering."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("sampling.max_new_tokens", self.max_new_tokens, 1)
+        temperature = self.temperature
+        if _is_int(temperature):
+            temperature = float(temperature)
+        if not isinstance(temperature, float) or not math.isfinite(temperature) or temperature < 0:
+            raise _invalid(
+                "sampling.temperature",
+                self.temperature,
+                "must be a finite number >= 0 (0 = greedy)",
+            )
+        object.__setattr__(self, "temperature", temperature)
+        _check_int("sampling.top_k", self.top_k, 0)
+        top_p = float(self.top_p) if _is_int(self.top_p) else self.top_p
+        if not isinstance(top_p, float) or not (0.0 < top_p <= 1.0):
+            raise _invalid("sampling.top_p", self.top_p, "must be a number in (0, 1] (1 = off)")
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "stop", _as_stop_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_token_tuple(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise _invalid("sampling.ignore_eos", self.ignore_eos, "must be true or false")
+        if self.seed is not None:
+            _check_int("sampling.seed", self.seed, 0)
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+def _as_stop_tuple(value: Any) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    allowed = "must be a string or a list of non-empty strings"
+    if not isinstance(items, (list, tuple)):
+        raise _invalid("sampling.stop", value, allowed)
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise _invalid("sampling.stop", value, allowed)
+    return tuple(items)
+
+
+def _as_token_tuple(value: Any) -> tuple[int, ...]:
+    items = (value,) if _is_int(value) else value
+    allowed = "must be a list of token ids (integers >= 0)"
+    if not isinstance(items, (list, tuple)):
+        raise _invalid("sampling.stop_token_ids", value, allowed)
+    for item in items:
+        if not _is_int(item) or item < 0:
+            raise _invalid("sampling.stop_token_ids", value, allowed)
+    return tuple(items)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything that is fixed for the lifetime of an engine.
+
+    ``target`` / ``draft``: checkpoint paths or names; ``speculative`` None means plain decoding.
+    With an EAGLE algorithm and no ``draft`` the engine uses the draft head bundled for the
+    target, if there is one. ``max_tokens_per_step`` is the token budget of one engine step
+    (prefill chunks and decode / verify tokens together); ``num_kv_slots`` None sizes the KV pool
+    from ``max_batch_size * max_context``.
+    """
+
+    target: str | None = None
+    draft: str | None = None
+    speculative: SpeculativeConfig | None = None
+    backend: str | None = None
+    dtype: str = "auto"
+    page_size: int = 1
+    max_batch_size: int = 8
+    max_context: int = 4096
+    num_kv_slots: int | None = None
+    max_tokens_per_step: int = 2048
+    prefill_chunk_size: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target", _check_opt_str("target", self.target))
+        object.__setattr__(self, "draft", _check_opt_str("draft", self.draft))
+        if isinstance(self.speculative, Mapping):
+            object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise _invalid("speculative", self.speculative, "must be a SpeculativeConfig or None")
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            raise _invalid(
+                "backend", self.backend, "must be a backend name (see `polyspec backends`)"
+            )
+        _check_choice("dtype", self.dtype, DTYPES)
+        page = _check_int("page_size", self.page_size, 1)
+        _check_int("max_batch_size", self.max_batch_size, 1)
+        _check_int("max_context", self.max_context, 2)
+        if self.num_kv_slots is not None:
+            _check_int("num_kv_slots", self.num_kv_slots, 2 * page)
+            if self.num_kv_slots % page:
+                raise _invalid(
+                    "num_kv_slots", self.num_kv_slots, f"must be a multiple of page_size = {page}"
+                )
+        budget = _check_int("max_tokens_per_step", self.max_tokens_per_step, 1)
+        _check_int("prefill_chunk_size", self.prefill_chunk_size, 1, budget)
+        _check_int("seed", self.seed, 0)
+        spec = self.speculative
+        if self.draft is not None and spec is None:
+            raise _invalid(
+                "draft",
+                self.draft,
+                "a draft model needs a speculative algorithm: set [speculative] algorithm = "
+                "'eagle', 'eagle3' or 'standalone' (or remove draft for plain decoding)",
+            )
+        if spec is not None and spec.algorithm == "standalone" and self.draft is None:
+            raise _invalid(
+                "draft", None, "algorithm 'standalone' needs a draft model: set draft = PATH"
+            )
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "speculative")
+
+_KINDS: dict[str, str] = {
+    "algorithm": "str",
+    "num_steps": "int",
+    "topk": "int",
+    "num_draft_tokens": "opt_int",
+    "max_new_tokens": "int",
+    "temperature": "float",
+    "top_k": "int",
+    "top_p": "float",
+    "stop": "str_list",
+    "stop_token_ids": "int_list",
+    "ignore_eos": "bool",
+    "seed": "opt_int",
+    "target": "opt_str",
+    "draft": "opt_str",
+    "backend": "opt_str",
+    "dtype": "str",
+    "page_size": "int",
+    "max_batch_size": "int",
+    "max_context": "int",
+    "num_kv_slots": "opt_int",
+    "max_tokens_per_step": "int",
+    "prefill_chunk_size": "int",
+}
+"""How a string (environment variable, or a CLI value given as text) is parsed, per key."""
+
+_NONE_WORDS = ("none", "null")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def _parse_text(key: str, field: str, text: str) -> Any:
+    """Turn the text of an env var / CLI value into the field's Python type."""
+    kind = _KINDS[field]
+    low = text.strip().lower()
+    try:
+        if kind.startswith("opt_") and low in _NONE_WORDS:
+            return None
+        if kind in ("int", "opt_int"):
+            return int(text)
+        if kind == "float":
+            return float(text)
+        if kind == "bool":
+            if low in _TRUE_WORDS:
+                return True
+            if low in _FALSE_WORDS:
+                return False
+            raise ValueError(text)
+        if kind == "str_list":
+            return json.loads(text) if text.lstrip().startswith("[") else text
+        if kind == "int_list":
+            if text.lstrip().startswith("["):
+                return json.loads(text)
+            return [int(part) for part in text.replace(",", " ").split()]
+    except ValueError as exc:
+        expected = {
+            "int": "an integer",
+            "opt_int": "an integer or 'none'",
+            "float": "a number",
+            "bool": "one of 1/0, true/false, yes/no, on/off",
+            "str_list": "a string or a JSON list of strings",
+            "int_list": "comma-separated integers or a JSON list",
+        }[kind]
+        raise _invalid(key, text, f"expected {expected}") from exc
+    return text
+
+
+def _section_of_cli_key(key: str) -> tuple[str, str] | None:
+    """(section, field) for a CLI key; None when unknown. Sections: engine, speculative, sampling."""
+    for prefix, section, fields in (
+        ("speculative_", "speculative", _SPEC_FIELDS),
+        ("sampling_", "sampling", _SAMPLING_FIELDS),
+    ):
+        if key.startswith(prefix) and key[len(prefix) :] in fields:
+            return section, key[len(prefix) :]
+    if key in _ENGINE_FIELDS:
+        return "engine", key  # "seed" is the engine seed; the per-request one is sampling_seed
+    if key in _SPEC_FIELDS:
+        return "speculative", key
+    if key in _SAMPLING_FIELDS:
+        return "sampling", key
+    return None
+
+
+def cli_keys() -> frozenset[str]:
+    """Every key :func:`load_config` accepts in its ``cli`` mapping."""
+    keys = set(_ENGINE_FIELDS) | set(_SPEC_FIELDS) | set(_SAMPLING_FIELDS)
+    keys |= {f"speculative_{f}" for f in _SPEC_FIELDS} | {f"sampling_{f}" for f in _SAMPLING_FIELDS}
+    return frozenset(keys)
+
+
+@dataclasses.dataclass
+class _Layers:
+    """Values per section gathered from one source, and where each came from."""
+
+    values: dict[str, dict[str, Any]] = dataclasses.field(
+        default_factory=lambda: {"engine": {}, "speculative": {}, "sampling": {}}
+    )
+    origin: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def put(self, section: str, field: str, value: Any, origin: str) -> None:
+        self.values[section][field] = value
+        self.origin[_qualified(section, field)] = origin
+
+
+def _qualified(section: str, field: str) -> str:
+    return field if section == "engine" else f"{section}.{field}"
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError as exc:
+            raise ConfigError(
+                f"cannot read {path}: Python < 3.11 needs the 'tomli' package (pip install tomli)"
+            ) from exc
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def _file_layer(path: Path) -> _Layers:
+    data = _read_toml(path)
+    layers = _Layers()
+    origin = f"config file {path}"
+    for key, value in data.items():
+        if key in ("speculative", "sampling"):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} in {path} must be a table ([{key}]), got {value!r}")
+            fields = _SPEC_FIELDS if key == "speculative" else _SAMPLING_FIELDS
+            for sub, subvalue in value.items():
+                if sub not in fields:
+                    raise ConfigError(
+                        f"unknown key '{key}.{sub}' (value {subvalue!r}) in {path}; allowed in "
+                        f"[{key}]: {', '.join(fields)}"
+                    )
+                layers.put(key, sub, subvalue, origin)
+        elif key in _ENGINE_FIELDS:
+            layers.put("engine", key, value, origin)
+        else:
+            raise ConfigError(
+                f"unknown key '{key}' (value {value!r}) in {path}; allowed top-level keys: "
+                f"{', '.join(_ENGINE_FIELDS)}, and the tables [speculative] and [sampling]"
+            )
+    return layers
+
+
+def _env_layer(env: Mapping[str, str]) -> _Layers:
+    layers = _Layers()
+    for name, text in sorted(env.items()):
+        if not name.startswith("POLYSPEC_") or text == "":
+            continue
+        rest = name[len("POLYSPEC_") :].lower()
+        for prefix, section, fields in (
+            ("speculative_", "speculative", _SPEC_FIELDS),
+            ("sampling_", "sampling", _SAMPLING_FIELDS),
+        ):
+            if rest.startswith(prefix):
+                field = rest[len(prefix) :]
+                if field not in fields:
+                    allowed = ", ".join(f"POLYSPEC_{prefix.upper()}{f.upper()}" for f in fields)
+                    raise ConfigError(
+                        f"unknown environment variable {name}={text!r}; allowed: {allowed}"
+                    )
+                layers.put(section, field, _parse_text(name, field, text), f"environment {name}")
+                break
+        else:
+            # other POLYSPEC_* variables (POLYSPEC_PLUGINS, ...) belong to other components
+            if rest in _ENGINE_FIELDS:
+                layers.put("engine", rest, _parse_text(name, rest, text), f"environment {name}")
+    return layers
+
+
+def _cli_layer(cli: Mapping[str, Any]) -> _Layers:
+    layers = _Layers()
+    for key, value in cli.items():
+        if value is None:
+            continue
+        where = _section_of_cli_key(key)
+        if where is None:
+            raise ConfigError(
+                f"unknown option '{key}' (value {value!r}); allowed: {', '.join(sorted(cli_keys()))}"
+            )
+        section, field = where
+        if isinstance(value, str) and _KINDS[field] not in ("str", "opt_str", "str_list"):
+            value = _parse_text(f"--{key.replace('_', '-')}", field, value)
+        layers.put(section, field, value, f"command line --{key.replace('_', '-')}")
+    return layers
+
+
+def _config_path(config_file: str | Path | None, env: Mapping[str, str]) -> Path | None:
+    if config_file is not None or env.get("POLYSPEC_CONFIG"):
+        path = Path(config_file if config_file is not None else env["POLYSPEC_CONFIG"])
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (or is not a file)")
+        return path
+    default = Path.cwd() / DEFAULT_CONFIG_FILE
+    return default if default.is_file() else None
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    config_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[EngineConfig, SamplingParams]:
+    """Build the engine config and default sampling params from all four layers.
+
+    :param cli: only the flags the user gave (None values are ignored). Keys: engine fields,
+        speculative fields (``algorithm``, ``num_steps``, ``topk``, ``num_draft_tokens``, or with
+        a ``speculative_`` prefix), sampling fields (``max_new_tokens``, ``temperature``, ...,
+        or with a ``sampling_`` prefix; ``seed`` is the engine seed, ``sampling_seed`` the
+        sampling one). ``algorithm = "none"`` turns speculative decoding off.
+    :param config_file: TOML file; default ``$POLYSPEC_CONFIG``, else ``./polyspec.toml`` if any.
+    :param env: environment variables; default ``os.environ``.
+    :raises ConfigError: unknown keys or invalid values, naming the key, the value, what is
+        allowed and where the value came from.
+    """
+    env = os.environ if env is None else env
+    path = _config_path(config_file, env)
+    file_layer = _file_layer(path) if path is not None else _Layers()
+    env_layer = _env_layer(env)
+    layers = (file_layer, env_layer, _cli_layer(cli or {}))
+    # backend: file > POLYSPEC_BACKEND (selection rules of polyspec.plugins); CLI still wins
+    if "backend" in file_layer.values["engine"]:
+        env_layer.values["engine"].pop("backend", None)
+        env_layer.origin.pop("backend", None)
+    merged: dict[str, dict[str, Any]] = {"engine": {}, "speculative": {}, "sampling": {}}
+    origin: dict[str, str] = {}
+    for layer in layers:
+        for section, values in layer.values.items():
+            merged[section].update(values)
+        origin.update(layer.origin)
+    try:
+        return _build(merged)
+    except ConfigError as exc:
+        key = getattr(exc, "key", None)
+        if key in origin:
+            raise ConfigError(f"{exc} (set by {origin[key]})") from None
+        raise
+
+
+def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingParams]:
+    spec_values = merged["speculative"]
+    speculative = None
+    if spec_values:
+        algorithm = spec_values.get("algorithm")
+        if algorithm is None:
+            raise _invalid(
+                "speculative.algorithm",
+                None,
+                f"speculative options {', '.join(sorted(spec_values))} were given without an "
+                f"algorithm; set it to one of {', '.join(repr(a) for a in ALGORITHMS)}",
+            )
+        if isinstance(algorithm, str) and algorithm.lower() in _NONE_WORDS + ("off",):
+            # plain decoding asked for explicitly: a draft from a lower layer is unused
+            merged["engine"].pop("draft", None)
+        else:
+            speculative = SpeculativeConfig(**spec_values)
+    engine = EngineConfig(speculative=speculative, **merged["engine"])
+    return engine, SamplingParams(**merged["sampling"])

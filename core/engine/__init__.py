@@ -1,0 +1,1 @@
+"""Requests, the continuous-batching scheduler and the ``LLM`` facade."""

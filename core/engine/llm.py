@@ -1,0 +1,230 @@
+"""The user-facing facade: ``polyspec.LLM``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from polyspec.config import EngineConfig, SamplingParams, SpeculativeConfig
+from polyspec.engine.defaults import default_target_path, shipped_head_path
+from polyspec.engine.request import Request, RequestOutput, RequestStats
+from polyspec.engine.scheduler import Scheduler
+from polyspec.engine.stop import StopChecker
+from polyspec.errors import ConfigError
+
+
+class LLM:
+    """A target model, optionally with a draft, behind a continuous-batching engine.
+
+    >>> llm = LLM(target="path/or/model.gguf", draft="path/to/eagle3-head",
+    ...           speculative=SpeculativeConfig(algorithm="eagle3", num_steps=3, topk=1))
+    >>> out = llm.generate(["Hello"], SamplingParams(max_new_tokens=32))[0]
+    >>> out.text, out.token_ids, out.stats.mean_acceptance_length
+    """
+
+    def __init__(
+        self,
+        target: str | Path | None = None,
+        draft: str | Path | None = None,
+        speculative: SpeculativeConfig | None = None,
+        backend: str | None = None,
+        dtype: str = "auto",
+        page_size: int = 1,
+        max_batch_size: int = 8,
+        max_context: int = 4096,
+        num_kv_slots: int | None = None,
+        config: EngineConfig | None = None,
+        **engine_kwargs,
+    ):
+        if config is None:
+            config = EngineConfig(
+                target=None if target is None else str(target),
+                draft=None if draft is None else str(draft),
+                speculative=speculative,
+                backend=backend,
+                dtype=dtype,
+                page_size=page_size,
+                max_batch_size=max_batch_size,
+                max_context=max_context,
+                num_kv_slots=num_kv_slots,
+                **engine_kwargs,
+            )
+        self.config = config
+        self._ids = itertools.count()
+        self._build()
+
+    # -- construction -------------------------------------------------------------------------
+    def _build(self) -> None:
+        from polyspec.model.loader import load_draft, load_target, load_tokenizer
+        from polyspec.plugins import create_backend
+
+        cfg = self.config
+        self.backend = create_backend(cfg.backend)
+        caps = self.backend.capabilities
+        if not caps.supports_page_size(cfg.page_size):
+            raise ConfigError(
+                f"page_size = {cfg.page_size} is not supported by backend {self.backend.name!r}; "
+                f"allowed: {list(caps.page_sizes or [])}"
+            )
+        target_path = Path(cfg.target) if cfg.target else default_target_path()
+        self.target_path = target_path
+        self.tokenizer = load_tokenizer(target_path)
+        self.target = load_target(target_path, self.backend, cfg.dtype)
+        self.dtype = next(self.target.parameters()).dtype
+
+        spec = cfg.speculative
+        self.draft = None
+        self.draft_path = None
+        if spec is not None:
+            draft_path = cfg.draft
+            if draft_path is None:
+                if cfg.target is None and shipped_head_path() is not None:
+                    draft_path = shipped_head_path()
+                else:
+                    raise ConfigError(
+                        f"speculative algorithm {spec.algorithm!r} needs a draft: pass draft=PATH "
+                        "(--draft), or leave speculative unset for plain decoding"
+                    )
+            self.draft_path = Path(draft_path)
+            draft = load_draft(self.draft_path, self.target, spec.algorithm, self.backend, self.dtype)
+            if spec.algorithm == "standalone":
+                from polyspec.spec.standalone import StandaloneDraft
+
+                draft = StandaloneDraft(draft)
+            self.draft = draft
+
+        num_slots = cfg.num_kv_slots or self._default_num_slots()
+        ps = cfg.page_size
+        num_slots = (num_slots + ps - 1) // ps * ps
+        kw = dict(
+            max_batch_size=cfg.max_batch_size,
+            max_context=cfg.max_context,
+            num_kv_slots=num_slots,
+            page_size=ps,
+        )
+        if self.draft is None:
+            from polyspec.spec.plain_worker import PlainWorker
+
+            self.worker = PlainWorker(self.backend, self.target, self.dtype, **kw)
+        else:
+            from polyspec.spec.eagle_worker import EagleWorker
+
+            self.worker = EagleWorker(self.backend, self.target, self.draft, spec, self.dtype, **kw)
+        eos = tuple(self.target.config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos))
+
+    def _default_num_slots(self) -> int:
+        cfg = self.config
+        spec = cfg.speculative
+        per_req = min(cfg.max_context, 2048) + (spec.num_draft_tokens if spec else 1)
+        lanes = spec.topk * (spec.num_steps + cfg.page_size) if spec else 0
+        return cfg.max_batch_size * (per_req + lanes + 2 * cfg.page_size) + cfg.page_size
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (raw text, no chat template; see :meth:`chat`) or each list
+        of prompt token ids. Returns one output per request, in input order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ConfigError("pass exactly one of prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts is not None:
+            texts: list[str | None] = list(prompts)
+            ids = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            ids = [list(map(int, p)) for p in prompt_token_ids]
+            texts = [None] * len(ids)
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(ids)
+        if len(params) != len(ids):
+            raise ConfigError(
+                f"{len(params)} sampling_params for {len(ids)} prompts: give one, or one per prompt"
+            )
+        reqs = [
+            Request(next(self._ids), t, i, p) for t, i, p in zip(texts, ids, params)
+        ]
+        return self._run(reqs, progress)
+
+    def chat(
+        self,
+        messages: str | Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Like :meth:`generate`, with the model's chat template applied. ``messages`` is one
+        user prompt, one conversation (a list of ``{"role", "content"}``) or a list of them."""
+        if isinstance(messages, str):
+            convs = [[{"role": "user", "content": messages}]]
+        elif messages and isinstance(messages[0], dict):
+            convs = [list(messages)]
+        else:
+            convs = [list(c) for c in messages]
+        ids = [self.tokenizer.apply_chat_template(c) for c in convs]
+        outs = self.generate(prompt_token_ids=ids, sampling_params=sampling_params, progress=progress)
+        for o, c in zip(outs, convs):
+            o.prompt = c[-1]["content"]
+        return outs
+
+    def _run(self, reqs: list[Request], progress) -> list[RequestOutput]:
+        sched = self.scheduler
+        for r in reqs:
+            sched.add(r)
+        done = 0
+        try:
+            while sched.has_work:
+                finished = sched.step()
+                done += len(finished)
+                if progress is not None and finished:
+                    progress(done, len(reqs))
+        except BaseException:
+            self._abort()
+            raise
+        return [self._output(r) for r in reqs]
+
+    def _abort(self) -> None:
+        """Drop every request and give back their slots (after an error or Ctrl-C)."""
+        sched = self.scheduler
+        for req in list(sched.prefilling) + list(sched.decoding):
+            if req.rid in self.worker.states:
+                self.worker.remove_request(req.rid)
+        sched.waiting.clear()
+        sched.prefilling.clear()
+        sched.decoding.clear()
+        sched.reserved.clear()
+
+    def _output(self, r: Request) -> RequestOutput:
+        rounds = r.accepted_per_round
+        mean = sum(rounds) / len(rounds) if rounds else 0.0
+        stats = RequestStats(
+            accepted_per_round=list(rounds),
+            num_rounds=len(rounds),
+            mean_acceptance_length=mean,
+            time_s=(r.finish_time or time.perf_counter()) - r.arrival,
+            time_to_first_token_s=(r.first_token_time or r.arrival) - r.arrival,
+        )
+        return RequestOutput(
+            request_id=r.rid,
+            prompt=r.prompt,
+            prompt_token_ids=r.prompt_ids,
+            text=self.scheduler.stop.text(r),
+            token_ids=list(r.output_ids),
+            finish_reason=r.finish_reason or "abort",
+            stats=stats,
+        )
+
+    @property
+    def kv_slots_free(self) -> int:
+        """Free KV slots right now (all of them, minus slot 0, when idle)."""
+        return self.worker.allocator.available

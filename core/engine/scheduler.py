@@ -1,0 +1,116 @@
+"""Continuous batching: requests join and leave the running batch between rounds.
+
+Each step admits waiting requests while KV slots and batch rows allow (a request reserves its
+peak KV need on admission, so a running request never runs out of slots), prefills up to the
+step's token budget in chunks of at most ``prefill_chunk_size`` tokens per request, then runs
+one decode round for every request whose prompt is done.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from polyspec.config import EngineConfig
+from polyspec.engine.request import Request
+from polyspec.engine.stop import StopChecker
+from polyspec.errors import ConfigError
+from polyspec.runtime.sampling import RequestSampler
+
+
+class Scheduler:
+    def __init__(self, worker, config: EngineConfig, stop_checker: StopChecker):
+        self.worker = worker
+        self.config = config
+        self.stop = stop_checker
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.decoding: list[Request] = []
+        self.reserved: dict[int, int] = {}
+        ps = worker.page_size
+        self.kv_capacity = worker.num_kv_slots - ps - worker.scratch_kv
+        self.decode_width = getattr(worker, "num_draft_tokens", 1)
+
+    def add(self, req: Request) -> None:
+        need = self.worker.kv_need(len(req.prompt_ids), req.params.max_new_tokens)
+        total = len(req.prompt_ids) + req.params.max_new_tokens + self.decode_width
+        if total > self.config.max_context:
+            raise ConfigError(
+                f"request {req.rid}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
+                f"({req.params.max_new_tokens}) + verify width ({self.decode_width}) exceeds "
+                f"max_context = {self.config.max_context}; raise max_context or shorten it"
+            )
+        if need > self.kv_capacity:
+            raise ConfigError(
+                f"request {req.rid} needs {need} KV slots but the pool has {self.kv_capacity} "
+                "usable; raise num_kv_slots"
+            )
+        if not req.prompt_ids:
+            raise ConfigError(f"request {req.rid} has an empty prompt")
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            req = self.waiting[0]
+            if len(self.prefilling) + len(self.decoding) >= self.config.max_batch_size:
+                return
+            need = self.worker.kv_need(len(req.prompt_ids), req.params.max_new_tokens)
+            if sum(self.reserved.values()) + need > self.kv_capacity:
+                return
+            self.waiting.popleft()
+            p = req.params
+            seed = p.seed if p.seed is not None else self.config.seed * 1_000_003 + req.rid
+            sampler = RequestSampler.create(p.temperature, p.top_k, p.top_p, seed, self.worker.device)
+            self.worker.add_request(req.rid, req.prompt_ids, sampler)
+            self.reserved[req.rid] = need
+            self.prefilling.append(req)
+
+    def _finish(self, req: Request) -> None:
+        req.finish_time = time.perf_counter()
+        self.worker.remove_request(req.rid)
+        del self.reserved[req.rid]
+
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that finished in it."""
+        self._admit()
+        finished: list[Request] = []
+        if self.prefilling:
+            budget = self.config.max_tokens_per_step - len(self.decoding) * self.decode_width
+            budget = max(budget, 1)  # always make progress
+            rids, ends, chunked = [], [], []
+            for req in self.prefilling:
+                if budget <= 0:
+                    break
+                done = self.worker.states[req.rid].prefilled
+                n = min(len(req.prompt_ids) - done, self.config.prefill_chunk_size, budget)
+                budget -= n
+                rids.append(req.rid)
+                ends.append(done + n)
+                chunked.append(req)
+            first = self.worker.prefill(rids, ends)
+            now = time.perf_counter()
+            for req in chunked:
+                if req.rid in first:
+                    req.first_token_time = now
+                    self.prefilling.remove(req)
+                    self.stop.append(req, [first[req.rid]])
+                    if req.finished:
+                        self._finish(req)
+                        finished.append(req)
+                    else:
+                        self.decoding.append(req)
+        if self.decoding:
+            batch = list(self.decoding)
+            new_tokens = self.worker.decode([r.rid for r in batch])
+            for req, toks in zip(batch, new_tokens):
+                req.accepted_per_round.append(len(toks))
+                self.stop.append(req, toks)
+                if req.finished:
+                    self.decoding.remove(req)
+                    self._finish(req)
+                    finished.append(req)
+        return finished

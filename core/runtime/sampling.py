@@ -1,0 +1,104 @@
+"""Per-request sampling state and the logits -> probabilities -> token path.
+
+Randomness comes from one ``torch.Generator`` per request (seeded from ``SamplingParams.seed``,
+or from the engine seed and the request id), so a request's output depends only on its own
+seed, not on what else shares its batch. All draws stay on the device: no host syncs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from polyspec.backend import KernelSet
+
+
+@dataclasses.dataclass
+class RequestSampler:
+    """Sampling settings and random stream of one request."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator | None  # None for greedy requests
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    @classmethod
+    def create(
+        cls, temperature: float, top_k: int, top_p: float, seed: int, device: torch.device
+    ) -> RequestSampler:
+        greedy = temperature <= 0.0 or top_k == 1
+        gen = None
+        if not greedy:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed)
+        return cls(temperature, top_k, top_p, gen)
+
+    def uniform(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator, device=device)
+
+    def exponential(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return torch.empty(shape, device=device).exponential_(generator=self.generator)
+
+
+class SamplingBatch:
+    """Tensors of the sampling settings of a batch, each request repeated ``rows_per_request``
+    times (N tree nodes per request when verifying)."""
+
+    def __init__(
+        self, samplers: Sequence[RequestSampler], rows_per_request: int, device: torch.device
+    ):
+        self.samplers = list(samplers)
+        self.rows = rows_per_request
+        self.device = device
+        self.all_greedy = all(s.greedy for s in samplers)
+        if not self.all_greedy:
+            r = rows_per_request
+            temps = [s.temperature if not s.greedy else 1.0 for s in samplers]
+            self.temperature = torch.tensor(temps, device=device).repeat_interleave(r)
+            self.greedy_mask = torch.tensor([s.greedy for s in samplers], device=device)
+            self.greedy_mask = self.greedy_mask.repeat_interleave(r)
+            self.top_k = torch.tensor([s.top_k for s in samplers], device=device).repeat_interleave(r)
+            self.top_p = torch.tensor([s.top_p for s in samplers], device=device).repeat_interleave(r)
+
+    def probs(self, logits: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
+        """Target distribution after temperature, top-k and top-p: [n, V] fp32. Greedy rows
+        become one-hot at the argmax, which makes sampling verification reproduce greedy
+        verification exactly."""
+        logits = logits.float()
+        probs = torch.softmax(logits / self.temperature[:, None], dim=-1)
+        probs = kernels.top_k_top_p_renorm(probs, self.top_k, self.top_p)
+        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.where(self.greedy_mask[:, None], onehot, probs)
+
+    def exponential(self, vocab: int) -> torch.Tensor:
+        """Exp(1) noise [bs * rows, V], each request's rows from its own stream."""
+        noise = [
+            s.exponential((self.rows, vocab), self.device)
+            if not s.greedy
+            else torch.ones(self.rows, vocab, device=self.device)
+            for s in self.samplers
+        ]
+        return torch.cat(noise)
+
+    def uniform(self, per_request: int) -> torch.Tensor:
+        """Uniform [bs, per_request] from each request's own stream (zeros for greedy ones)."""
+        rows = [
+            s.uniform((per_request,), self.device)
+            if not s.greedy
+            else torch.zeros(per_request, device=self.device)
+            for s in self.samplers
+        ]
+        return torch.stack(rows)
+
+    def sample(self, logits: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
+        """One token per row of ``logits`` [bs * rows, V] -> [bs * rows] int64."""
+        if self.all_greedy:
+            return logits.argmax(-1)
+        probs = self.probs(logits, kernels)
+        return kernels.sample(probs, self.exponential(probs.shape[-1]))

@@ -1,0 +1,132 @@
+"""What the plain and the EAGLE worker share: request state, KV bookkeeping, target prefill."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from polyspec.backend import Backend, ForwardMode
+from polyspec.runtime.batch_builder import BatchBuilder
+from polyspec.runtime.kv_cache import KVCacheManager
+from polyspec.runtime.model_runner import ModelRunner
+from polyspec.runtime.req_pool import ReqToTokenPool
+from polyspec.runtime.sampling import RequestSampler, SamplingBatch
+
+
+@dataclasses.dataclass
+class SeqState:
+    """A request as the worker sees it."""
+
+    row: int
+    prompt: list[int]
+    sampler: RequestSampler
+    prefilled: int = 0  # prompt tokens whose target KV is written
+    seq_len: int = 0  # tokens whose target KV is committed (the last token is not among them)
+    last_token: int = -1  # the newest token: sampled / bonus, its KV not yet written
+    # EAGLE only: the draft's view after its last extend
+    topk_p: torch.Tensor | None = None  # [K]
+    topk_index: torch.Tensor | None = None  # [K]
+    draft_feature: torch.Tensor | None = None  # [H]
+
+
+class PhaseTimer:
+    """Wall time per phase; synchronises the device only when enabled (benchmarks)."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.enabled = False
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._t = 0.0
+
+    def start(self) -> None:
+        if self.enabled:
+            self.backend.synchronize()
+            self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if self.enabled:
+            self.backend.synchronize()
+            now = time.perf_counter()
+            self.seconds[phase] += now - self._t
+            self._t = now
+
+
+class WorkerBase:
+    """Owns the target model runner, the slot bookkeeping and each request's state."""
+
+    extra_kv_per_request = 0  # slots a request may hold beyond its tokens (verify width)
+    scratch_kv = 0  # transient slots for the whole batch (draft lanes)
+
+    def __init__(
+        self,
+        backend: Backend,
+        target: torch.nn.Module,
+        dtype: torch.dtype,
+        max_batch_size: int,
+        max_context: int,
+        num_kv_slots: int,
+        page_size: int,
+        capture_layers: tuple[int, ...] = (),
+    ):
+        self.backend = backend
+        self.kernels = backend.kernels
+        self.device = backend.device()
+        self.page_size = page_size
+        self.target = target
+        self.num_kv_slots = num_kv_slots
+        self.allocator = backend.make_allocator(num_kv_slots, page_size)
+        self.req_pool = ReqToTokenPool(max_batch_size, max_context, self.device, backend.index_dtype)
+        self.kv = KVCacheManager(self.allocator, self.req_pool, self.kernels)
+        self.builder = BatchBuilder(backend, self.req_pool)
+        self.target_runner = ModelRunner(target, backend, num_kv_slots, dtype, capture_layers)
+        self.states: dict[int, SeqState] = {}
+        self.timer = PhaseTimer(backend)
+
+    # -- request lifecycle -------------------------------------------------------------------
+    def kv_need(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Slots a request may hold at its peak (what the scheduler reserves for it)."""
+        ps = self.page_size
+        n = prompt_len + max_new_tokens + self.extra_kv_per_request + ps
+        return (n + ps - 1) // ps * ps
+
+    def add_request(self, rid: int, prompt: Sequence[int], sampler: RequestSampler) -> None:
+        row = self.kv.add_request()
+        self.states[rid] = SeqState(row=row, prompt=list(prompt), sampler=sampler)
+
+    def remove_request(self, rid: int) -> None:
+        st = self.states.pop(rid)
+        self.kv.remove_request(st.row)
+
+    # -- prefill ------------------------------------------------------------------------------
+    def _target_extend(self, rids: Sequence[int], ends: Sequence[int]):
+        """Target EXTEND over prompt[prefilled:end] of each request.
+
+        Returns (hidden [T, H], aux [T, A*H] | None, the host lists starts / lens)."""
+        sts = [self.states[r] for r in rids]
+        rows = [s.row for s in sts]
+        starts = [s.prefilled for s in sts]
+        lens = [e - s for s, e in zip(starts, ends)]
+        self.kv.ensure(rows, list(ends))
+        ids = [t for s, e in zip(sts, ends) for t in s.prompt[s.prefilled : e]]
+        batch = self.builder.build(
+            ForwardMode.EXTEND, rows, starts, lens, self.builder.long(ids)
+        )
+        hidden, aux = self.target_runner.forward_target(batch)
+        for s, e in zip(sts, ends):
+            s.prefilled = e
+            s.seq_len = e
+        return hidden, aux, starts, lens
+
+    def _sample_first(self, rids: Sequence[int], last_hidden: torch.Tensor) -> list[int]:
+        """First generated token of requests whose prompt is now complete."""
+        sts = [self.states[r] for r in rids]
+        logits = self.target.compute_logits(last_hidden)
+        sb = SamplingBatch([s.sampler for s in sts], 1, self.device)
+        tokens = sb.sample(logits, self.kernels).tolist()
+        for s, t in zip(sts, tokens):
+            s.last_token = t
+        return tokens

@@ -1,0 +1,266 @@
+"""The EAGLE worker: draft -> build tree -> verify -> accept -> draft extend (DESIGN.md §4).
+
+Works for EAGLE-1/2 heads, EAGLE-3 heads and standalone draft models alike: the draft is any
+module with the draft-head interface (``forward``, ``topk``, ``probs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from polyspec.backend import ForwardMode, TreeMaskMode
+from polyspec.config import SpeculativeConfig
+from polyspec.errors import ConfigError
+from polyspec.runtime.kv_cache import OutOfKVSlots
+from polyspec.runtime.model_runner import ModelRunner
+from polyspec.runtime.sampling import SamplingBatch
+from polyspec.spec.base import SeqState, WorkerBase
+
+
+class EagleWorker(WorkerBase):
+    def __init__(self, backend, target, draft, spec: SpeculativeConfig, dtype, **kw):
+        caps = backend.capabilities
+        if spec.topk > 1 and not caps.tree_attention:
+            raise ConfigError(
+                f"backend {backend.name!r} verifies chains only (no tree attention); "
+                f"set topk = 1 (got topk = {spec.topk})"
+            )
+        super().__init__(backend, target, dtype, capture_layers=tuple(draft.aux_layer_ids), **kw)
+        self.draft = draft
+        self.spec = spec
+        self.topk, self.num_steps, self.num_draft_tokens = spec.topk, spec.num_steps, spec.num_draft_tokens
+        ps = self.page_size
+        # Each lane holds the prefix's partial last page (copied) plus its draft tokens.
+        self.lane_width = self.num_steps if ps == 1 else ps * -(-(ps - 1 + self.num_steps) // ps)
+        self.extra_kv_per_request = self.num_draft_tokens
+        self.scratch_kv = kw["max_batch_size"] * self.topk * self.lane_width
+        self.draft_runner = ModelRunner(draft, backend, self.num_kv_slots, dtype)
+        self.use_aux = bool(draft.aux_layer_ids)
+        # A standalone LM has no target features: it reads token p at position p, so each
+        # round starts with one draft forward over the root (bonus) token.
+        self.root_forward = draft.algorithm == "standalone"
+
+    # -- prefill ------------------------------------------------------------------------------
+    def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
+        """Target extend over a prompt chunk, then draft extend over the shifted chunk."""
+        hidden, aux, starts, lens = self._target_extend(rids, ends)
+        sts = [self.states[r] for r in rids]
+        done = [i for i, s in enumerate(sts) if ends[i] == len(s.prompt)]
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        first: dict[int, int] = {}
+        if done:
+            tokens = self._sample_first([rids[i] for i in done], hidden[last[done]])
+            first = {rids[i]: t for i, t in zip(done, tokens)}
+        ids = []
+        for r, s, st, e in zip(rids, sts, starts, ends):
+            if self.root_forward:
+                ids.extend(s.prompt[st:e])
+            else:  # an EAGLE head pairs the target feature at position p with token p + 1
+                ids.extend(s.prompt[st + 1 : e] + [first[r] if r in first else s.prompt[e]])
+        batch = self.builder.build(
+            ForwardMode.DRAFT_EXTEND, [s.row for s in sts], starts, lens, self.builder.long(ids)
+        )
+        logit_h, next_feat = self.draft_runner.forward_draft(batch, aux if self.use_aux else hidden)
+        if done and not self.root_forward:
+            self._store_draft_view([sts[i] for i in done], logit_h[last[done]], next_feat[last[done]])
+        return first
+
+    def _store_draft_view(self, sts: list[SeqState], logit_h, next_feat) -> None:
+        topk_p, topk_index = self.draft.topk(logit_h, self.topk)
+        for i, s in enumerate(sts):
+            s.topk_p, s.topk_index, s.draft_feature = topk_p[i], topk_index[i], next_feat[i]
+
+    # -- one decode round ---------------------------------------------------------------------
+    def decode(self, rids: Sequence[int]) -> list[list[int]]:
+        sts = [self.states[r] for r in rids]
+        bs, N, S = len(sts), self.num_draft_tokens, self.num_steps
+        rows = [s.row for s in sts]
+        seq_lens = [s.seq_len for s in sts]
+        idx, dev = self.backend.index_dtype, self.device
+
+        self.timer.start()
+        self.kv.ensure(rows, [n + N for n in seq_lens])
+        if self.root_forward:
+            batch = self.builder.build(
+                ForwardMode.DRAFT_EXTEND, rows, seq_lens, [1] * bs,
+                self.builder.long([s.last_token for s in sts]),
+            )  # fmt: skip
+            logit_h, next_feat = self.draft_runner.forward_draft(batch, None)
+            self._store_draft_view(sts, logit_h, next_feat)
+        draft_prefix = [n + self.root_forward for n in seq_lens]
+        parent_list, top_scores_index, draft_tokens = self._draft(sts, rows, draft_prefix)
+        self.timer.lap("draft")
+
+        roots = self.builder.long([s.last_token for s in sts])
+        candidates = torch.cat([roots[:, None], draft_tokens], dim=1)  # [bs, N]
+        tree_mask = torch.empty(bs, N, N, dtype=torch.bool, device=dev)
+        positions = torch.empty(bs * N, dtype=torch.int64, device=dev)
+        retrive_index, next_token, next_sibling = (
+            torch.empty(bs, N, dtype=idx, device=dev) for _ in range(3)
+        )
+        self.kernels.build_tree(
+            parent_list, top_scores_index, self.builder.index(seq_lens), self.topk, S, N,
+            TreeMaskMode.TREE_ONLY, tree_mask, positions, retrive_index, next_token, next_sibling,
+        )  # fmt: skip
+
+        batch = self.builder.build(
+            ForwardMode.TARGET_VERIFY, rows, seq_lens, [N] * bs, candidates.flatten(),
+            positions=positions, tree_mask=tree_mask,
+        )  # fmt: skip
+        hidden, aux = self.target_runner.forward_target(batch)
+        logits = self.target.compute_logits(hidden)  # [bs * N, V]
+        self.timer.lap("verify")
+
+        predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
+        accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
+        accept_length = torch.empty(bs, dtype=idx, device=dev)
+        sb = SamplingBatch([s.sampler for s in sts], N, dev)
+        if sb.all_greedy:
+            target_predict = logits.argmax(-1).view(bs, N)
+            self.kernels.verify_tree_greedy(
+                candidates, retrive_index, next_token, next_sibling, target_predict,
+                predicts, accept_index, accept_length,
+            )  # fmt: skip
+        else:
+            probs = sb.probs(logits, self.kernels).view(bs, N, -1)
+            coins = sb.uniform(N + 1)
+            self.kernels.verify_tree_sampling(
+                candidates, retrive_index, next_token, next_sibling, probs, None,
+                coins[:, :N].contiguous(), coins[:, N].contiguous(),
+                predicts, accept_index, accept_length,
+            )  # fmt: skip
+        # The one host sync of the round: the engine needs the tokens anyway.
+        accepted = accept_length.tolist()
+        paths = accept_index.tolist()
+        path_nodes = [p[: a + 1] for p, a in zip(paths, accepted)]  # global node ids
+        flat = torch.tensor([g for p in path_nodes for g in p], dtype=torch.int64, device=dev)
+        new_tokens_t = predicts[flat]
+        self._compact(rows, seq_lens, path_nodes, N)
+        new_lens = [n + a + 1 for n, a in zip(seq_lens, accepted)]
+        self.kv.truncate(rows, new_lens)
+        self.timer.lap("accept")
+
+        ext = [a + 1 for a in accepted]
+        if self.root_forward:
+            self._standalone_extend(rows, seq_lens, accepted, new_tokens_t)
+        else:
+            # Draft extend over the accepted tokens: (target feature at node, next token) pairs.
+            batch = self.builder.build(ForwardMode.DRAFT_EXTEND, rows, seq_lens, ext, new_tokens_t)
+            feats = (aux if self.use_aux else hidden)[flat]
+            logit_h, next_feat = self.draft_runner.forward_draft(batch, feats)
+            last = torch.tensor(ext, device=dev).cumsum(0) - 1
+            self._store_draft_view(sts, logit_h[last], next_feat[last])
+        self.timer.lap("draft_extend")
+
+        new_tokens = new_tokens_t.tolist()
+        out, pos = [], 0
+        for s, n_new, new_len in zip(sts, ext, new_lens):
+            toks = new_tokens[pos : pos + n_new]
+            pos += n_new
+            s.seq_len, s.last_token = new_len, toks[-1]
+            out.append(toks)
+        self.timer.lap("other")
+        return out
+
+    def _standalone_extend(self, rows, seq_lens, accepted, new_tokens) -> None:
+        """The standalone draft already holds the root; it reads the accepted draft tokens
+        (not the bonus, which the next round's root forward reads)."""
+        keep = [b for b, a in enumerate(accepted) if a > 0]
+        if not keep:
+            return
+        starts = [0]
+        for a in accepted:
+            starts.append(starts[-1] + a + 1)
+        ids = torch.cat([new_tokens[starts[b] : starts[b] + accepted[b]] for b in keep])
+        batch = self.builder.build(
+            ForwardMode.DRAFT_EXTEND, [rows[b] for b in keep], [seq_lens[b] + 1 for b in keep],
+            [accepted[b] for b in keep], ids,
+        )  # fmt: skip
+        self.draft_runner.forward_draft(batch, None)
+
+    def _compact(self, rows, seq_lens, path_nodes, N) -> None:
+        """Move the accepted path's target KV to the front: node j of the tree was written at
+        position seq_len + j; the node at depth d must end up at position seq_len + d."""
+        src_pos, dst_pos, src_rows = [], [], []
+        for b, (row, n, path) in enumerate(zip(rows, seq_lens, path_nodes)):
+            for d, g in enumerate(path):
+                j = g - b * N
+                if j != d:
+                    src_rows.append(row)
+                    src_pos.append(n + j)
+                    dst_pos.append(n + d)
+        if not src_pos:  # chains (topk == 1) are always in place
+            return
+        table = self.req_pool.req_to_token
+        r = torch.tensor(src_rows, device=self.device)
+        src = table[r, torch.tensor(src_pos, device=self.device)]
+        dst = table[r, torch.tensor(dst_pos, device=self.device)]
+        self.target_runner.kv_pool.move(dst, src)
+
+    # -- multi-step draft ---------------------------------------------------------------------
+    def _draft(self, sts: list[SeqState], rows: list[int], seq_lens: list[int]):
+        """S levels of top-K expansion with S-1 draft forwards (DRAFT_DECODE).
+
+        Returns (parent_list [bs, K*(S-1)+1], top_scores_index [bs, N-1], draft_tokens [bs, N-1])."""
+        bs, K, S, ps = len(sts), self.topk, self.num_steps, self.page_size
+        dev, kernels = self.device, self.kernels
+        topk_p = torch.stack([s.topk_p for s in sts])  # [bs, K]
+        topk_index = torch.stack([s.topk_index for s in sts])  # [bs, K]
+        hidden = torch.stack([s.draft_feature for s in sts])  # [bs, H]
+        scratch = None
+        if S > 1:
+            scratch = self.allocator.alloc(bs * K * self.lane_width)
+            if scratch is None:
+                raise OutOfKVSlots(
+                    f"out of KV slots for the draft lanes: needed {bs * K * self.lane_width}, "
+                    f"{self.allocator.available} free; raise num_kv_slots"
+                )
+            lane_locs, tail_t, copy_src, copy_dst = self._assign_lanes(rows, seq_lens, scratch)
+            tails = [n % ps for n in seq_lens] if ps > 1 else [0] * bs
+        scores = None
+        tree_scores, tree_tokens, tree_parents = [], [], []
+        for i in range(S):
+            input_ids, hidden, scores, (t_s, t_t, t_p) = kernels.select_top_k(
+                i, topk_p, topk_index, hidden, scores, K
+            )
+            tree_scores.append(t_s)
+            tree_tokens.append(t_t)
+            tree_parents.append(t_p)
+            if i == S - 1:
+                break
+            # Step i+1 drafts the tokens at depth i+1, stored at position seq_len + i.
+            col = (tail_t + i).view(bs, 1, 1).expand(bs, K, 1)
+            out_loc = lane_locs.gather(2, col).flatten()
+            positions = self.builder.long(seq_lens).add(i).repeat_interleave(K)
+            lane_lens = [t + i + 1 for t in tails]
+            batch = self.builder.build(
+                ForwardMode.DRAFT_DECODE, rows, [n - t for n, t in zip(seq_lens, tails)], [K] * bs,
+                input_ids, positions=positions, out_cache_loc=out_loc, lane_locs=lane_locs,
+                lane_lens=self.builder.index(lane_lens), topk=K,
+            )  # fmt: skip
+            if self.backend.capabilities.host_seq_lens:
+                batch.lane_lens_cpu = lane_lens
+            logit_h, hidden = self.draft_runner.forward_draft(batch, hidden)
+            topk_p, topk_index = self.draft.topk(logit_h, K)
+        if scratch is not None:
+            self.allocator.free(scratch)
+        return kernels.organize_draft_results(
+            tree_scores, tree_tokens, tree_parents, self.num_draft_tokens
+        )
+
+    def _assign_lanes(self, rows, seq_lens, scratch):
+        bs, K, ps, W = len(rows), self.topk, self.page_size, self.lane_width
+        idx, dev = self.backend.index_dtype, self.device
+        lane_locs = torch.empty(bs, K, W, dtype=idx, device=dev)
+        tail = torch.empty(bs, dtype=idx, device=dev)
+        copy_src = torch.empty(bs * K * (ps - 1), dtype=idx, device=dev)
+        copy_dst = torch.empty(bs * K * (ps - 1), dtype=idx, device=dev)
+        self.kernels.assign_draft_cache_locs(
+            self.builder.index(rows), self.req_pool.req_to_token, self.builder.index(seq_lens),
+            scratch, K, self.num_steps, ps, lane_locs, tail, copy_src, copy_dst,
+        )  # fmt: skip
+        if ps > 1:
+            self.draft_runner.kv_pool.move(copy_dst, copy_src)
+        return lane_locs, tail.to(torch.int64), copy_src, copy_dst

@@ -1,0 +1,47 @@
+"""Plain autoregressive decoding through the same engine, for a fair baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from polyspec.backend import ForwardMode
+from polyspec.runtime.sampling import SamplingBatch
+from polyspec.spec.base import WorkerBase
+
+
+class PlainWorker(WorkerBase):
+    """One target DECODE forward per round, one token per request."""
+
+    def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
+        """Prefill prompt[prefilled:end]; returns the first token of requests now complete."""
+        hidden, _, starts, lens = self._target_extend(rids, ends)
+        done = [i for i, r in enumerate(rids) if ends[i] == len(self.states[r].prompt)]
+        if not done:
+            return {}
+        last = [sum(lens[: i + 1]) - 1 for i in done]
+        tokens = self._sample_first([rids[i] for i in done], hidden[last])
+        return {rids[i]: t for i, t in zip(done, tokens)}
+
+    def decode(self, rids: Sequence[int]) -> list[list[int]]:
+        sts = [self.states[r] for r in rids]
+        rows = [s.row for s in sts]
+        seq_lens = [s.seq_len for s in sts]
+        self.timer.start()
+        self.kv.ensure(rows, [n + 1 for n in seq_lens])
+        batch = self.builder.build(
+            ForwardMode.DECODE,
+            rows,
+            seq_lens,
+            [1] * len(rows),
+            self.builder.long([s.last_token for s in sts]),
+        )
+        hidden, _ = self.target_runner.forward_target(batch)
+        logits = self.target.compute_logits(hidden)
+        self.timer.lap("target")
+        tokens = SamplingBatch([s.sampler for s in sts], 1, self.device).sample(logits, self.kernels)
+        tokens = tokens.tolist()
+        for s, t in zip(sts, tokens):
+            s.seq_len += 1
+            s.last_token = t
+        self.timer.lap("other")
+        return [[t] for t in tokens]

@@ -1,0 +1,80 @@
+"""Run a model on one request by hand (tests only; the runtime does this for real).
+
+Builds single-request EXTEND / DECODE ForwardBatches over a backend's allocator, KV pool and
+attention, so model tests need nothing from ``polyspec.runtime``.
+"""
+
+from __future__ import annotations
+
+import torch
+from polyspec.backend import AttentionMetadata, Backend, ForwardBatch, ForwardMode
+from polyspec.model.llama import CausalLM
+
+
+class SingleRequest:
+    """One request's KV cache on ``backend`` for ``model`` (a CausalLM, or a DraftHead through
+    :meth:`next_batch`): feed tokens, get logits."""
+
+    def __init__(self, model: torch.nn.Module, backend: Backend, max_tokens: int = 256) -> None:
+        c = model.config
+        dtype = next(model.parameters()).dtype
+        self.model, self.backend = model, backend
+        self.device = backend.device()
+        self.idx = backend.index_dtype
+        self.allocator = backend.make_allocator(max_tokens + 1, 1)
+        pool = backend.make_kv_pool(max_tokens + 1, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+        self.attn = backend.make_attention(
+            pool, c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale
+        )
+        self.req_to_token = torch.zeros(1, max_tokens, dtype=self.idx, device=self.device)
+        self.seq_len = 0
+
+    def next_batch(self, input_ids: torch.Tensor) -> tuple[ForwardBatch, AttentionMetadata]:
+        """Allocate slots for the next ``input_ids`` [T] (EXTEND, or DECODE for one token after a
+        prefix) and build the batch and its attention metadata."""
+        t = int(input_ids.shape[0])
+        slots = self.allocator.alloc(t)
+        if slots is None:
+            raise RuntimeError("SingleRequest: out of KV slots; raise max_tokens")
+        start = self.seq_len
+        self.req_to_token[0, start : start + t] = slots
+        mode = ForwardMode.DECODE if t == 1 and start > 0 else ForwardMode.EXTEND
+        batch = ForwardBatch(
+            mode=mode,
+            input_ids=input_ids.to(self.device),
+            positions=torch.arange(start, start + t, device=self.device),
+            out_cache_loc=slots,
+            req_pool_indices=torch.zeros(1, dtype=self.idx, device=self.device),
+            req_to_token=self.req_to_token,
+            prefix_lens=torch.tensor([start], dtype=self.idx, device=self.device),
+            extend_lens=torch.tensor([t], dtype=self.idx, device=self.device),
+            prefix_lens_cpu=[start],
+            extend_lens_cpu=[t],
+        )
+        self.seq_len += t
+        return batch, self.attn.build_metadata(batch)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64: the next T tokens of the request
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # ([T, H], [T, V] fp32, aux)
+        """Run a CausalLM over the next ``input_ids``; returns (hidden, logits, aux)."""
+        batch, metadata = self.next_batch(input_ids)
+        hidden, aux = self.model(
+            batch.input_ids, batch.positions, self.attn, metadata, capture_layers
+        )
+        return hidden, self.model.compute_logits(hidden), aux
+
+
+def run_prefill(
+    model: CausalLM,
+    backend: Backend,
+    input_ids: torch.Tensor,  # [T] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # (hidden [T, H], logits [T, V] fp32)
+    """Prefill one request from an empty cache; returns the final hidden states and logits."""
+    with torch.inference_mode():
+        hidden, logits, _ = SingleRequest(model, backend, int(input_ids.shape[0]) + 1).forward(
+            input_ids
+        )
+    return hidden, logits

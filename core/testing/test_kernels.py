@@ -1,0 +1,726 @@
+"""Conformance: every kernel of ``backend.kernels`` against the reference on seeded random inputs.
+
+Output tensors are poisoned twice (two different sentinels) before the call, so a kernel that
+forgets to write an entry fails whatever that entry's correct value is. A few checks also hold
+the reference itself to an independent formula (RMSNorm, rotary, KV moves, sampling laws).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from polyspec.backend import TreeMaskMode
+
+SEED = 20240611
+
+
+def _gen(seed: int = SEED) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _dev(backend, t: torch.Tensor) -> torch.Tensor:
+    """A copy on the backend's device (a copy even there: kernels may write in place)."""
+    return t.to(backend.device(), copy=True)
+
+
+def _idx(backend, t: torch.Tensor) -> torch.Tensor:
+    """A copy on the backend's device in its index dtype."""
+    return t.to(device=backend.device(), dtype=backend.index_dtype, copy=True)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu")
+
+
+def _poisons(dtype: torch.dtype) -> tuple[object, object]:
+    """Two sentinels of ``dtype`` that differ in every bit pattern that matters."""
+    if dtype == torch.bool:
+        return True, False
+    if dtype.is_floating_point:
+        return float("nan"), -7.0
+    return -7, 1234567
+
+
+def _call_poisoned(fn, args: dict, outs: dict) -> list[dict[str, torch.Tensor]]:
+    """Call ``fn(**args, **outs)`` once per sentinel with every out tensor filled with it;
+    returns the out tensors (on the CPU) of each call."""
+    results = []
+    for which in range(2):
+        filled = {}
+        for name, t in outs.items():
+            t = t.clone()
+            t.fill_(_poisons(t.dtype)[which])
+            filled[name] = t
+        fn(**args, **filled)
+        results.append({k: _cpu(v) for k, v in filled.items()})
+    return results
+
+
+def _assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    actual, expected = _cpu(actual), _cpu(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    if actual.dtype == torch.bool or expected.dtype == torch.bool:
+        ok = torch.equal(actual.bool(), expected.bool())
+    elif actual.dtype.is_floating_point or expected.dtype.is_floating_point:
+        ok = torch.equal(actual.double(), expected.double())
+    else:
+        ok = torch.equal(actual.long(), expected.long())
+    if not ok:
+        bad = (actual.double() != expected.double()).nonzero()[:5].tolist()
+        raise AssertionError(f"{what}: differs at {bad}\nactual={actual}\nexpected={expected}")
+
+
+def _check_outs(backend_runs: list[dict], ref_runs: list[dict], kernel: str) -> None:
+    for run in backend_runs:
+        for name, expected in ref_runs[0].items():
+            _assert_equal(run[name], expected, f"{kernel}.{name}")
+
+
+# ------------------------------------------------------------------------- draft tree kernels
+
+
+def _draft_inputs(g: torch.Generator, bs: int, topk: int, num_steps: int, vocab: int, feat: int):
+    """Random per-step draft outputs: (topk_p, topk_index, hidden) for each step."""
+    steps = []
+    for step in range(num_steps):
+        rows = bs if step == 0 else bs * topk
+        logits = torch.randn(rows, vocab, generator=g)
+        p, i = logits.softmax(-1).topk(topk, dim=-1)
+        steps.append((p, i, torch.randn(rows, feat, generator=g)))
+    return steps
+
+
+def _run_draft(kernels, steps, topk: int, num_draft_tokens: int, to_dev, to_idx):
+    """Drive select_top_k over every step (each step's draft hidden states are fresh, so the
+    lane routing of hidden states is visible), then organize_draft_results."""
+    scores = None
+    levels, inputs = [], []
+    for step, (p, i, h) in enumerate(steps):
+        ids, hidden, scores, level = kernels.select_top_k(
+            step, to_dev(p), to_idx(i), to_dev(h), scores, topk
+        )
+        levels.append(level)
+        inputs.append((ids, hidden, scores))
+    out = kernels.organize_draft_results(
+        [lv[0] for lv in levels],
+        [lv[1] for lv in levels],
+        [lv[2] for lv in levels],
+        num_draft_tokens,
+    )
+    return inputs, levels, out
+
+
+@pytest.mark.parametrize("topk,num_steps,num_draft_tokens", [(1, 3, 4), (4, 4, 12), (2, 1, 3)])
+def test_select_top_k_and_organize_match_reference(
+    backend, reference_backend, topk, num_steps, num_draft_tokens
+):
+    g = _gen(SEED + topk)
+    steps = _draft_inputs(g, bs=3, topk=topk, num_steps=num_steps, vocab=50, feat=8)
+    got = _run_draft(
+        backend.kernels,
+        steps,
+        topk,
+        num_draft_tokens,
+        lambda t: _dev(backend, t),
+        lambda t: _idx(backend, t),
+    )
+    ref = _run_draft(reference_backend.kernels, steps, topk, num_draft_tokens, _cpu, _cpu)
+    for step, (a, b) in enumerate(zip(got[0], ref[0])):
+        _assert_equal(a[0], b[0], f"select_top_k step {step} input_ids")
+        torch.testing.assert_close(_cpu(a[1]), b[1], msg=f"step {step} hidden")
+        torch.testing.assert_close(_cpu(a[2]), b[2], msg=f"step {step} scores")
+    for step, (a, b) in enumerate(zip(got[1], ref[1])):
+        torch.testing.assert_close(_cpu(a[0]), b[0], msg=f"step {step} tree_scores")
+        _assert_equal(a[1], b[1], f"step {step} tree_tokens")
+        _assert_equal(a[2], b[2], f"step {step} tree_parents")
+    for name, a, b in zip(("parent_list", "top_scores_index", "draft_tokens"), got[2], ref[2]):
+        _assert_equal(a, b, f"organize_draft_results {name}")
+
+
+def _mask_out(backend, mode: TreeMaskMode, bs: int, n: int, seq_lens: torch.Tensor):
+    if mode is TreeMaskMode.FULL:
+        size = int((n * (seq_lens.long() + n)).sum())
+        return torch.empty(size, dtype=torch.bool, device=backend.device())
+    if mode is TreeMaskMode.BITPACKED:
+        return torch.empty(bs, n, (n + 31) // 32, dtype=torch.int32, device=backend.device())
+    return torch.empty(bs, n, n, dtype=torch.bool, device=backend.device())
+
+
+def _tree_outs(backend, mode: TreeMaskMode, bs: int, n: int, seq_lens: torch.Tensor) -> dict:
+    dev, idt = backend.device(), backend.index_dtype
+    return {
+        "tree_mask": _mask_out(backend, mode, bs, n, seq_lens),
+        "positions": torch.empty(bs * n, dtype=idt, device=dev),
+        "retrive_index": torch.empty(bs, n, dtype=idt, device=dev),
+        "retrive_next_token": torch.empty(bs, n, dtype=idt, device=dev),
+        "retrive_next_sibling": torch.empty(bs, n, dtype=idt, device=dev),
+    }
+
+
+def _random_tree(seed: int, bs: int, topk: int, num_steps: int, n: int):
+    """A well-formed tree from the reference draft pipeline: (parent_list, top_scores_index,
+    draft_tokens, seq_lens), all on the CPU."""
+    g = _gen(seed)
+    steps = _draft_inputs(g, bs, topk, num_steps, vocab=40, feat=4)
+    ref = _run_draft(_reference_kernels(), steps, topk, n, _cpu, _cpu)
+    parent_list, top_scores_index, draft_tokens = ref[2]
+    seq_lens = torch.randint(1, 40, (bs,), generator=g)
+    return parent_list, top_scores_index, draft_tokens, seq_lens
+
+
+def _reference_kernels():
+    from polyspec.backend import KernelSet
+
+    return KernelSet.reference()
+
+
+@pytest.mark.parametrize("mode", list(TreeMaskMode))
+@pytest.mark.parametrize("topk,num_steps,n", [(1, 4, 5), (4, 3, 10), (3, 5, 40)])
+def test_build_tree_matches_reference(backend, reference_backend, mode, topk, num_steps, n):
+    bs = 3
+    parent_list, tsi, _, seq_lens = _random_tree(SEED + n, bs, topk, num_steps, n)
+    common = {"topk": topk, "num_steps": num_steps, "num_draft_tokens": n, "tree_mask_mode": mode}
+    args = {
+        "parent_list": _idx(backend, parent_list),
+        "top_scores_index": _idx(backend, tsi),
+        "seq_lens": _idx(backend, seq_lens),
+        **common,
+    }
+    ref_args = {"parent_list": parent_list, "top_scores_index": tsi, "seq_lens": seq_lens, **common}
+    ref_outs = {k: _cpu(v) for k, v in _tree_outs(backend, mode, bs, n, seq_lens).items()}
+    got = _call_poisoned(
+        backend.kernels.build_tree, args, _tree_outs(backend, mode, bs, n, seq_lens)
+    )
+    ref = _call_poisoned(reference_backend.kernels.build_tree, ref_args, ref_outs)
+    _check_outs(got, ref, "build_tree")
+
+
+def _verify_case(seed: int, bs: int, topk: int, num_steps: int, n: int, vocab: int):
+    """A random tree with target predictions that often follow a child (long accept paths)."""
+    parent_list, tsi, draft_tokens, seq_lens = _random_tree(seed, bs, topk, num_steps, n)
+    ref = _reference_kernels()
+    outs = _tree_outs(_CPU_INT64, TreeMaskMode.TREE_ONLY, bs, n, seq_lens)
+    ref.build_tree(parent_list, tsi, seq_lens, topk, num_steps, n, TreeMaskMode.TREE_ONLY, **outs)
+    g = _gen(seed + 1)
+    root = torch.randint(0, vocab, (bs, 1), generator=g)
+    candidates = torch.cat([root, draft_tokens % vocab], dim=1)  # [bs, N]
+    # target after node j: the token of its first child (70%) or a random token.
+    first_child = outs["retrive_next_token"]
+    follow = candidates.gather(1, first_child.clamp(min=0))
+    rand = torch.randint(0, vocab, (bs, n), generator=g)
+    use = (torch.rand(bs, n, generator=g) < 0.7) & (first_child >= 0)
+    target_predict = torch.where(use, follow, rand)
+    return candidates, outs, target_predict
+
+
+class _CpuInt64:
+    """Stand-in for a backend when only device / index dtype are needed (CPU, int64)."""
+
+    index_dtype = torch.int64
+
+    @staticmethod
+    def device() -> torch.device:
+        return torch.device("cpu")
+
+
+_CPU_INT64 = _CpuInt64()
+
+
+def _verify_outs(backend, bs: int, n: int, num_steps: int) -> dict:
+    dev, idt = backend.device(), backend.index_dtype
+    return {
+        "predicts": torch.empty(bs * n, dtype=torch.int64, device=dev),
+        "accept_index": torch.empty(bs, num_steps + 1, dtype=idt, device=dev),
+        "accept_length": torch.empty(bs, dtype=idt, device=dev),
+    }
+
+
+@pytest.mark.parametrize("topk,num_steps,n", [(1, 5, 6), (4, 4, 16), (8, 3, 64)])
+def test_verify_tree_greedy_matches_reference(backend, reference_backend, topk, num_steps, n):
+    bs, vocab = 8, 30
+    candidates, tree, target_predict = _verify_case(SEED + n, bs, topk, num_steps, n, vocab)
+    links = ("retrive_index", "retrive_next_token", "retrive_next_sibling")
+    args = {
+        "candidates": _dev(backend, candidates),
+        **{k: _idx(backend, tree[k]) for k in links},
+        "target_predict": _dev(backend, target_predict),
+    }
+    ref_args = {
+        "candidates": candidates,
+        **{k: tree[k] for k in links},
+        "target_predict": target_predict,
+    }
+    got = _call_poisoned(
+        backend.kernels.verify_tree_greedy, args, _verify_outs(backend, bs, n, num_steps)
+    )
+    ref = _call_poisoned(
+        reference_backend.kernels.verify_tree_greedy,
+        ref_args,
+        _verify_outs(_CPU_INT64, bs, n, num_steps),
+    )
+    _check_outs(got, ref, "verify_tree_greedy")
+    assert int(ref[0]["accept_length"].max()) >= 2, "test case too weak: no long accept path"
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+@pytest.mark.parametrize("topk,num_steps,n", [(1, 4, 5), (4, 3, 10)])
+def test_verify_tree_sampling_matches_reference(
+    backend, reference_backend, with_draft_probs, topk, num_steps, n
+):
+    if not backend.capabilities.sampling_verify:
+        pytest.skip("backend lacks capability: sampling_verify")
+    bs, vocab = 16, 12
+    candidates, tree, _ = _verify_case(SEED + 7 * n, bs, topk, num_steps, n, vocab)
+    g = _gen(SEED + 3)
+    # Peaked targets so that children are often accepted and rejections also happen.
+    target_probs = (3.0 * torch.randn(bs, n, vocab, generator=g)).softmax(-1)
+    target_probs.scatter_add_(2, candidates.roll(-1, 1).unsqueeze(2), torch.full((bs, n, 1), 2.0))
+    target_probs /= target_probs.sum(-1, keepdim=True)
+    draft_probs = torch.randn(bs, n, vocab, generator=g).softmax(-1) if with_draft_probs else None
+    coins = torch.rand(bs, n, generator=g)
+    final_coins = torch.rand(bs, generator=g)
+    links = ("retrive_index", "retrive_next_token", "retrive_next_sibling")
+    ref_args = {
+        "candidates": candidates,
+        **{k: tree[k] for k in links},
+        "target_probs": target_probs,
+        "draft_probs": draft_probs,
+        "coins": coins,
+        "final_coins": final_coins,
+    }
+    args = {
+        "candidates": _dev(backend, candidates),
+        **{k: _idx(backend, tree[k]) for k in links},
+        "target_probs": _dev(backend, target_probs),
+        "draft_probs": None if draft_probs is None else _dev(backend, draft_probs),
+        "coins": _dev(backend, coins),
+        "final_coins": _dev(backend, final_coins),
+    }
+    got = _call_poisoned(
+        backend.kernels.verify_tree_sampling, args, _verify_outs(backend, bs, n, num_steps)
+    )
+    ref = _call_poisoned(
+        reference_backend.kernels.verify_tree_sampling,
+        ref_args,
+        _verify_outs(_CPU_INT64, bs, n, num_steps),
+    )
+    _check_outs(got, ref, "verify_tree_sampling")
+    # Repeating with the same coins is deterministic.
+    again = _call_poisoned(
+        backend.kernels.verify_tree_sampling, args, _verify_outs(backend, bs, n, num_steps)
+    )
+    _check_outs(again, got, "verify_tree_sampling (repeat)")
+
+
+def _chi_square_critical(df: int, z: float = 4.753) -> float:
+    """Upper chi-square quantile at p ~ 1e-6 (z = 4.753), Wilson-Hilferty approximation."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _chi_square(counts: torch.Tensor, expected_p: torch.Tensor, total: int) -> tuple[float, int]:
+    expected = expected_p.double() * total
+    keep = expected > 0
+    assert int(counts[~keep].sum()) == 0, f"outcomes of probability 0 were drawn: {counts}"
+    stat = float(((counts[keep].double() - expected[keep]) ** 2 / expected[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def test_verify_tree_sampling_target_only_is_lossless(backend):
+    """With target-only drafts, the emitted pair (first token, second token or END) follows the
+    target's law: x1 ~ p_root; if x1 is a root child's token, x2 ~ p_child; else END.
+    The tree has a duplicate child token and one grandchild, so rejections, residual updates and
+    a second depth are all exercised.
+    20000 trials in one batched call, chi-square at p ~ 1e-6 (seeded: deterministic)."""
+    if not backend.capabilities.sampling_verify:
+        pytest.skip("backend lacks capability: sampling_verify")
+    trials, vocab, n, num_steps = 20000, 6, 5, 2
+    # Tree: root -> nodes 1 (token 2), 2 (token 0), 3 (token 2, duplicate); node 1 -> node 4.
+    candidates = torch.tensor([5, 2, 0, 2, 4])
+    next_token = torch.tensor([1, 4, -1, -1, -1])
+    next_sibling = torch.tensor([-1, 2, 3, -1, -1])
+    p = torch.tensor(
+        [
+            [0.10, 0.05, 0.40, 0.05, 0.15, 0.25],  # after the root
+            [0.30, 0.10, 0.10, 0.10, 0.20, 0.20],  # after node 1 (token 2)
+            [1.0 / 6] * 6,
+            [1.0 / 6] * 6,
+            [1.0 / 6] * 6,
+        ]
+    )
+    g = _gen(SEED + 11)
+    dev = backend.device()
+    out = _verify_outs(backend, trials, n, num_steps)
+    backend.kernels.verify_tree_sampling(
+        candidates=candidates.expand(trials, n).to(dev),
+        retrive_index=_idx(backend, torch.arange(trials * n).view(trials, n)),
+        retrive_next_token=_idx(backend, next_token.expand(trials, n)),
+        retrive_next_sibling=_idx(backend, next_sibling.expand(trials, n)),
+        target_probs=p.expand(trials, n, vocab).contiguous().to(dev),
+        draft_probs=None,
+        coins=torch.rand(trials, n, generator=g).to(dev),
+        final_coins=torch.rand(trials, generator=g).to(dev),
+        **out,
+    )
+    predicts = _cpu(out["predicts"]).view(trials, n)
+    length = _cpu(out["accept_length"]).long()
+    first = _cpu(out["accept_index"]).long()[:, 1] % n  # node accepted at depth 1
+    x1 = predicts[:, 0]
+    x2 = torch.where(length >= 1, predicts.gather(1, first.unsqueeze(1)).squeeze(1), vocab)
+    # A child is accepted exactly when its token is emitted; the duplicate (node 3) never is.
+    assert torch.equal(length >= 1, (x1 == 2) | (x1 == 0))
+    assert int(((length >= 1) & (first == 3)).sum()) == 0
+    continues = {2: p[1], 0: p[2]}  # emitted child token -> law of the next token
+    expected = torch.zeros(vocab, vocab + 1, dtype=torch.float64)
+    for a in range(vocab):
+        if a in continues:
+            expected[a, :vocab] = p[0, a] * continues[a]
+        else:
+            expected[a, vocab] = p[0, a]
+    counts = torch.bincount(x1 * (vocab + 1) + x2, minlength=vocab * (vocab + 1))
+    stat, df = _chi_square(counts, expected.flatten(), trials)
+    assert stat < _chi_square_critical(df), f"chi2={stat:.1f} df={df}: not the target law"
+
+
+def test_verify_tree_sampling_with_draft_probs_is_lossless(backend):
+    """Children drawn i.i.d. from draft_probs: the first emitted token still follows the target.
+    20000 trials, 3 sampled children each, chi-square at p ~ 1e-6."""
+    if not backend.capabilities.sampling_verify:
+        pytest.skip("backend lacks capability: sampling_verify")
+    trials, vocab, n = 20000, 6, 4
+    g = _gen(SEED + 12)
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+    q = torch.tensor([0.30, 0.05, 0.25, 0.10, 0.10, 0.20])
+    children = torch.multinomial(q, trials * 3, replacement=True, generator=g).view(trials, 3)
+    candidates = torch.cat([torch.zeros(trials, 1, dtype=torch.long), children], dim=1)
+    probs = torch.zeros(n, vocab)
+    probs[:] = p
+    dev = backend.device()
+    out = _verify_outs(backend, trials, n, 1)
+    backend.kernels.verify_tree_sampling(
+        candidates=candidates.to(dev),
+        retrive_index=_idx(backend, torch.arange(trials * n).view(trials, n)),
+        retrive_next_token=_idx(backend, torch.tensor([1, -1, -1, -1]).expand(trials, n)),
+        retrive_next_sibling=_idx(backend, torch.tensor([-1, 2, 3, -1]).expand(trials, n)),
+        target_probs=probs.expand(trials, n, vocab).contiguous().to(dev),
+        draft_probs=q.expand(trials, n, vocab).contiguous().to(dev),
+        coins=torch.rand(trials, n, generator=g).to(dev),
+        final_coins=torch.rand(trials, generator=g).to(dev),
+        **out,
+    )
+    x1 = _cpu(out["predicts"]).view(trials, n)[:, 0]
+    stat, df = _chi_square(torch.bincount(x1, minlength=vocab), p, trials)
+    assert stat < _chi_square_critical(df), f"chi2={stat:.1f} df={df}: not the target law"
+    assert 0 < int(_cpu(out["accept_length"]).sum()) < trials
+
+
+# -------------------------------------------------------------------------- slot bookkeeping
+
+
+@pytest.mark.parametrize("topk,num_steps,page_size", [(1, 3, 1), (4, 3, 1), (4, 5, 4), (2, 2, 16)])
+def test_assign_draft_cache_locs_matches_reference(
+    backend, reference_backend, topk, num_steps, page_size
+):
+    g = _gen(SEED + page_size)
+    bs, rows, cols = 4, 6, 64
+    width = (
+        num_steps if page_size == 1 else page_size * -(-(page_size - 1 + num_steps) // page_size)
+    )
+    req_to_token = torch.randint(1, 10000, (rows, cols), generator=g)
+    req_pool_indices = torch.randperm(rows, generator=g)[:bs]
+    seq_lens = torch.randint(1, cols - 1, (bs,), generator=g)
+    seq_lens[0] = page_size * 2  # tail 0
+    alloc_slots = torch.randperm(20000, generator=g)[: bs * topk * width] + 1
+    copies = bs * topk * (page_size - 1)
+
+    def outs(b):
+        dev, idt = b.device(), b.index_dtype
+        return {
+            "lane_locs": torch.empty(bs, topk, width, dtype=idt, device=dev),
+            "tail_lens": torch.empty(bs, dtype=idt, device=dev),
+            "copy_src": torch.empty(copies, dtype=idt, device=dev),
+            "copy_dst": torch.empty(copies, dtype=idt, device=dev),
+        }
+
+    common = {"topk": topk, "num_steps": num_steps, "page_size": page_size}
+    args = {
+        "req_pool_indices": _idx(backend, req_pool_indices),
+        "req_to_token": _idx(backend, req_to_token),
+        "seq_lens": _idx(backend, seq_lens),
+        "alloc_slots": _idx(backend, alloc_slots),
+        **common,
+    }
+    ref_args = {
+        "req_pool_indices": req_pool_indices,
+        "req_to_token": req_to_token,
+        "seq_lens": seq_lens,
+        "alloc_slots": alloc_slots,
+        **common,
+    }
+    got = _call_poisoned(backend.kernels.assign_draft_cache_locs, args, outs(backend))
+    ref = _call_poisoned(
+        reference_backend.kernels.assign_draft_cache_locs, ref_args, outs(_CPU_INT64)
+    )
+    _check_outs(got, ref, "assign_draft_cache_locs")
+    # Independent spot check of the reference: lane 1 of request 1 copies the prefix tail.
+    r = ref[0]
+    tail = int(seq_lens[1]) % page_size
+    assert int(r["tail_lens"][1]) == tail
+    if page_size > 1 and topk > 1 and tail > 0:
+        at = (1 * topk + 1) * (page_size - 1)
+        src = req_to_token[req_pool_indices[1], int(seq_lens[1]) - tail : int(seq_lens[1])]
+        _assert_equal(r["copy_src"][at : at + tail], src, "copy_src tail")
+        _assert_equal(r["copy_dst"][at : at + tail], r["lane_locs"][1, 1, :tail], "copy_dst tail")
+
+
+def _segments_case(g: torch.Generator, bs: int, rows: int, cols: int):
+    req_pool_indices = torch.randperm(rows, generator=g)[:bs]
+    start = torch.randint(0, cols // 2, (bs,), generator=g)
+    lens = torch.randint(0, cols // 2, (bs,), generator=g)
+    lens[1] = 0  # an empty segment
+    return req_pool_indices, start, start + lens
+
+
+def test_assign_req_to_token_and_extend_cache_locs_match_reference(backend, reference_backend):
+    g = _gen(SEED + 21)
+    bs, rows, cols = 5, 8, 40
+    req_pool_indices, start, end = _segments_case(g, bs, rows, cols)
+    total = int((end - start).sum())
+    slots = torch.randperm(10000, generator=g)[:total] + 1
+    table = torch.randint(1, 10000, (rows, cols), generator=g)
+
+    got_table = _idx(backend, table)
+    backend.kernels.assign_req_to_token(
+        _idx(backend, req_pool_indices),
+        got_table,
+        _idx(backend, start),
+        _idx(backend, end),
+        _idx(backend, slots),
+    )
+    ref_table = table.clone()
+    reference_backend.kernels.assign_req_to_token(req_pool_indices, ref_table, start, end, slots)
+    _assert_equal(got_table, ref_table, "assign_req_to_token")
+    b = 2  # independent check of one segment
+    seg_at = int((end - start)[:b].sum())
+    seg = slots[seg_at : seg_at + int(end[b] - start[b])]
+    _assert_equal(ref_table[req_pool_indices[b], start[b] : end[b]], seg, "segment 2")
+
+    args = {
+        "req_pool_indices": _idx(backend, req_pool_indices),
+        "req_to_token": _idx(backend, table),
+        "start": _idx(backend, start),
+        "end": _idx(backend, end),
+    }
+    ref_args = {
+        "req_pool_indices": req_pool_indices,
+        "req_to_token": table,
+        "start": start,
+        "end": end,
+    }
+    got = _call_poisoned(
+        backend.kernels.assign_extend_cache_locs,
+        args,
+        {"out": torch.empty(total, dtype=backend.index_dtype, device=backend.device())},
+    )
+    ref = _call_poisoned(
+        reference_backend.kernels.assign_extend_cache_locs,
+        ref_args,
+        {"out": torch.empty(total, dtype=torch.int64)},
+    )
+    _check_outs(got, ref, "assign_extend_cache_locs")
+    expected = torch.cat([table[r, s:e] for r, s, e in zip(req_pool_indices, start, end)])
+    _assert_equal(ref[0]["out"], expected, "assign_extend_cache_locs (independent)")
+
+
+def test_get_last_loc_matches_reference(backend, reference_backend):
+    g = _gen(SEED + 22)
+    table = torch.randint(1, 10000, (6, 30), generator=g)
+    req_pool_indices = torch.tensor([3, 0, 5, 1])
+    prefix_lens = torch.tensor([7, 0, 30, 1])
+    got = backend.kernels.get_last_loc(
+        _idx(backend, table), _idx(backend, req_pool_indices), _idx(backend, prefix_lens)
+    )
+    ref = reference_backend.kernels.get_last_loc(table, req_pool_indices, prefix_lens)
+    _assert_equal(got, ref, "get_last_loc")
+    _assert_equal(ref, torch.tensor([table[3, 6], -1, table[5, 29], table[1, 0]]), "independent")
+
+
+def _kv(g: torch.Generator, slots: int, dtype: torch.dtype):
+    return (
+        torch.randn(slots, 2, 8, generator=g).to(dtype),
+        torch.randn(slots, 2, 8, generator=g).to(dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_kv_is_overlap_safe_and_matches_reference(backend, reference_backend, dtype):
+    g = _gen(SEED + 23)
+    k, v = _kv(g, 32, dtype)
+    # Overlapping lists where slots are written before they are read (a shift to the right and
+    # a swap): a kernel that copies one pair at a time, or scatters before gathering, fails.
+    src = torch.tensor([4, 5, 6, 20, 11, 12])
+    dst = torch.tensor([5, 6, 7, 4, 12, 11])
+    bk, bv = _dev(backend, k), _dev(backend, v)
+    backend.kernels.move_kv(bk, bv, _idx(backend, dst), _idx(backend, src))
+    rk, rv = k.clone(), v.clone()
+    reference_backend.kernels.move_kv(rk, rv, dst, src)
+    _assert_equal(bk, rk, "move_kv k")
+    _assert_equal(bv, rv, "move_kv v")
+    ek, ev = k.clone(), v.clone()
+    ek[dst], ev[dst] = k[src].clone(), v[src].clone()
+    _assert_equal(rk, ek, "move_kv (independent)")
+    _assert_equal(rv, ev, "move_kv v (independent)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_kv_matches_reference(backend, reference_backend, dtype):
+    if str(dtype).removeprefix("torch.") not in backend.capabilities.dtypes:
+        pytest.skip(f"backend lacks capability: dtypes ({dtype})")
+    g = _gen(SEED + 24)
+    k, v = _kv(g, 32, dtype)
+    loc = torch.tensor([3, 31, 1, 17, 9])
+    nk, nv = _kv(g, 5, dtype)
+    bk, bv = _dev(backend, k), _dev(backend, v)
+    backend.kernels.store_kv(bk, bv, _idx(backend, loc), _dev(backend, nk), _dev(backend, nv))
+    rk, rv = k.clone(), v.clone()
+    reference_backend.kernels.store_kv(rk, rv, loc, nk, nv)
+    _assert_equal(bk, rk, "store_kv k")
+    _assert_equal(bv, rv, "store_kv v")
+    _assert_equal(rk[loc], nk, "store_kv (independent)")
+    _assert_equal(rk[0], k[0], "store_kv touched an unlisted slot")
+
+
+# ----------------------------------------------------------------------------- model kernels
+
+_TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+}
+
+
+def _model_dtypes(backend) -> list[torch.dtype]:
+    return [getattr(torch, d) for d in backend.capabilities.dtypes]
+
+
+def test_rms_norm_and_fused_add_match_reference(backend, reference_backend):
+    g = _gen(SEED + 31)
+    for dtype in _model_dtypes(backend):
+        x = (3 * torch.randn(7, 64, generator=g)).to(dtype)
+        res = torch.randn(7, 64, generator=g).to(dtype)
+        w = (1 + 0.1 * torch.randn(64, generator=g)).to(dtype)
+        x0, res0 = x.clone(), res.clone()
+        got = backend.kernels.rms_norm(_dev(backend, x), _dev(backend, w), 1e-6)
+        ref = reference_backend.kernels.rms_norm(x, w, 1e-6)
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(_cpu(got), ref, **_TOL[dtype])
+        xf = x.float()
+        normed = (xf / (xf.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).to(dtype)
+        torch.testing.assert_close(ref, w * normed, **_TOL[dtype])  # independent formula
+        got_n, got_s = backend.kernels.fused_add_rms_norm(
+            _dev(backend, x), _dev(backend, res), _dev(backend, w), 1e-6
+        )
+        ref_n, ref_s = reference_backend.kernels.fused_add_rms_norm(x, res, w, 1e-6)
+        torch.testing.assert_close(_cpu(got_s), ref_s, **_TOL[dtype])
+        torch.testing.assert_close(_cpu(got_n), ref_n, **_TOL[dtype])
+        torch.testing.assert_close(ref_n, reference_backend.kernels.rms_norm(x + res, w, 1e-6))
+        _assert_equal(x, x0, "fused_add_rms_norm modified x")
+        _assert_equal(res, res0, "fused_add_rms_norm modified residual")
+
+
+def _cos_sin_cache(max_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = torch.arange(max_pos, dtype=torch.float32).unsqueeze(1) * inv
+    return torch.cat([freqs.cos(), freqs.sin()], dim=1)  # [max_pos, dim]
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_embedding_matches_reference(backend, reference_backend, is_neox):
+    g = _gen(SEED + 32)
+    dim, max_pos = 16, 64
+    cache = _cos_sin_cache(max_pos, dim)
+    positions = torch.randint(0, max_pos, (9,), generator=g)
+    for dtype in _model_dtypes(backend):
+        q = torch.randn(9, 4, dim, generator=g).to(dtype)
+        k = torch.randn(9, 2, dim, generator=g).to(dtype)
+        gq, gk = backend.kernels.rotary_embedding(
+            _idx(backend, positions),
+            _dev(backend, q),
+            _dev(backend, k),
+            _dev(backend, cache),
+            is_neox,
+        )
+        rq, rk = reference_backend.kernels.rotary_embedding(positions, q, k, cache, is_neox)
+        assert gq.dtype == dtype and gk.dtype == dtype
+        torch.testing.assert_close(_cpu(gq), rq, **_TOL[dtype])
+        torch.testing.assert_close(_cpu(gk), rk, **_TOL[dtype])
+    # Independent: complex multiplication by e^{i * pos * theta}.
+    q = torch.randn(9, 4, dim, generator=g)
+    rq, _ = reference_backend.kernels.rotary_embedding(positions, q, q[:, :2], cache, is_neox)
+    half = dim // 2
+    angle = positions.float().unsqueeze(1) * (
+        1.0 / 10000.0 ** (torch.arange(0, dim, 2).float() / dim)
+    )
+    rot = torch.polar(torch.ones_like(angle), angle).unsqueeze(1)  # [T, 1, D/2]
+    if is_neox:
+        z = torch.complex(q[..., :half], q[..., half:]) * rot
+        expected = torch.cat([z.real, z.imag], dim=-1)
+    else:
+        z = torch.complex(q[..., 0::2], q[..., 1::2]) * rot
+        expected = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    torch.testing.assert_close(rq, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_silu_and_mul_matches_reference(backend, reference_backend):
+    g = _gen(SEED + 33)
+    for dtype in _model_dtypes(backend):
+        x = torch.randn(5, 2 * 24, generator=g).to(dtype)
+        got = backend.kernels.silu_and_mul(_dev(backend, x))
+        ref = reference_backend.kernels.silu_and_mul(x)
+        assert got.dtype == dtype and got.shape == (5, 24)
+        torch.testing.assert_close(_cpu(got), ref, **_TOL[dtype])
+        xf = x.float()
+        expected = (xf[:, :24] * torch.sigmoid(xf[:, :24]) * xf[:, 24:]).to(dtype)
+        torch.testing.assert_close(ref, expected, **_TOL[dtype])
+
+
+# -------------------------------------------------------------------------- sampling helpers
+
+
+def test_top_k_top_p_renorm_matches_reference(backend, reference_backend):
+    g = _gen(SEED + 41)
+    bs, vocab = 8, 50
+    probs = (2 * torch.randn(bs, vocab, generator=g)).softmax(-1)
+    top_k = torch.tensor([0, 1, 5, 50, 70, 10, -1, 3])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.95, 1.0, 0.01, 0.0])
+    got = backend.kernels.top_k_top_p_renorm(
+        _dev(backend, probs), _idx(backend, top_k), _dev(backend, top_p)
+    )
+    ref = reference_backend.kernels.top_k_top_p_renorm(probs, top_k, top_p)
+    torch.testing.assert_close(_cpu(got), ref, atol=1e-6, rtol=1e-5)
+    _assert_equal(_cpu(got) > 0, ref > 0, "top_k_top_p_renorm support")
+    # Independent hand-computed case.
+    p = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.1, 0.4, 0.2, 0.3], [0.1, 0.4, 0.2, 0.3]])
+    out = reference_backend.kernels.top_k_top_p_renorm(
+        p, torch.tensor([0, 3, 2]), torch.tensor([0.65, 1.0, 0.5])
+    )
+    expected = torch.tensor(
+        [[0.0, 4 / 7, 0.0, 3 / 7], [0.0, 4 / 9, 2 / 9, 3 / 9], [0.0, 1.0, 0.0, 0.0]]
+    )
+    torch.testing.assert_close(out, expected)
+
+
+def test_sample_matches_reference_and_law(backend, reference_backend):
+    g = _gen(SEED + 42)
+    bs, vocab = 20000, 8
+    p = torch.tensor([0.02, 0.3, 0.1, 0.0, 0.18, 0.25, 0.1, 0.05])
+    probs = p.expand(bs, vocab).contiguous()
+    noise = torch.empty(bs, vocab).exponential_(generator=g)
+    got = backend.kernels.sample(_dev(backend, probs), _dev(backend, noise))
+    ref = reference_backend.kernels.sample(probs, noise)
+    _assert_equal(got, ref, "sample")
+    assert _cpu(got).dtype == torch.int64
+    stat, df = _chi_square(torch.bincount(ref, minlength=vocab), p, bs)
+    assert stat < _chi_square_critical(df), f"chi2={stat:.1f} df={df}: sample is not exact"

@@ -1,0 +1,77 @@
+"""End-to-end: greedy speculative decoding emits exactly the tokens of plain greedy decoding.
+
+Runs on tiny random checkpoints built in-process (no downloads), fp32, over a grid of
+algorithm x topk x num_steps x page_size x batch. ``self`` uses the target itself as a
+standalone draft, so that long accepted runs (and the KV compaction of topk > 1 trees) are
+exercised; random heads exercise rejection.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from polyspec.config import SamplingParams, SpeculativeConfig
+from polyspec.testing.plugin import require
+from polyspec.testing.tiny import tiny_models  # noqa: F401  (fixture)
+
+MAX_NEW = 12
+PROMPT_LENS = (3, 9, 17, 5, 26)
+
+
+def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(3, vocab) for _ in range(PROMPT_LENS[i])] for i in range(n)]
+
+
+def _llm(backend_name, tiny, algorithm=None, page_size=1, **spec):
+    from polyspec.engine.llm import LLM
+
+    draft = None
+    speculative = None
+    if algorithm is not None:
+        draft = tiny["target"] if algorithm == "self" else tiny[algorithm]
+        algo = "standalone" if algorithm == "self" else algorithm
+        speculative = SpeculativeConfig(algorithm=algo, **spec)
+    return LLM(
+        target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
+        dtype="float32", page_size=page_size, max_batch_size=5, max_context=256,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(backend_name, tiny_models):  # noqa: F811
+    llm = _llm(backend_name, tiny_models)
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)]
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_steps", [1, 3, 5])
+@pytest.mark.parametrize("topk", [1, 2, 4])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "standalone", "self"])
+def test_spec_greedy_equals_plain_greedy(
+    backend,
+    backend_name,
+    tiny_models,
+    plain_outputs,
+    algorithm,
+    topk,
+    num_steps,
+    page_size,
+    batch,  # noqa: F811
+):
+    require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    require(backend.capabilities.supports_page_size(page_size), f"page_size {page_size}")
+    llm = _llm(
+        backend_name, tiny_models, algorithm, page_size=page_size, topk=topk, num_steps=num_steps
+    )
+    free_before = llm.kv_slots_free
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=_prompts(batch), sampling_params=params)
+    assert [o.token_ids for o in outs] == plain_outputs[:batch]
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    if algorithm == "self":
+        # The target drafting for itself must be accepted (almost) always.
+        assert min(o.stats.mean_acceptance_length for o in outs) > 0.8 * min(num_steps + 1, MAX_NEW)

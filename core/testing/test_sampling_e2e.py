@@ -1,0 +1,160 @@
+"""Speculative sampling is lossless: sampled tokens follow the target's distribution.
+
+The exact distribution of the tokens at generated positions 2..4 is computed by enumerating
+every path the target can take under top-k filtering (k = 3, so at most 27 paths), with the
+backend's own logits. Thousands of seeded speculative runs are then compared with it by a
+chi-square test at significance 0.001 (bins with small expectation merged). A negative
+control shows the same test rejects a wrong distribution at this sample size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from polyspec.config import SamplingParams, SpeculativeConfig
+from polyspec.testing.plugin import require
+from polyspec.testing.tiny import tiny_models  # noqa: F401  (fixture)
+
+PROMPT = [17, 42, 99, 5, 61]
+TOP_K = 3
+TEMPERATURE = 1.3
+POSITIONS = 4  # generated tokens 1..4; positions 2..4 are tested
+NUM_SAMPLES = 1500
+
+
+def _llm(backend_name, tiny, algorithm=None, **spec):
+    from polyspec.engine.llm import LLM
+
+    draft = speculative = None
+    if algorithm is not None:
+        draft = tiny["target"] if algorithm == "self" else tiny[algorithm]
+        algo = "standalone" if algorithm == "self" else algorithm
+        speculative = SpeculativeConfig(algorithm=algo, **spec)
+    return LLM(
+        target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
+        dtype="float32", max_batch_size=64, max_context=64,
+    )  # fmt: skip
+
+
+def _next_probs(llm, ids: list[int], temperature: float = TEMPERATURE) -> torch.Tensor:
+    from polyspec.testing.forward import run_prefill
+
+    _, logits = run_prefill(llm.target, llm.backend, torch.tensor(ids, device=llm.backend.device()))
+    p = torch.softmax(logits[-1].double() / temperature, -1)
+    top = p.topk(TOP_K)
+    out = torch.zeros_like(p)
+    out[top.indices] = top.values / top.values.sum()
+    return out.cpu()
+
+
+def exact_marginals(llm, temperature: float = TEMPERATURE) -> list[dict[int, float]]:
+    """P(token at generated position i = t) for i = 0..POSITIONS-1, by enumerating paths."""
+    marg: list[dict[int, float]] = [Counter() for _ in range(POSITIONS)]
+    frontier = [([], 1.0)]
+    for i in range(POSITIONS):
+        nxt = []
+        for path, pr in frontier:
+            p = _next_probs(llm, PROMPT + path, temperature)
+            for t in p.nonzero().flatten().tolist():
+                marg[i][t] += pr * float(p[t])
+                nxt.append((path + [t], pr * float(p[t])))
+        frontier = nxt
+    return marg
+
+
+def chi_square_rejects(counts: Counter, probs: dict[int, float], n: int) -> tuple[bool, str]:
+    """Chi-square goodness of fit at alpha = 0.001 (Wilson-Hilferty quantile), merging bins
+    whose expected count is below 5 into one."""
+    bins, merged_obs, merged_exp = [], 0.0, 0.0
+    for t, p in probs.items():
+        if p * n >= 5:
+            bins.append((counts.get(t, 0), p * n))
+        else:
+            merged_obs += counts.get(t, 0)
+            merged_exp += p * n
+    outside = sum(c for t, c in counts.items() if t not in probs)
+    merged_obs += outside
+    if merged_exp > 0 or outside:
+        bins.append((merged_obs, max(merged_exp, 1e-9)))
+    stat = sum((o - e) ** 2 / e for o, e in bins)
+    df = max(len(bins) - 1, 1)
+    z = 3.0902  # one-sided 0.999 normal quantile
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > crit, f"chi2 = {stat:.1f}, critical value {crit:.1f} (df {df}, n {n})"
+
+
+def _sample_counts(llm, n: int, seed0: int = 0) -> list[Counter]:
+    params = [
+        SamplingParams(max_new_tokens=POSITIONS, temperature=TEMPERATURE, top_k=TOP_K,
+                       seed=seed0 + i, ignore_eos=True)
+        for i in range(n)
+    ]  # fmt: skip
+    outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=params)
+    counts = [Counter() for _ in range(POSITIONS)]
+    for o in outs:
+        assert len(o.token_ids) == POSITIONS
+        for i, t in enumerate(o.token_ids):
+            counts[i][t] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def exact(backend_name, tiny_models):  # noqa: F811
+    return exact_marginals(_llm(backend_name, tiny_models))
+
+
+@pytest.mark.parametrize(
+    "algorithm,topk,num_steps", [("self", 1, 3), ("eagle3", 2, 3), ("self", 2, 3)]
+)
+def test_speculative_sampling_matches_target(
+    backend, backend_name, tiny_models, exact, algorithm, topk, num_steps  # noqa: F811
+):
+    require(backend.capabilities.sampling_verify, "sampling_verify")
+    require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    llm = _llm(backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps)
+    counts = _sample_counts(llm, NUM_SAMPLES)
+    for i in range(1, POSITIONS):
+        rejected, msg = chi_square_rejects(counts[i], exact[i], NUM_SAMPLES)
+        assert not rejected, f"generated position {i + 1}: {msg}"
+
+
+def test_chi_square_detects_a_wrong_distribution(backend_name, tiny_models, exact):  # noqa: F811
+    """Negative control: the exact marginals at another temperature are rejected."""
+    wrong = exact_marginals(_llm(backend_name, tiny_models), temperature=0.6)
+    n = NUM_SAMPLES
+    for i in range(1, POSITIONS):
+        expected_counts = Counter({t: round(p * n) for t, p in wrong[i].items()})
+        rejected, msg = chi_square_rejects(expected_counts, exact[i], n)
+        assert rejected, f"position {i + 1}: a wrong distribution was accepted ({msg})"
+
+
+def test_sampling_determinism_and_greedy_limits(backend_name, tiny_models):  # noqa: F811
+    spec = _llm(backend_name, tiny_models, "self", topk=2, num_steps=3)
+    plain = _llm(backend_name, tiny_models)
+    prompts = [PROMPT, PROMPT[:3], [7, 8, 9, 10, 11, 12, 13]]
+    greedy = [o.token_ids for o in plain.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(max_new_tokens=10, ignore_eos=True))]  # fmt: skip
+
+    def run(llm, **kw):
+        p = SamplingParams(max_new_tokens=10, ignore_eos=True, **kw)
+        return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=p)]
+
+    # same seed, same output (and independent of what else is in the batch)
+    a = run(spec, temperature=1.0, seed=5)
+    assert a == run(spec, temperature=1.0, seed=5)
+    alone = spec.generate(prompt_token_ids=[prompts[1]], sampling_params=SamplingParams(
+        max_new_tokens=10, ignore_eos=True, temperature=1.0, seed=5))[0].token_ids  # fmt: skip
+    assert alone == a[1]
+    # top_k = 1 and a vanishing temperature are greedy
+    assert run(spec, temperature=1.0, top_k=1, seed=3) == greedy
+    assert run(spec, temperature=1e-5, seed=3) == greedy
+    # greedy and sampled requests mixed in one batch: the greedy ones stay greedy
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=1.0, seed=1),
+              SamplingParams(max_new_tokens=10, ignore_eos=True)]  # fmt: skip
+    mixed = [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert mixed[0] == greedy[0] and mixed[2] == greedy[2]

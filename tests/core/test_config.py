@@ -1,0 +1,285 @@
+"""Config dataclasses and the file / env / CLI layering (polyspec.config)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from polyspec.config import (
+    EngineConfig,
+    SamplingParams,
+    SpeculativeConfig,
+    cli_keys,
+    load_config,
+)
+from polyspec.errors import ConfigError, PolyspecError
+
+
+@pytest.fixture(autouse=True)
+def _no_polyspec_toml_in_cwd(tmp_path, monkeypatch):
+    """load_config reads ./polyspec.toml: run every test in an empty folder."""
+    monkeypatch.chdir(tmp_path)
+
+
+# -- SpeculativeConfig ---------------------------------------------------------------------
+
+
+def test_chain_default_num_draft_tokens_is_num_steps_plus_one():
+    spec = SpeculativeConfig(algorithm="eagle", num_steps=5)
+    assert spec.num_draft_tokens == 6 and spec.is_chain
+
+
+@pytest.mark.parametrize(
+    ("steps", "topk", "expected"), [(1, 2, 3), (1, 4, 5), (3, 2, 8), (2, 8, 8)]
+)
+def test_tree_default_num_draft_tokens(steps, topk, expected):
+    assert SpeculativeConfig("eagle3", num_steps=steps, topk=topk).num_draft_tokens == expected
+
+
+@given(
+    steps=st.integers(1, 8),
+    topk=st.integers(1, 8),
+    n=st.one_of(st.none(), st.integers(-2, 600)),
+)
+def test_speculative_validation_accepts_exactly_the_valid_trees(steps, topk, n):
+    max_nodes = topk + (steps - 1) * topk**2 + 1
+    if n is None:
+        valid = True
+    elif topk == 1:
+        valid = n == steps + 1
+    else:
+        valid = 2 <= n <= max_nodes
+    if valid:
+        spec = SpeculativeConfig("eagle", num_steps=steps, topk=topk, num_draft_tokens=n)
+        assert isinstance(spec.num_draft_tokens, int)
+        assert 2 <= spec.num_draft_tokens <= max_nodes
+    else:
+        with pytest.raises(ConfigError, match="speculative.num_draft_tokens"):
+            SpeculativeConfig("eagle", num_steps=steps, topk=topk, num_draft_tokens=n)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"algorithm": "medusa"}, r"speculative.algorithm = 'medusa'.*'eagle', 'eagle3'"),
+        ({"algorithm": "eagle", "num_steps": 0}, r"num_steps = 0 .*from 1 to 8"),
+        ({"algorithm": "eagle", "num_steps": 9}, r"num_steps = 9 .*from 1 to 8"),
+        ({"algorithm": "eagle", "topk": 9}, r"topk = 9 .*from 1 to 8"),
+        ({"algorithm": "eagle", "topk": True}, r"topk = True"),
+        ({"algorithm": "eagle", "num_steps": 3, "num_draft_tokens": 6}, r"chain.*= 4"),
+        ({"algorithm": "eagle", "num_steps": 2, "topk": 2, "num_draft_tokens": 8}, r"from 2 to 7"),
+    ],
+)
+def test_speculative_errors_name_key_value_and_allowed(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        SpeculativeConfig(**kwargs)
+
+
+def test_configs_are_frozen():
+    spec = SpeculativeConfig("eagle")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.topk = 2  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EngineConfig().page_size = 4  # type: ignore[misc]
+
+
+# -- SamplingParams ------------------------------------------------------------------------
+
+
+def test_sampling_normalises_stop_and_numbers():
+    params = SamplingParams(stop="###", stop_token_ids=[2, 3], temperature=1, top_p=1)
+    assert params.stop == ("###",) and params.stop_token_ids == (2, 3)
+    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams().greedy and not params.greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_new_tokens": 0}, r"sampling.max_new_tokens = 0 .*>= 1"),
+        ({"temperature": -0.5}, r"sampling.temperature = -0.5"),
+        ({"temperature": float("nan")}, r"sampling.temperature"),
+        ({"top_k": -1}, r"sampling.top_k = -1 .*>= 0"),
+        ({"top_p": 0.0}, r"sampling.top_p = 0.0 .*\(0, 1\]"),
+        ({"top_p": 1.5}, r"sampling.top_p"),
+        ({"stop": ["ok", ""]}, r"sampling.stop"),
+        ({"stop_token_ids": [1, -2]}, r"sampling.stop_token_ids"),
+        ({"ignore_eos": "yes"}, r"sampling.ignore_eos"),
+        ({"seed": -1}, r"sampling.seed"),
+    ],
+)
+def test_sampling_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        SamplingParams(**kwargs)
+
+
+# -- EngineConfig --------------------------------------------------------------------------
+
+
+def test_engine_defaults():
+    cfg = EngineConfig()
+    assert (cfg.dtype, cfg.page_size, cfg.max_batch_size, cfg.max_context) == ("auto", 1, 8, 4096)
+    assert cfg.speculative is None and cfg.backend is None and cfg.num_kv_slots is None
+    assert (cfg.max_tokens_per_step, cfg.prefill_chunk_size, cfg.seed) == (2048, 512, 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": "fp8"}, r"dtype = 'fp8' .*'auto', 'float32', 'bfloat16', 'float16'"),
+        ({"page_size": 0}, r"page_size = 0"),
+        ({"num_kv_slots": 100, "page_size": 16}, r"multiple of page_size = 16"),
+        ({"prefill_chunk_size": 4096}, r"prefill_chunk_size = 4096 .*from 1 to 2048"),
+        ({"draft": "head/"}, r"draft = 'head/' .*speculative algorithm"),
+        ({"speculative": SpeculativeConfig("standalone")}, r"'standalone' needs a draft"),
+        ({"backend": ""}, r"backend = ''"),
+    ],
+)
+def test_engine_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_engine_accepts_a_speculative_mapping():
+    cfg = EngineConfig(speculative={"algorithm": "eagle3", "topk": 2})
+    assert cfg.speculative == SpeculativeConfig("eagle3", topk=2)
+
+
+# -- load_config ---------------------------------------------------------------------------
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "cfg.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_any_source():
+    assert load_config(env={}) == (EngineConfig(), SamplingParams())
+
+
+def test_precedence_cli_over_env_over_file(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        max_batch_size = 2
+        page_size = 4
+        dtype = "bfloat16"
+        [speculative]
+        algorithm = "eagle"
+        num_steps = 2
+        topk = 2
+        [sampling]
+        temperature = 0.5
+        top_p = 0.9
+        """.replace("\n        ", "\n"),
+    )
+    env = {
+        "POLYSPEC_MAX_BATCH_SIZE": "3",
+        "POLYSPEC_PAGE_SIZE": "8",
+        "POLYSPEC_SPECULATIVE_NUM_STEPS": "4",
+        "POLYSPEC_SAMPLING_TOP_P": "0.8",
+    }
+    cli = {"max_batch_size": 5, "num_steps": None, "topk": 3, "temperature": 0.7}
+    engine, sampling = load_config(cli=cli, config_file=path, env=env)
+    assert engine.max_batch_size == 5  # cli
+    assert engine.page_size == 8  # env
+    assert engine.dtype == "bfloat16"  # file
+    assert engine.speculative == SpeculativeConfig("eagle", num_steps=4, topk=3)
+    assert sampling.temperature == 0.7 and sampling.top_p == 0.8
+
+
+def test_backend_from_file_beats_env_but_env_fills_in(tmp_path):
+    path = _write(tmp_path, 'backend = "cpu"\n')
+    env = {"POLYSPEC_BACKEND": "example"}
+    assert load_config(config_file=path, env=env)[0].backend == "cpu"
+    assert load_config(cli={"backend": "x"}, config_file=path, env=env)[0].backend == "x"
+    empty = _write(tmp_path, "")
+    assert load_config(config_file=empty, env=env)[0].backend == "example"
+
+
+def test_polyspec_toml_in_working_directory_and_polyspec_config(tmp_path):
+    (tmp_path / "polyspec.toml").write_text("max_context = 1024\n")
+    assert load_config(env={})[0].max_context == 1024
+    other = tmp_path / "other.toml"
+    other.write_text("max_context = 512\n")
+    assert load_config(env={"POLYSPEC_CONFIG": str(other)})[0].max_context == 512
+    assert load_config(config_file=other, env={})[0].max_context == 512
+
+
+def test_prefixed_cli_keys_and_seeds():
+    engine, sampling = load_config(
+        cli={"speculative_algorithm": "eagle3", "seed": 7, "sampling_seed": 9}, env={}
+    )
+    assert engine.speculative.algorithm == "eagle3"
+    assert engine.seed == 7 and sampling.seed == 9
+    assert {"num_steps", "speculative_topk", "sampling_seed", "max_new_tokens"} <= cli_keys()
+
+
+def test_env_values_are_parsed_per_type():
+    env = {
+        "POLYSPEC_NUM_KV_SLOTS": "none",
+        "POLYSPEC_SAMPLING_IGNORE_EOS": "true",
+        "POLYSPEC_SAMPLING_STOP": '["a", "b"]',
+        "POLYSPEC_SAMPLING_STOP_TOKEN_IDS": "1, 2",
+        "POLYSPEC_TARGET": "/models/x",
+        "POLYSPEC_PLUGINS": "cpu",  # belongs to plugin discovery: ignored here
+        "POLYSPEC_MAX_CONTEXT": "",  # empty: unset
+    }
+    engine, sampling = load_config(env=env)
+    assert engine.num_kv_slots is None and engine.target == "/models/x"
+    assert engine.max_context == 4096
+    assert sampling.ignore_eos is True
+    assert sampling.stop == ("a", "b") and sampling.stop_token_ids == (1, 2)
+
+
+def test_algorithm_none_turns_speculation_off(tmp_path):
+    path = _write(tmp_path, 'draft = "head"\n[speculative]\nalgorithm = "eagle"\n')
+    assert load_config(config_file=path, env={})[0].speculative.algorithm == "eagle"
+    engine, _ = load_config(cli={"algorithm": "none"}, config_file=path, env={})
+    assert engine.speculative is None and engine.draft is None
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("max_batch = 4\n", r"unknown key 'max_batch' \(value 4\).*max_batch_size"),
+        ("[speculative]\nalgorithm = 'eagle'\ndepth = 3\n", r"'speculative.depth'.*num_steps"),
+        ("[sampling]\ntemp = 1.0\n", r"'sampling.temp'.*temperature"),
+        ("speculative = 3\n", r"must be a table"),
+        ("page_size = '4'\n", r"page_size = '4' is invalid.*integer.*config file"),
+        ("[speculative]\ntopk = 2\n", r"speculative.algorithm = None.*topk.*'eagle'"),
+        ("max_context = [\n", r"not valid TOML"),
+    ],
+)
+def test_file_errors(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(config_file=_write(tmp_path, text), env={})
+
+
+def test_env_and_cli_errors_say_where_the_value_came_from():
+    with pytest.raises(ConfigError, match=r"POLYSPEC_MAX_BATCH_SIZE = 'lots'.*integer"):
+        load_config(env={"POLYSPEC_MAX_BATCH_SIZE": "lots"})
+    with pytest.raises(ConfigError, match=r"unknown environment variable POLYSPEC_SAMPLING_TEMP"):
+        load_config(env={"POLYSPEC_SAMPLING_TEMP": "1"})
+    with pytest.raises(
+        ConfigError, match=r"page_size = 0 .*\(set by environment POLYSPEC_PAGE_SIZE\)"
+    ):
+        load_config(env={"POLYSPEC_PAGE_SIZE": "0"})
+    with pytest.raises(ConfigError, match=r"topk = 12 .*\(set by command line --topk\)"):
+        load_config(cli={"algorithm": "eagle", "topk": 12}, env={})
+    with pytest.raises(ConfigError, match=r"unknown option 'prompt'"):
+        load_config(cli={"prompt": "hi"}, env={})
+
+
+def test_missing_config_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(config_file=tmp_path / "nope.toml", env={})
+
+
+def test_config_error_is_a_value_error_and_a_polyspec_error():
+    assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, PolyspecError)

@@ -1,0 +1,1 @@
+"""A deliberately broken polyspec plugin: discovery must report it and carry on."""

@@ -1,0 +1,1 @@
+"""Example polyspec backend plugin (backend name ``example``)."""

@@ -307,7 +307,11 @@ class Backend(abc.ABC):
 
     def device(self, rank: int = 0) -> torch.device:
         """The torch device of local rank ``rank``."""
-        return torch.device(self.device_type, rank) if self.device_type != "cpu" else torch.device("cpu")
+        return (
+            torch.device(self.device_type, rank)
+            if self.device_type != "cpu"
+            else torch.device("cpu")
+        )
 
     def synchronize(self) -> None:
         """Wait for queued device work (timing); a no-op on synchronous devices."""

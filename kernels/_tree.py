@@ -12,6 +12,7 @@ Notation: ``bs`` requests, ``K`` topk, ``S`` num_steps, ``N`` num_draft_tokens (
 from __future__ import annotations
 
 import torch
+
 from polyspec.backend import TreeMaskMode
 
 TreeLevel = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from polyspec.backend import TreeMaskMode
 from polyspec.kernels._tree import (
     build_tree,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
 from polyspec.backend import KVAllocator
 
 

@@ -29,6 +29,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+
 from polyspec.backend import AttentionBackend, AttentionMetadata, ForwardBatch, ForwardMode
 
 from .kv_pool import TensorKVPool, write_kv

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from polyspec.backend import Backend, BackendCapabilities, KernelSet, TreeMaskMode
 
 from .allocator import PagedAllocator

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
 from polyspec.backend import GraphRunner
 
 

@@ -8,6 +8,7 @@ contiguous ``[num_slots, Hkv, D]`` view.
 from __future__ import annotations
 
 import torch
+
 from polyspec.backend import KVPool
 
 

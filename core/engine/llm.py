@@ -7,8 +7,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
-
 from polyspec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from polyspec.engine.defaults import default_target_path, shipped_head_path
 from polyspec.engine.request import Request, RequestOutput, RequestStats
@@ -90,7 +88,9 @@ class LLM:
                         "(--draft), or leave speculative unset for plain decoding"
                     )
             self.draft_path = Path(draft_path)
-            draft = load_draft(self.draft_path, self.target, spec.algorithm, self.backend, self.dtype)
+            draft = load_draft(
+                self.draft_path, self.target, spec.algorithm, self.backend, self.dtype
+            )
             if spec.algorithm == "standalone":
                 from polyspec.spec.standalone import StandaloneDraft
 
@@ -152,9 +152,7 @@ class LLM:
             raise ConfigError(
                 f"{len(params)} sampling_params for {len(ids)} prompts: give one, or one per prompt"
             )
-        reqs = [
-            Request(next(self._ids), t, i, p) for t, i, p in zip(texts, ids, params)
-        ]
+        reqs = [Request(next(self._ids), t, i, p) for t, i, p in zip(texts, ids, params)]
         return self._run(reqs, progress)
 
     def chat(
@@ -171,8 +169,10 @@ class LLM:
             convs = [list(messages)]
         else:
             convs = [list(c) for c in messages]
-        ids = [self.tokenizer.apply_chat_template(c) for c in convs]
-        outs = self.generate(prompt_token_ids=ids, sampling_params=sampling_params, progress=progress)
+        ids = [self.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
+        outs = self.generate(
+            prompt_token_ids=ids, sampling_params=sampling_params, progress=progress
+        )
         for o, c in zip(outs, convs):
             o.prompt = c[-1]["content"]
         return outs

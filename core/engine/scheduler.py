@@ -64,7 +64,9 @@ class Scheduler:
             self.waiting.popleft()
             p = req.params
             seed = p.seed if p.seed is not None else self.config.seed * 1_000_003 + req.rid
-            sampler = RequestSampler.create(p.temperature, p.top_k, p.top_p, seed, self.worker.device)
+            sampler = RequestSampler.create(
+                p.temperature, p.top_k, p.top_p, seed, self.worker.device
+            )
             self.worker.add_request(req.rid, req.prompt_ids, sampler)
             self.reserved[req.rid] = need
             self.prefilling.append(req)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from polyspec.backend import AttentionBackend, AttentionMetadata, KernelSet
 from polyspec.model.config import ModelConfig
 from polyspec.model.llama import CausalLM, DecoderLayer, _param
-from torch import nn
 
 
 class DraftHead(nn.Module):

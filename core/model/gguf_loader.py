@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig, config_from_gguf
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from polyspec.errors import ModelLoadError
 
 _ST_DTYPE_BYTES = {

@@ -15,11 +15,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from polyspec.backend import AttentionBackend, AttentionMetadata, KernelSet
 from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig
 from polyspec.model.rope import cos_sin_cache
-from torch import nn
 
 Getter = Callable[[str], torch.Tensor]
 """``get(name)`` returns the named checkpoint tensor or raises ModelLoadError naming it."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from polyspec.backend import Backend
 from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig, config_from_hf

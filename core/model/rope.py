@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
 from polyspec.errors import ModelLoadError
 from polyspec.model.config import DEFAULT_ROPE_THETA
 

@@ -40,7 +40,9 @@ class BatchBuilder:
         )
         return out
 
-    def extend_positions(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> torch.Tensor:
+    def extend_positions(
+        self, prefix_lens: Sequence[int], extend_lens: Sequence[int]
+    ) -> torch.Tensor:
         if len(prefix_lens) == 1:
             p = prefix_lens[0]
             return torch.arange(p, p + extend_lens[0], dtype=torch.int64, device=self.device)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from polyspec.backend import KVAllocator, KernelSet
+from polyspec.backend import KernelSet, KVAllocator
 from polyspec.errors import PolyspecError
 from polyspec.runtime.req_pool import ReqToTokenPool
 

@@ -36,11 +36,15 @@ class ModelRunner:
     def forward_target(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (final normed hidden [T, H], captured aux hidden [T, A*H] or None)."""
         metadata = self.attn.build_metadata(batch)
-        return self.model(batch.input_ids, batch.positions, self.attn, metadata, self.capture_layers)
+        return self.model(
+            batch.input_ids, batch.positions, self.attn, metadata, self.capture_layers
+        )
 
     @torch.inference_mode()
     def forward_draft(
-        self, batch: ForwardBatch, features: torch.Tensor  # [T, F]
+        self,
+        batch: ForwardBatch,
+        features: torch.Tensor,  # [T, F]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logit hidden [T, H], next feature [T, H])."""
         metadata = self.attn.build_metadata(batch)

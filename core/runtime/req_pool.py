@@ -14,7 +14,9 @@ class ReqToTokenPool:
     Unused entries hold 0, the reserved padding slot, so a padded read never leaves the pool.
     """
 
-    def __init__(self, max_requests: int, max_context: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, max_requests: int, max_context: int, device: torch.device, dtype: torch.dtype
+    ):
         self.max_requests = max_requests
         self.max_context = max_context
         self.req_to_token = torch.zeros(max_requests, max_context, dtype=dtype, device=device)

@@ -63,8 +63,12 @@ class SamplingBatch:
             self.temperature = torch.tensor(temps, device=device).repeat_interleave(r)
             self.greedy_mask = torch.tensor([s.greedy for s in samplers], device=device)
             self.greedy_mask = self.greedy_mask.repeat_interleave(r)
-            self.top_k = torch.tensor([s.top_k for s in samplers], device=device).repeat_interleave(r)
-            self.top_p = torch.tensor([s.top_p for s in samplers], device=device).repeat_interleave(r)
+            self.top_k = torch.tensor([s.top_k for s in samplers], device=device).repeat_interleave(
+                r
+            )
+            self.top_p = torch.tensor([s.top_p for s in samplers], device=device).repeat_interleave(
+                r
+            )
 
     def probs(self, logits: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
         """Target distribution after temperature, top-k and top-p: [n, V] fp32. Greedy rows

@@ -79,7 +79,9 @@ class WorkerBase:
         self.target = target
         self.num_kv_slots = num_kv_slots
         self.allocator = backend.make_allocator(num_kv_slots, page_size)
-        self.req_pool = ReqToTokenPool(max_batch_size, max_context, self.device, backend.index_dtype)
+        self.req_pool = ReqToTokenPool(
+            max_batch_size, max_context, self.device, backend.index_dtype
+        )
         self.kv = KVCacheManager(self.allocator, self.req_pool, self.kernels)
         self.builder = BatchBuilder(backend, self.req_pool)
         self.target_runner = ModelRunner(target, backend, num_kv_slots, dtype, capture_layers)
@@ -112,9 +114,7 @@ class WorkerBase:
         lens = [e - s for s, e in zip(starts, ends)]
         self.kv.ensure(rows, list(ends))
         ids = [t for s, e in zip(sts, ends) for t in s.prompt[s.prefilled : e]]
-        batch = self.builder.build(
-            ForwardMode.EXTEND, rows, starts, lens, self.builder.long(ids)
-        )
+        batch = self.builder.build(ForwardMode.EXTEND, rows, starts, lens, self.builder.long(ids))
         hidden, aux = self.target_runner.forward_target(batch)
         for s, e in zip(sts, ends):
             s.prefilled = e

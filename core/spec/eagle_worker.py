@@ -30,7 +30,11 @@ class EagleWorker(WorkerBase):
         super().__init__(backend, target, dtype, capture_layers=tuple(draft.aux_layer_ids), **kw)
         self.draft = draft
         self.spec = spec
-        self.topk, self.num_steps, self.num_draft_tokens = spec.topk, spec.num_steps, spec.num_draft_tokens
+        self.topk, self.num_steps, self.num_draft_tokens = (
+            spec.topk,
+            spec.num_steps,
+            spec.num_draft_tokens,
+        )
         ps = self.page_size
         # Each lane holds the prefix's partial last page (copied) plus its draft tokens.
         self.lane_width = self.num_steps if ps == 1 else ps * -(-(ps - 1 + self.num_steps) // ps)
@@ -64,7 +68,9 @@ class EagleWorker(WorkerBase):
         )
         logit_h, next_feat = self.draft_runner.forward_draft(batch, aux if self.use_aux else hidden)
         if done and not self.root_forward:
-            self._store_draft_view([sts[i] for i in done], logit_h[last[done]], next_feat[last[done]])
+            self._store_draft_view(
+                [sts[i] for i in done], logit_h[last[done]], next_feat[last[done]]
+            )
         return first
 
     def _store_draft_view(self, sts: list[SeqState], logit_h, next_feat) -> None:

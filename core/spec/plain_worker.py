@@ -38,7 +38,9 @@ class PlainWorker(WorkerBase):
         hidden, _ = self.target_runner.forward_target(batch)
         logits = self.target.compute_logits(hidden)
         self.timer.lap("target")
-        tokens = SamplingBatch([s.sampler for s in sts], 1, self.device).sample(logits, self.kernels)
+        tokens = SamplingBatch([s.sampler for s in sts], 1, self.device).sample(
+            logits, self.kernels
+        )
         tokens = tokens.tolist()
         for s, t in zip(sts, tokens):
             s.seq_len += 1

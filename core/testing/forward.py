@@ -7,6 +7,7 @@ attention, so model tests need nothing from ``polyspec.runtime``.
 from __future__ import annotations
 
 import torch
+
 from polyspec.backend import AttentionMetadata, Backend, ForwardBatch, ForwardMode
 from polyspec.model.llama import CausalLM
 

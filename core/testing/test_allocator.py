@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from polyspec.testing.plugin import require
 
 NUM_PAGES = 12

@@ -13,6 +13,7 @@ import zlib
 
 import pytest
 import torch
+
 from polyspec.backend import Backend, ForwardBatch, ForwardMode
 from polyspec.testing.plugin import require
 

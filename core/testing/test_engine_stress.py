@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from polyspec.config import SamplingParams, SpeculativeConfig
 from polyspec.testing.plugin import require
 from polyspec.testing.tiny import tiny_models  # noqa: F401  (fixture)

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from polyspec.backend import TreeMaskMode
 
 SEED = 20240611

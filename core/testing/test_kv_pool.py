@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from polyspec.testing.plugin import require
 
 NUM_SLOTS, NUM_LAYERS, HKV, HEAD_DIM = 40, 3, 2, 8

@@ -111,7 +111,13 @@ def exact(backend_name, tiny_models):  # noqa: F811
     "algorithm,topk,num_steps", [("self", 1, 3), ("eagle3", 2, 3), ("self", 2, 3)]
 )
 def test_speculative_sampling_matches_target(
-    backend, backend_name, tiny_models, exact, algorithm, topk, num_steps  # noqa: F811
+    backend,
+    backend_name,
+    tiny_models,
+    exact,
+    algorithm,
+    topk,
+    num_steps,  # noqa: F811
 ):
     require(backend.capabilities.sampling_verify, "sampling_verify")
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from polyspec.backend import KernelSet, TreeMaskMode
 
 FUZZ = settings(

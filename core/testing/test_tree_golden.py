@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from polyspec.backend import TreeMaskMode
 
 

@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from polyspec.errors import ModelLoadError
 from polyspec.model import CausalLM, DraftHead, load_draft, load_target
 from polyspec.testing.builders import (
@@ -16,7 +18,6 @@ from polyspec.testing.builders import (
     build_tiny_target,
 )
 from polyspec.testing.forward import SingleRequest, run_prefill
-from safetensors.torch import load_file, save_file
 
 
 @pytest.fixture(scope="module")
@@ -358,3 +359,19 @@ def test_standalone_draft(target_dir, target, cpu, tmp_path):
     other = build_tiny_target(tmp_path / "other", vocab_size=320)
     with pytest.raises(ModelLoadError, match="vocabulary size 320"):
         load_draft(other, target, "standalone", cpu)
+
+
+def test_eagle1_hot_token_map(target_dir, target, cpu, tmp_path):
+    path = build_tiny_eagle(tmp_path / "eagle", target_dir)
+    hot = torch.tensor([2, 5, 7, 11, 50, 120, 299])
+    torch.save(hot, tmp_path / "hot.pt")
+    head = load_draft(path, target, "eagle", cpu, token_map=tmp_path / "hot.pt")
+    assert head.draft_vocab_size == 7
+    logit_hidden, _ = _run_head(head, cpu, torch.arange(4), torch.randn(4, 64))
+    _, idx = head.topk(logit_hidden, 3)
+    assert set(idx.flatten().tolist()) <= set(hot.tolist())
+    probs = head.probs(logit_hidden)
+    assert torch.allclose(probs[:, hot].sum(-1), torch.ones(4))
+    torch.save(torch.tensor([1, 300]), tmp_path / "bad.pt")
+    with pytest.raises(ModelLoadError, match="must map to target ids in 0..299"):
+        load_draft(path, target, "eagle", cpu, token_map=tmp_path / "bad.pt")

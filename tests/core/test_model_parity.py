@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+
 from polyspec.model import load_target
 from polyspec.testing.forward import SingleRequest, run_prefill
 
@@ -143,10 +144,11 @@ def smollm2_hf():
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     import gguf
 
-    # transformers rebuilds gguf's tensor-name map once per tensor (~30 ms each, 270 times);
-    # caching it changes nothing but the time.
+    # transformers parses the file twice (config, then weights) and rebuilds gguf's tensor-name
+    # map once per tensor (~30 ms each, 270 times); caching both changes nothing but the time.
     mp = pytest.MonkeyPatch()
     mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(None)(gguf.get_tensor_name_map))
+    mp.setattr(gguf, "GGUFReader", functools.lru_cache(None)(gguf.GGUFReader))
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32

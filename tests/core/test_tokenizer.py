@@ -6,6 +6,7 @@ import importlib.util
 import os
 
 import pytest
+
 from polyspec.errors import ModelLoadError
 from polyspec.model import Tokenizer, load_tokenizer
 from polyspec.testing.builders import build_tiny_target

@@ -1,0 +1,65 @@
+"""``--plot``: a PNG with the acceptance-length histogram and the throughput / speedup bars."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from polyspec.errors import ConfigError
+
+
+def require_matplotlib() -> None:
+    """Raise a :class:`ConfigError` saying how to get matplotlib when it is missing (checked
+    before the benchmark runs, so that a long run is not lost at the end)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "--plot needs matplotlib, which is not installed: `pip install matplotlib`, or drop "
+            "--plot (the --json report holds the same numbers)"
+        ) from None
+
+
+def write_plot(report: Mapping[str, Any], path: str | Path) -> None:
+    """Left: rounds per acceptance length (the speculative system; empty when it did not run).
+    Right: tokens/s per system, each bar labelled with its speedup over transformers (or over
+    plain decoding when the baseline was skipped)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot's import
+    import matplotlib.pyplot as plt
+
+    fig, (ax_hist, ax_tps) = plt.subplots(1, 2, figsize=(10, 4))
+    spec = report["systems"].get("spec")
+    if spec:
+        hist = spec["acceptance_length_histogram"]
+        lengths = [int(k) for k in hist]
+        ax_hist.bar(lengths, [hist[str(k)] for k in lengths], color="tab:blue")
+        ax_hist.set_xticks(lengths)
+        ax_hist.set_title(f"acceptance length (mean {spec['mean_acceptance_length']:.2f})")
+    else:
+        ax_hist.text(0.5, 0.5, "speculative decoding not run", ha="center", va="center")
+        ax_hist.set_title("acceptance length")
+    ax_hist.set_xlabel("tokens committed per round")
+    ax_hist.set_ylabel("rounds")
+
+    systems = report["systems"]
+    names = list(systems)
+    tps = [systems[n]["tokens_per_s"] for n in names]
+    base_name = "transformers" if "transformers" in systems else "plain"
+    base = systems.get(base_name, {}).get("tokens_per_s") or 0.0
+    bars = ax_tps.bar(names, tps, color=["tab:gray", "tab:green", "tab:orange"][: len(names)])
+    for bar, value in zip(bars, tps):
+        label = f"{value / base:.2f}x" if base > 0 else f"{value:.1f}"
+        ax_tps.annotate(label, (bar.get_x() + bar.get_width() / 2, value), ha="center",
+                        va="bottom")  # fmt: skip
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_title(f"throughput (labels: speedup over {base_name})")
+    fig.suptitle(report["command"], fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,97 @@
+"""Time one polyspec engine (plain or speculative) over a prompt set."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from polyspec.config import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemResult:
+    """What one system produced over the whole prompt set, and how fast."""
+
+    name: str
+    num_tokens: int  # generated tokens over all prompts
+    wall_s: float  # wall time of the whole set (warm-up excluded)
+    outputs: list[list[int]]  # generated ids per prompt, in input order
+    accepted_per_request: list[list[int]] = dataclasses.field(default_factory=list)
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.num_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def progress_bar(name: str, total: int, enabled: bool = True):
+    """A tqdm bar over prompts (on stderr), or a no-op object when disabled or tqdm is absent."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency, but a missing bar must not stop a benchmark
+        enabled = False
+    if not enabled:
+        return _NoBar()
+    return tqdm(total=total, desc=name, unit="prompt", leave=True, dynamic_ncols=True)
+
+
+class _NoBar:
+    """The part of tqdm's interface the benchmark uses, doing nothing."""
+
+    n = 0
+
+    def update(self, n: int = 1) -> None:
+        """Ignore progress."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def run_polyspec(
+    llm,
+    name: str,
+    prompt_ids: Sequence[Sequence[int]],
+    sampling: SamplingParams,
+    progress: bool = True,
+    phase_times: bool = True,
+    warmup: bool = True,
+) -> SystemResult:
+    """Warm ``llm`` (a :class:`polyspec.LLM`) up on the first prompt, untimed, then time
+    ``llm.generate`` over all prompts at once (the engine batches up to its max_batch_size).
+
+    ``phase_times`` turns the worker's :class:`PhaseTimer` on for the timed run; it
+    synchronises the device at each phase boundary (free on CPU, a small cost on GPUs)."""
+    if warmup:
+        llm.generate(prompt_token_ids=[list(prompt_ids[0])], sampling_params=sampling)
+    timer = llm.worker.timer
+    timer.seconds.clear()
+    timer.enabled = phase_times
+    bar = progress_bar(name, len(prompt_ids), progress)
+
+    def update(done: int, _total: int) -> None:
+        bar.update(done - bar.n)
+
+    sync = llm.backend.synchronize
+    try:
+        sync()
+        t0 = time.perf_counter()
+        outs = llm.generate(
+            prompt_token_ids=[list(p) for p in prompt_ids],
+            sampling_params=sampling,
+            progress=update,
+        )
+        sync()
+        wall = time.perf_counter() - t0
+    finally:
+        timer.enabled = False
+        bar.close()
+    return SystemResult(
+        name=name,
+        num_tokens=sum(len(o.token_ids) for o in outs),
+        wall_s=wall,
+        outputs=[list(o.token_ids) for o in outs],
+        accepted_per_request=[list(o.stats.accepted_per_round) for o in outs],
+        phase_seconds=dict(timer.seconds),
+    )

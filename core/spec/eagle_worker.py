@@ -211,7 +211,7 @@ class EagleWorker(WorkerBase):
 
         Returns (parent_list [bs, K*(S-1)+1], top_scores_index [bs, N-1], draft_tokens [bs, N-1])."""
         bs, K, S, ps = len(sts), self.topk, self.num_steps, self.page_size
-        dev, kernels = self.device, self.kernels
+        kernels = self.kernels
         topk_p = torch.stack([s.topk_p for s in sts])  # [bs, K]
         topk_index = torch.stack([s.topk_index for s in sts])  # [bs, K]
         hidden = torch.stack([s.draft_feature for s in sts])  # [bs, H]

@@ -9,7 +9,6 @@ import pytest
 
 from polyspec.config import SamplingParams, SpeculativeConfig
 from polyspec.testing.plugin import require
-from polyspec.testing.tiny import tiny_models  # noqa: F401  (fixture)
 
 
 def _mixed_requests(n: int, seed: int = 7):
@@ -26,7 +25,7 @@ def _mixed_requests(n: int, seed: int = 7):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_hundreds_of_mixed_requests_no_leak(backend, backend_name, tiny_models, page_size):  # noqa: F811
+def test_hundreds_of_mixed_requests_no_leak(backend, backend_name, tiny_models, page_size):
     from polyspec.engine.llm import LLM
 
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")

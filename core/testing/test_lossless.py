@@ -14,7 +14,6 @@ import pytest
 
 from polyspec.config import SamplingParams, SpeculativeConfig
 from polyspec.testing.plugin import require
-from polyspec.testing.tiny import tiny_models  # noqa: F401  (fixture)
 
 MAX_NEW = 12
 PROMPT_LENS = (3, 9, 17, 5, 26)
@@ -41,7 +40,7 @@ def _llm(backend_name, tiny, algorithm=None, page_size=1, **spec):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(backend_name, tiny_models):  # noqa: F811
+def plain_outputs(backend_name, tiny_models):
     llm = _llm(backend_name, tiny_models)
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)]
@@ -61,7 +60,7 @@ def test_spec_greedy_equals_plain_greedy(
     topk,
     num_steps,
     page_size,
-    batch,  # noqa: F811
+    batch,
 ):
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     require(backend.capabilities.supports_page_size(page_size), f"page_size {page_size}")

@@ -17,7 +17,6 @@ import torch
 
 from polyspec.config import SamplingParams, SpeculativeConfig
 from polyspec.testing.plugin import require
-from polyspec.testing.tiny import tiny_models  # noqa: F401  (fixture)
 
 PROMPT = [17, 42, 99, 5, 61]
 TOP_K = 3
@@ -103,7 +102,7 @@ def _sample_counts(llm, n: int, seed0: int = 0) -> list[Counter]:
 
 
 @pytest.fixture(scope="module")
-def exact(backend_name, tiny_models):  # noqa: F811
+def exact(backend_name, tiny_models):
     return exact_marginals(_llm(backend_name, tiny_models))
 
 
@@ -117,7 +116,7 @@ def test_speculative_sampling_matches_target(
     exact,
     algorithm,
     topk,
-    num_steps,  # noqa: F811
+    num_steps,
 ):
     require(backend.capabilities.sampling_verify, "sampling_verify")
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
@@ -128,7 +127,7 @@ def test_speculative_sampling_matches_target(
         assert not rejected, f"generated position {i + 1}: {msg}"
 
 
-def test_chi_square_detects_a_wrong_distribution(backend_name, tiny_models, exact):  # noqa: F811
+def test_chi_square_detects_a_wrong_distribution(backend_name, tiny_models, exact):
     """Negative control: the exact marginals at another temperature are rejected."""
     wrong = exact_marginals(_llm(backend_name, tiny_models), temperature=0.6)
     n = NUM_SAMPLES
@@ -138,7 +137,7 @@ def test_chi_square_detects_a_wrong_distribution(backend_name, tiny_models, exac
         assert rejected, f"position {i + 1}: a wrong distribution was accepted ({msg})"
 
 
-def test_sampling_determinism_and_greedy_limits(backend_name, tiny_models):  # noqa: F811
+def test_sampling_determinism_and_greedy_limits(backend_name, tiny_models):
     spec = _llm(backend_name, tiny_models, "self", topk=2, num_steps=3)
     plain = _llm(backend_name, tiny_models)
     prompts = [PROMPT, PROMPT[:3], [7, 8, 9, 10, 11, 12, 13]]

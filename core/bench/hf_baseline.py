@@ -26,16 +26,20 @@ def transformers_missing_reason() -> str | None:
 def load_hf_model(target: str | Path, dtype: torch.dtype, device: torch.device):
     """``AutoModelForCausalLM`` for a Hugging Face directory or a .gguf file (dequantised by
     transformers, which needs the ``gguf`` package), in ``dtype`` on ``device``."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
     path = Path(target)
+    # transformers 4.56 renamed torch_dtype to dtype (the old name warns from then on)
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
     try:
         if path.suffix == ".gguf":
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, torch_dtype=dtype
-            )
+            kw["gguf_file"] = path.name
+            path_arg = str(path.parent)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype)
+            path_arg = str(path)
+        model = AutoModelForCausalLM.from_pretrained(path_arg, **kw)
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(
             f"transformers cannot load {path} for the baseline: {exc} (pass --no-transformers "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,14 +51,16 @@ def write_plot(report: Mapping[str, Any], path: str | Path) -> None:
     tps = [systems[n]["tokens_per_s"] for n in names]
     base_name = "transformers" if "transformers" in systems else "plain"
     base = systems.get(base_name, {}).get("tokens_per_s") or 0.0
-    bars = ax_tps.bar(names, tps, color=["tab:gray", "tab:green", "tab:orange"][: len(names)])
+    colors = {"plain": "tab:gray", "spec": "tab:green", "transformers": "tab:orange"}
+    bars = ax_tps.bar(names, tps, color=[colors.get(n, "tab:blue") for n in names])
     for bar, value in zip(bars, tps):
         label = f"{value / base:.2f}x" if base > 0 else f"{value:.1f}"
         ax_tps.annotate(label, (bar.get_x() + bar.get_width() / 2, value), ha="center",
                         va="bottom")  # fmt: skip
     ax_tps.set_ylabel("tokens/s")
     ax_tps.set_title(f"throughput (labels: speedup over {base_name})")
-    fig.suptitle(report["command"], fontsize=7)
+    ax_tps.margins(y=0.12)  # room for the labels above the tallest bar
+    fig.suptitle("\n".join(textwrap.wrap(report["command"], 160)), fontsize=7)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

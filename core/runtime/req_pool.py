@@ -15,11 +15,19 @@ class ReqToTokenPool:
     """
 
     def __init__(
-        self, max_requests: int, max_context: int, device: torch.device, dtype: torch.dtype
+        self,
+        max_requests: int,
+        max_context: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        page_size: int = 1,
     ):
         self.max_requests = max_requests
         self.max_context = max_context
-        self.req_to_token = torch.zeros(max_requests, max_context, dtype=dtype, device=device)
+        # Requests own whole pages, so the last page of a max_context request may reach past
+        # max_context: the table is as wide as max_context rounded up to whole pages.
+        width = -(-max_context // page_size) * page_size
+        self.req_to_token = torch.zeros(max_requests, width, dtype=dtype, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
     def alloc(self) -> int:

@@ -80,7 +80,7 @@ class WorkerBase:
         self.num_kv_slots = num_kv_slots
         self.allocator = backend.make_allocator(num_kv_slots, page_size)
         self.req_pool = ReqToTokenPool(
-            max_batch_size, max_context, self.device, backend.index_dtype
+            max_batch_size, max_context, self.device, backend.index_dtype, page_size
         )
         self.kv = KVCacheManager(self.allocator, self.req_pool, self.kernels)
         self.builder = BatchBuilder(backend, self.req_pool)

@@ -22,23 +22,35 @@ class SingleRequest:
         self.model, self.backend = model, backend
         self.device = backend.device()
         self.idx = backend.index_dtype
-        self.allocator = backend.make_allocator(max_tokens + 1, 1)
-        pool = backend.make_kv_pool(max_tokens + 1, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+        # Slots come in whole pages of the backend's smallest page size (1 where supported).
+        sizes = backend.capabilities.page_sizes
+        self.page_size = ps = 1 if sizes is None or 1 in sizes else min(sizes)
+        width = -(-max_tokens // ps) * ps
+        self.max_tokens = max_tokens
+        self.allocator = backend.make_allocator(width + ps, ps)
+        pool = backend.make_kv_pool(width + ps, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
         self.attn = backend.make_attention(
             pool, c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale
         )
-        self.req_to_token = torch.zeros(1, max_tokens, dtype=self.idx, device=self.device)
+        self.req_to_token = torch.zeros(1, width, dtype=self.idx, device=self.device)
         self.seq_len = 0
+        self.owned = 0  # positions [0, owned) are backed by slots (whole pages)
 
     def next_batch(self, input_ids: torch.Tensor) -> tuple[ForwardBatch, AttentionMetadata]:
         """Allocate slots for the next ``input_ids`` [T] (EXTEND, or DECODE for one token after a
         prefix) and build the batch and its attention metadata."""
         t = int(input_ids.shape[0])
-        slots = self.allocator.alloc(t)
-        if slots is None:
-            raise RuntimeError("SingleRequest: out of KV slots; raise max_tokens")
         start = self.seq_len
-        self.req_to_token[0, start : start + t] = slots
+        if start + t > self.max_tokens:
+            raise RuntimeError("SingleRequest: out of KV slots; raise max_tokens")
+        grow = -(-(start + t) // self.page_size) * self.page_size - self.owned
+        if grow > 0:
+            pages = self.allocator.alloc(grow)
+            if pages is None:
+                raise RuntimeError("SingleRequest: out of KV slots; raise max_tokens")
+            self.req_to_token[0, self.owned : self.owned + grow] = pages
+            self.owned += grow
+        slots = self.req_to_token[0, start : start + t]
         mode = ForwardMode.DECODE if t == 1 and start > 0 else ForwardMode.EXTEND
         batch = ForwardBatch(
             mode=mode,

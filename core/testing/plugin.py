@@ -62,3 +62,33 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
         "eagle3": builders.build_tiny_eagle3(root / "eagle3", target, seed=2),
         "standalone": builders.build_tiny_standalone(root / "standalone", target, seed=3),
     }
+
+
+NATIVE_PAGE_SIZE = "native"
+"""Page-size grid entry: the backend's own page size when it supports neither 1 nor 16."""
+
+_GRID_PAGE_SIZES = (1, 16)
+
+
+def default_page_size(backend) -> int:
+    """The page size for tests that do not test paging: 1 where supported, else the backend's
+    smallest supported page size (128 on Ascend-shaped backends)."""
+    sizes = backend.capabilities.page_sizes
+    return 1 if sizes is None or 1 in sizes else min(sizes)
+
+
+def resolve_page_size(backend, page_size: int | str) -> int:
+    """A page-size grid entry for ``backend``: an int is used as is (skipped by capability when
+    unsupported); :data:`NATIVE_PAGE_SIZE` is the backend's smallest supported page size outside
+    the 1 / 16 grid, skipped when the backend supports every size (the grid already covers it)."""
+    if page_size != NATIVE_PAGE_SIZE:
+        require(backend.capabilities.supports_page_size(int(page_size)), f"page_size {page_size}")
+        return int(page_size)
+    sizes = backend.capabilities.page_sizes
+    others = sorted(s for s in sizes or () if s not in _GRID_PAGE_SIZES)
+    if not others:
+        pytest.skip(
+            f"page_size native: the backend's page sizes ({'any' if sizes is None else list(sizes)}) "
+            f"are covered by the page_size 1 / 16 cases"
+        )
+    return others[0]

@@ -12,14 +12,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polyspec.testing.plugin import require
+from polyspec.testing.plugin import NATIVE_PAGE_SIZE, resolve_page_size
 
 NUM_PAGES = 12
 
 
-def make(backend, page_size: int):
-    require(backend.capabilities.supports_page_size(page_size), f"page_size {page_size}")
-    return backend.make_allocator(NUM_PAGES * page_size, page_size)
+def make(backend, page_size: int | str):
+    """(an allocator of NUM_PAGES pages, its page size); skips when the backend lacks the page
+    size."""
+    page_size = resolve_page_size(backend, page_size)
+    return backend.make_allocator(NUM_PAGES * page_size, page_size), page_size
 
 
 def check_slots(backend, slots: torch.Tensor, n: int, page_size: int) -> list[int]:
@@ -37,9 +39,9 @@ def check_slots(backend, slots: torch.Tensor, n: int, page_size: int) -> list[in
     return values
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, NATIVE_PAGE_SIZE])
 def test_fresh_allocator(backend, page_size):
-    alloc = make(backend, page_size)
+    alloc, page_size = make(backend, page_size)
     usable = (NUM_PAGES - 1) * page_size
     assert alloc.available == usable
     assert alloc.alloc(usable + page_size) is None, "over-allocation must return None"
@@ -54,9 +56,9 @@ def test_fresh_allocator(backend, page_size):
     assert alloc.available == usable
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, NATIVE_PAGE_SIZE])
 def test_bad_frees_raise_and_change_nothing(backend, page_size):
-    alloc = make(backend, page_size)
+    alloc, page_size = make(backend, page_size)
     idx, dev = backend.index_dtype, backend.device()
     slots = alloc.alloc(2 * page_size)
     before = alloc.available
@@ -81,9 +83,9 @@ def test_bad_frees_raise_and_change_nothing(backend, page_size):
     assert alloc.available == before + 2 * page_size
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, NATIVE_PAGE_SIZE])
 def test_backup_restore(backend, page_size):
-    alloc = make(backend, page_size)
+    alloc, page_size = make(backend, page_size)
     kept = alloc.alloc(3 * page_size)
     state = alloc.backup_state()
     avail = alloc.available
@@ -109,14 +111,14 @@ OPS = st.lists(
 )
 
 
-@pytest.mark.parametrize("page_size", [1, 3])
+@pytest.mark.parametrize("page_size", [1, 3, NATIVE_PAGE_SIZE])
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(ops=OPS)
 def test_random_sequences_match_model(backend, page_size, ops):
     """alloc n pages / free one earlier allocation / snapshot / restore, against a model."""
-    alloc = make(backend, page_size)
+    alloc, page_size = make(backend, page_size)
     usable = (NUM_PAGES - 1) * page_size
     owned: list[list[int]] = []  # live allocations, as handed out
     handed_out: list[tuple[torch.Tensor, list[int]]] = []  # returned tensors must not change

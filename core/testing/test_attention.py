@@ -15,11 +15,16 @@ import pytest
 import torch
 
 from polyspec.backend import Backend, ForwardBatch, ForwardMode
-from polyspec.testing.plugin import require
+from polyspec.testing.plugin import (
+    NATIVE_PAGE_SIZE,
+    default_page_size,
+    require,
+    resolve_page_size,
+)
 
 NUM_LAYERS = 2
 HEAD_DIM = 16
-NUM_SLOTS = 1024
+NUM_SLOTS = 4096  # room for the draft lanes of 128-slot pages
 MAX_REQUESTS = 6
 MAX_CONTEXT = 96
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -273,21 +278,22 @@ def backends_under_test(backend: Backend, reference_backend: Backend) -> list[Ba
     return [backend, reference_backend]
 
 
-def require_dtype_and_page(backend: Backend, dtype_name: str, page_size: int) -> None:
+def require_dtype_and_page(backend: Backend, dtype_name: str, page_size: int | str) -> int:
+    """Skip unless the backend has the dtype and the page size; returns the page size."""
     require(dtype_name in backend.capabilities.dtypes, f"dtype {dtype_name}")
-    require(backend.capabilities.supports_page_size(page_size), f"page_size {page_size}")
+    return resolve_page_size(backend, page_size)
 
 
 # ----------------------------------------------------------------------------- tests
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, NATIVE_PAGE_SIZE])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_attention_modes(backend, reference_backend, scenario, page_size, dtype_name):
     """Every mode, both slot layouts, both dtypes, GQA 6/2, different prefix lengths."""
     mode, prefix, extend = SCENARIOS[scenario]
-    require_dtype_and_page(backend, dtype_name, page_size)
+    page_size = require_dtype_and_page(backend, dtype_name, page_size)
     if scenario == "target_verify_tree":
         require(backend.capabilities.tree_attention, "tree_attention (topk > 1 trees)")
     gen = torch.Generator().manual_seed(zlib.crc32(f"{scenario}/{page_size}/{dtype_name}".encode()))
@@ -312,7 +318,8 @@ def test_attention_head_layouts(backend, reference_backend, heads):
         SCENARIOS["decode"],
     ):
         h = Harness(backends_under_test(backend, reference_backend), torch.float32, hq, hkv)
-        reqs = make_requests([p + e for p, e in zip(prefix, extend)], SlotSource(1, gen), gen)
+        source = SlotSource(default_page_size(backend), gen)
+        reqs = make_requests([p + e for p, e in zip(prefix, extend)], source, gen)
         prefix_slots = [
             s for b, r in enumerate(reqs.rows) for s in reqs.req_to_token[r, : prefix[b]].tolist()
         ]
@@ -321,11 +328,11 @@ def test_attention_head_layouts(backend, reference_backend, heads):
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, NATIVE_PAGE_SIZE])
 def test_draft_decode_steps(backend, reference_backend, page_size, dtype_name):
     """S draft steps with K lanes per request; with pages each lane starts with a copy of the
     prefix's partial last page (the page_size > 1, topk > 1 layout of assign_draft_cache_locs)."""
-    require_dtype_and_page(backend, dtype_name, page_size)
+    page_size = require_dtype_and_page(backend, dtype_name, page_size)
     topk, num_steps = 3, 3
     seq_lens = [5, 21, 38]
     gen = torch.Generator().manual_seed(7 + page_size)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from polyspec.config import SamplingParams, SpeculativeConfig
-from polyspec.testing.plugin import require
+from polyspec.testing.plugin import NATIVE_PAGE_SIZE, require, resolve_page_size
 
 
 def _mixed_requests(n: int, seed: int = 7):
@@ -24,12 +24,12 @@ def _mixed_requests(n: int, seed: int = 7):
     return prompts, params
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, NATIVE_PAGE_SIZE])
 def test_hundreds_of_mixed_requests_no_leak(backend, backend_name, tiny_models, page_size):
     from polyspec.engine.llm import LLM
 
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
-    require(backend.capabilities.supports_page_size(page_size), f"page_size {page_size}")
+    page_size = resolve_page_size(backend, page_size)
     prompts, params = _mixed_requests(200)
     common = dict(
         target=tiny_models["target"], backend=backend_name, dtype="float32", page_size=page_size,

@@ -13,7 +13,12 @@ import random
 import pytest
 
 from polyspec.config import SamplingParams, SpeculativeConfig
-from polyspec.testing.plugin import require
+from polyspec.testing.plugin import (
+    NATIVE_PAGE_SIZE,
+    default_page_size,
+    require,
+    resolve_page_size,
+)
 
 MAX_NEW = 12
 PROMPT_LENS = (3, 9, 17, 5, 26)
@@ -40,14 +45,14 @@ def _llm(backend_name, tiny, algorithm=None, page_size=1, **spec):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(backend_name, tiny_models):
-    llm = _llm(backend_name, tiny_models)
+def plain_outputs(backend, backend_name, tiny_models):
+    llm = _llm(backend_name, tiny_models, page_size=default_page_size(backend))
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)]
 
 
 @pytest.mark.parametrize("batch", [1, 5])
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, NATIVE_PAGE_SIZE])
 @pytest.mark.parametrize("num_steps", [1, 3, 5])
 @pytest.mark.parametrize("topk", [1, 2, 4])
 @pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "standalone", "self"])
@@ -63,7 +68,7 @@ def test_spec_greedy_equals_plain_greedy(
     batch,
 ):
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
-    require(backend.capabilities.supports_page_size(page_size), f"page_size {page_size}")
+    page_size = resolve_page_size(backend, page_size)
     llm = _llm(
         backend_name, tiny_models, algorithm, page_size=page_size, topk=topk, num_steps=num_steps
     )

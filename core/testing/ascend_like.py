@@ -1,0 +1,403 @@
+"""An Ascend-shaped constrained backend on the CPU, for testing the engine without an NPU.
+
+It is the cpu reference (exact same numerics) behind the constraints Ascend NPUs impose, each
+enforced loudly so that an engine path that would break on Ascend breaks here first:
+
+* **int32 indices** (``index_dtype="int32"``): Ascend's cache / paged-attention operators take
+  int32 slot mappings and block tables. Every kernel argument that holds slots, rows, lengths or
+  tree links, and every index tensor the attention and KV pool receive, must be int32; an int64
+  one raises ``TypeError``.
+* **host-side sequence lengths** (``host_seq_lens=True``): the fused attention operator takes
+  ``actual_seq_lengths`` as host lists. ``build_metadata`` raises unless ``prefix_lens_cpu`` /
+  ``extend_lens_cpu`` (and ``lane_lens_cpu`` in DRAFT_DECODE) are filled and equal the device
+  tensors.
+* **page size 128 only** (``page_sizes=(128,)``): the KV cache is read through block tables, so
+  every request's slots must be whole, consecutive 128-slot pages (checked per forward) and a
+  DRAFT_DECODE lane's shared prefix must end on a page boundary.
+* **graphs need a prepare step** (``graph_needs_prepare=True``): replaying a captured graph
+  without a :meth:`AscendLikeGraphRunner.prepare` since the previous replay raises, as Ascend
+  graphs need their host-side sequence lengths updated before each replay.
+* **few graph shapes** (``max_graph_shapes=8``): capturing a ninth key raises.
+* **fp32-only sampling** (``sampling_dtypes=("float32",)``): ``top_k_top_p_renorm``, ``sample``
+  and ``verify_tree_sampling`` reject other floating dtypes.
+
+Register it for the conformance suite through the test plugin package
+``tests/plugins/polyspec-ascend-like`` (entry point ``ascend-like``), then run
+``pytest --pyargs polyspec.testing --polyspec-backend ascend-like``. Plugin authors can subclass
+it or reuse its checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from polyspec.backend import (
+    Backend,
+    BackendCapabilities,
+    ForwardBatch,
+    ForwardMode,
+    KernelSet,
+    TreeMaskMode,
+)
+from polyspec.backends.cpu.allocator import PagedAllocator
+from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
+from polyspec.backends.cpu.graph import EagerGraphRunner
+from polyspec.backends.cpu.kv_pool import TensorKVPool
+
+PAGE_SIZE = 128
+"""The only KV page size (Ascend's paged attention block size)."""
+
+MAX_GRAPH_SHAPES = 8
+"""How many graph keys one runner may capture."""
+
+ASCEND_LIKE_CAPABILITIES = BackendCapabilities(
+    graph_capture=True,
+    graph_needs_prepare=True,
+    max_graph_shapes=MAX_GRAPH_SHAPES,
+    tree_attention=True,
+    page_sizes=(PAGE_SIZE,),
+    index_dtype="int32",
+    dtypes=("float32", "bfloat16", "float16"),
+    sampling_dtypes=("float32",),
+    sampling_verify=True,
+    host_seq_lens=True,
+    tree_mask_mode=TreeMaskMode.TREE_ONLY,
+)
+"""Ascend's constraints (``graph_capture`` is declared as on Ascend; replay runs eagerly)."""
+
+INDEX_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "assign_draft_cache_locs": (
+        "req_pool_indices",
+        "req_to_token",
+        "seq_lens",
+        "alloc_slots",
+        "lane_locs",
+        "tail_lens",
+        "copy_src",
+        "copy_dst",
+    ),
+    "assign_req_to_token": ("req_pool_indices", "req_to_token", "start", "end", "slots"),
+    "assign_extend_cache_locs": ("req_pool_indices", "req_to_token", "start", "end", "out"),
+    "get_last_loc": ("req_to_token", "req_pool_indices", "prefix_lens"),
+    "move_kv": ("dst_loc", "src_loc"),
+    "store_kv": ("loc",),
+    "build_tree": ("seq_lens", "retrive_index", "retrive_next_token", "retrive_next_sibling"),
+    "verify_tree_greedy": (
+        "retrive_index",
+        "retrive_next_token",
+        "retrive_next_sibling",
+        "accept_index",
+        "accept_length",
+    ),
+    "verify_tree_sampling": (
+        "retrive_index",
+        "retrive_next_token",
+        "retrive_next_sibling",
+        "accept_index",
+        "accept_length",
+    ),
+}
+"""Kernel arguments holding slots, request rows, lengths or tree links: int32 only. Token ids,
+positions and draft-tree candidate ids stay free (torch's top-k and embedding produce int64)."""
+
+SAMPLING_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "top_k_top_p_renorm": ("probs", "top_p"),
+    "sample": ("probs", "exp_noise"),
+    "verify_tree_sampling": ("target_probs", "draft_probs", "coins", "final_coins"),
+}
+"""Floating arguments of the sampling kernels: one of ``sampling_dtypes`` only."""
+
+
+def require_int32(where: str, name: str, t: torch.Tensor | None) -> None:
+    """Raise ``TypeError`` unless ``t`` (an index tensor; None is allowed) is int32."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(
+            f"{where}: {name} is {t.dtype}, but this backend's index dtype is int32 "
+            f"(capabilities.index_dtype); create index tensors with backend.index_dtype "
+            f"(Ascend's cache and attention operators take int32 slot indices)"
+        )
+
+
+def _checked_kernel(name: str, fn: Callable[..., Any], sampling_dtypes: tuple[str, ...]):
+    """``fn`` with its index arguments checked for int32 and its sampling arguments for
+    ``sampling_dtypes`` before it runs."""
+    signature = inspect.signature(fn)
+    index_names = INDEX_ARGUMENTS.get(name, ())
+    float_names = SAMPLING_ARGUMENTS.get(name, ())
+    allowed = tuple(getattr(torch, d) for d in sampling_dtypes)
+
+    @functools.wraps(fn)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs).arguments
+        where = f"ascend-like kernel {name}"
+        for arg in index_names:
+            require_int32(where, arg, bound.get(arg))
+        for arg in float_names:
+            t = bound.get(arg)
+            if isinstance(t, torch.Tensor) and t.dtype not in allowed:
+                raise TypeError(
+                    f"{where}: {arg} is {t.dtype}, but this backend's sampling kernels accept "
+                    f"only {list(sampling_dtypes)} (capabilities.sampling_dtypes); cast "
+                    f"probabilities to {sampling_dtypes[0]} first"
+                )
+        return fn(*args, **kwargs)
+
+    return kernel
+
+
+def ascend_like_kernels(base: KernelSet | None = None) -> KernelSet:
+    """``base`` (default: the reference set) with every kernel wrapped in the Ascend checks."""
+    base = base or KernelSet.reference()
+    dtypes = ASCEND_LIKE_CAPABILITIES.sampling_dtypes
+    return KernelSet(
+        **{n: _checked_kernel(n, getattr(base, n), dtypes) for n in KernelSet.names()}
+    )
+
+
+class AscendLikeKVPool(TensorKVPool):
+    """The cpu pool, taking int32 slot indices only."""
+
+    def write(
+        self,
+        layer: int,
+        loc: torch.Tensor,  # [T] int32
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+    ) -> None:
+        """Store ``k``/``v`` at ``loc`` (int32) of ``layer``."""
+        require_int32("ascend-like KV pool write", "loc", loc)
+        super().write(layer, loc, k, v)
+
+    def move(
+        self,
+        dst_loc: torch.Tensor,  # [n] int32
+        src_loc: torch.Tensor,  # [n] int32
+    ) -> None:
+        """Copy every layer's K/V from ``src_loc`` to ``dst_loc`` (both int32)."""
+        require_int32("ascend-like KV pool move", "dst_loc", dst_loc)
+        require_int32("ascend-like KV pool move", "src_loc", src_loc)
+        super().move(dst_loc, src_loc)
+
+
+class AscendLikeAttention(SDPAAttention):
+    """The cpu SDPA attention behind Ascend's input rules (see the module docstring)."""
+
+    def build_metadata(self, batch: ForwardBatch) -> SDPAMetadata:
+        """Check int32 indices, host lengths and the page structure, then build as the cpu."""
+        where = f"ascend-like attention ({batch.mode.value})"
+        for name in (
+            "out_cache_loc",
+            "req_pool_indices",
+            "req_to_token",
+            "prefix_lens",
+            "extend_lens",
+            "lane_locs",
+            "lane_lens",
+        ):
+            require_int32(where, name, getattr(batch, name))
+        _check_host_list(where, "prefix_lens", batch.prefix_lens_cpu, batch.prefix_lens)
+        _check_host_list(where, "extend_lens", batch.extend_lens_cpu, batch.extend_lens)
+        if batch.mode is ForwardMode.DRAFT_DECODE:
+            if batch.lane_lens is None:
+                raise ValueError(f"{where}: DRAFT_DECODE needs lane_lens [bs]")
+            _check_host_list(where, "lane_lens", batch.lane_lens_cpu, batch.lane_lens)
+        _check_pages(where, batch)
+        return super().build_metadata(batch)
+
+
+def _check_host_list(where: str, name: str, host: list[int] | None, dev: torch.Tensor) -> None:
+    """``host`` must be a list equal to ``dev`` [bs] (costs a sync: this is a test backend)."""
+    if host is None:
+        raise ValueError(
+            f"{where}: ForwardBatch.{name}_cpu is missing; this backend needs host-side sequence "
+            f"lengths every step (capabilities.host_seq_lens): fill {name}_cpu with the same "
+            f"values as {name}"
+        )
+    values = [int(x) for x in dev.tolist()]
+    if list(host) != values:
+        raise ValueError(
+            f"{where}: {name}_cpu = {list(host)} disagrees with the device tensor {name} = "
+            f"{values}; both must describe the same batch"
+        )
+
+
+def _check_pages(where: str, batch: ForwardBatch) -> None:
+    """Every key the batch reads must be reachable through a block table of ``PAGE_SIZE``-slot
+    pages (what Ascend's paged attention reads): position p of a request lives at slot
+    ``block_table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``."""
+    prefix = list(batch.prefix_lens_cpu or [])
+    extend = list(batch.extend_lens_cpu or [])
+    if batch.mode is ForwardMode.DRAFT_DECODE:
+        lengths = prefix
+        if any(p % PAGE_SIZE for p in prefix):
+            raise ValueError(
+                f"{where}: a lane's shared prefix must end on a page boundary (page size "
+                f"{PAGE_SIZE}), got prefix_lens {prefix}; copy the prefix's partial last page "
+                f"into every lane (assign_draft_cache_locs with page_size={PAGE_SIZE})"
+            )
+        lanes = batch.lane_locs  # [bs, K, W]
+        if lanes is None or lanes.dim() != 3 or lanes.shape[2] % PAGE_SIZE:
+            got = None if lanes is None else list(lanes.shape)
+            raise ValueError(
+                f"{where}: lane_locs must be [bs, K, W] with W a whole number of {PAGE_SIZE}-slot "
+                f"pages, got {got}"
+            )
+        _check_page_table(where, "lane_locs", lanes.reshape(-1, lanes.shape[2]).long(), None)
+    else:
+        lengths = [p + e for p, e in zip(prefix, extend)]
+    if not lengths or max(lengths) == 0:
+        return
+    width = min(-(-max(lengths) // PAGE_SIZE) * PAGE_SIZE, batch.req_to_token.shape[1])
+    rows = batch.req_pool_indices.to(device=batch.req_to_token.device, dtype=torch.int64)
+    table = batch.req_to_token.index_select(0, rows)[:, :width].long()  # [bs, width]
+    if width % PAGE_SIZE:  # a table narrower than whole pages: pad (those columns are unused)
+        table = torch.nn.functional.pad(table, (0, PAGE_SIZE - width % PAGE_SIZE))
+    lens = torch.tensor(lengths, device=table.device)  # [bs]
+    cols = torch.arange(table.shape[1], device=table.device)  # [W]
+    _check_page_table(where, "req_to_token", table, cols[None, :] < lens[:, None])
+
+
+def _check_page_table(
+    where: str,
+    name: str,
+    table: torch.Tensor,  # [rows, W] int64 slots, W a multiple of PAGE_SIZE
+    used: torch.Tensor | None,  # [rows, W] bool: the positions read (None: all)
+) -> None:
+    """Raise unless each page of ``table``'s used positions is one page-aligned slot page."""
+    pages = table.view(table.shape[0], -1, PAGE_SIZE)  # [rows, P, PAGE_SIZE]
+    first = pages[:, :, :1]  # [rows, P, 1]: slot of the page's first position
+    expected = first + torch.arange(PAGE_SIZE, device=table.device)  # [rows, P, PAGE_SIZE]
+    ok = (pages == expected) & (first % PAGE_SIZE == 0) & (first > 0)
+    ok = ok.view_as(table)
+    if used is not None:
+        ok = ok | ~used
+    if not bool(ok.all()):
+        r, c = (~ok).nonzero()[0].tolist()
+        raise ValueError(
+            f"{where}: {name}[{r}, {c}] = {int(table[r, c])} breaks the block-table layout: "
+            f"the positions of each {PAGE_SIZE}-position page must map to one whole, "
+            f"page-aligned page of slots (allocate with page_size={PAGE_SIZE})"
+        )
+
+
+@dataclasses.dataclass
+class _Prepared:
+    host_params: dict[str, Any]
+
+
+class AscendLikeGraphRunner(EagerGraphRunner):
+    """Eager replay with Ascend's graph rules: at most ``max_shapes`` keys, and a
+    :meth:`prepare` with host-side parameters before every replay."""
+
+    def __init__(self, max_shapes: int = MAX_GRAPH_SHAPES) -> None:
+        """A runner that may capture up to ``max_shapes`` keys."""
+        super().__init__()
+        self.max_shapes = max_shapes
+        self._prepared: dict[Any, _Prepared] = {}
+
+    def capture(
+        self,
+        key: Any,
+        fn: Callable[[Mapping[str, torch.Tensor]], Any],
+        static_inputs: Mapping[str, torch.Tensor],
+    ) -> Any:
+        """As the eager runner; raises ``RuntimeError`` beyond ``max_shapes`` keys."""
+        if key not in self._graphs and len(self._graphs) >= self.max_shapes:
+            raise RuntimeError(
+                f"ascend-like graph runner: cannot capture {key!r}: {self.max_shapes} graph "
+                f"shapes are already captured (capabilities.max_graph_shapes); capture fewer "
+                f"batch-size buckets or run larger shapes eagerly"
+            )
+        return super().capture(key, fn, static_inputs)
+
+    def prepare(self, key: Any, host_params: Mapping[str, Any]) -> None:
+        """Record the host-side parameters (ints or lists of ints, e.g. sequence lengths) the
+        next replay of ``key`` runs with."""
+        self._get(key)
+        if not isinstance(host_params, Mapping) or not host_params:
+            raise ValueError(
+                f"ascend-like graph runner: prepare({key!r}) needs a non-empty mapping of host "
+                f"parameters (e.g. {{'actual_seq_lengths': [...]}})"
+            )
+        for name, value in host_params.items():
+            if isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"ascend-like graph runner: host parameter {name!r} is a tensor; pass host "
+                    f"values (int or list of int): Ascend reads them on the host at replay"
+                )
+        self._prepared[key] = _Prepared(dict(host_params))
+
+    def replay(self, key: Any, new_inputs: Mapping[str, torch.Tensor]) -> Any:
+        """Replay ``key``; raises ``RuntimeError`` unless :meth:`prepare` ran since the last
+        replay (the prepared parameters are consumed)."""
+        self._get(key)
+        if key not in self._prepared:
+            raise RuntimeError(
+                f"ascend-like graph runner: replay of {key!r} without prepare(): this backend's "
+                f"graphs need their host-side parameters (sequence lengths) updated before "
+                f"every replay (capabilities.graph_needs_prepare)"
+            )
+        out = super().replay(key, new_inputs)
+        del self._prepared[key]
+        return out
+
+
+class AscendLikeBackend(Backend):
+    """The cpu reference under Ascend's constraints (module docstring); device ``cpu``."""
+
+    name = "ascend-like"
+    device_type = "cpu"
+
+    def __init__(self) -> None:
+        """Reference kernels wrapped in the int32 / sampling-dtype checks."""
+        self.capabilities = ASCEND_LIKE_CAPABILITIES
+        self.kernels = ascend_like_kernels()
+
+    def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
+        """A paged allocator handing out int32 slots; only ``page_size == 128``."""
+        if not self.capabilities.supports_page_size(page_size):
+            raise ValueError(
+                f"ascend-like backend: page_size {page_size} is not supported; use "
+                f"page_size={PAGE_SIZE} (capabilities.page_sizes)"
+            )
+        return PagedAllocator(num_slots, page_size, self.device(), self.index_dtype)
+
+    def make_kv_pool(
+        self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> AscendLikeKVPool:
+        """Zero-initialised K/V tensors taking int32 slot indices."""
+        if str(dtype).removeprefix("torch.") not in self.capabilities.dtypes:
+            raise ValueError(
+                f"ascend-like backend: unsupported KV dtype {dtype}; use one of "
+                f"{list(self.capabilities.dtypes)}"
+            )
+        return AscendLikeKVPool(num_slots, num_layers, num_kv_heads, head_dim, dtype, self.device())
+
+    def make_attention(
+        self,
+        kv_pool: AscendLikeKVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+    ) -> AscendLikeAttention:
+        """Checked SDPA attention over a pool from :meth:`make_kv_pool`."""
+        if not isinstance(kv_pool, AscendLikeKVPool):
+            raise TypeError(
+                f"ascend-like backend: make_attention needs a pool from make_kv_pool, got "
+                f"{type(kv_pool).__name__}"
+            )
+        return AscendLikeAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
+
+    def make_graph_runner(self) -> AscendLikeGraphRunner:
+        """A runner enforcing prepare-before-replay and the graph-shape limit."""
+        return AscendLikeGraphRunner(self.capabilities.max_graph_shapes or MAX_GRAPH_SHAPES)

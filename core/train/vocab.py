@@ -1,0 +1,35 @@
+"""The draft vocabulary: the target's most frequent output tokens (EAGLE-3's d2t / t2d)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+
+
+def choose_draft_vocab(
+    answers: Iterable[list[int]], vocab_size: int, draft_vocab_size: int
+) -> tuple[torch.Tensor, float]:
+    """(sorted target ids of the draft vocabulary [draft_vocab_size], fraction of answer tokens
+    it covers). Ties and unseen ids are filled in id order so the size is exact."""
+    counts: Counter[int] = Counter()
+    for ids in answers:
+        counts.update(ids)
+    n = min(draft_vocab_size, vocab_size)
+    chosen = [t for t, _ in counts.most_common(n)]
+    if len(chosen) < n:
+        seen = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in seen][: n - len(chosen)]
+    total = sum(counts.values()) or 1
+    covered = sum(counts[t] for t in chosen) / total
+    return torch.tensor(sorted(chosen), dtype=torch.int64), covered
+
+
+def d2t_t2d(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SpecForge's maps: ``d2t[i] = draft_ids[i] - i`` (target id = i + d2t[i]) and the bool
+    mask ``t2d`` [vocab_size] of target ids in the draft vocabulary."""
+    d2t = draft_ids - torch.arange(draft_ids.numel())
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    return d2t, t2d

@@ -1,0 +1,354 @@
+"""Triton slot-bookkeeping and KV-copy kernels: ``assign_draft_cache_locs``,
+``assign_req_to_token``, ``assign_extend_cache_locs``, ``move_kv``, ``store_kv``.
+
+Drop-ins for the functions of the same name in :mod:`polyspec.kernels.reference`. Portable
+Triton only. Segment kernels run one program per request and find their offset in the
+concatenated slot list by summing the earlier requests' lengths in-kernel (no host sync, no
+extra launch).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from polyspec.kernels.triton._util import check, next_pow2, writable
+
+
+def _lane_width(num_steps: int, page_size: int) -> int:
+    """W, the slots of one draft lane (as ``reference.draft_lane_width``)."""
+    if page_size == 1:
+        return num_steps
+    return page_size * ((page_size - 1 + num_steps + page_size - 1) // page_size)
+
+
+@triton.jit
+def _assign_draft_cache_locs_kernel(
+    req_pool_indices_ptr,  # [bs]
+    req_to_token_ptr,  # [R, C]
+    seq_lens_ptr,  # [bs]
+    alloc_slots_ptr,  # [bs*K*W]
+    lane_locs_ptr,  # out [bs, K, W]
+    tail_lens_ptr,  # out [bs]
+    copy_src_ptr,  # out [bs*K*(page_size-1)]
+    copy_dst_ptr,  # out [bs*K*(page_size-1)]
+    topk,
+    width,  # W
+    max_context,  # C
+    stride_rt,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    b = tl.program_id(0)
+    lane_len = topk * width
+    base = b.to(tl.int64) * lane_len
+    offs = tl.arange(0, BLOCK)
+    for c0 in range(0, lane_len, BLOCK):
+        m = c0 + offs < lane_len
+        slots = tl.load(alloc_slots_ptr + base + c0 + offs, mask=m)
+        tl.store(lane_locs_ptr + base + c0 + offs, slots, mask=m)
+    if PAGE_SIZE == 1:
+        tl.store(tail_lens_ptr + b, 0)
+    else:
+        seq = tl.load(seq_lens_ptr + b).to(tl.int64)
+        tail = seq % PAGE_SIZE
+        tl.store(tail_lens_ptr + b, tail)
+        row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
+        lane = tl.arange(0, BLOCK_K)
+        j = tl.arange(0, BLOCK_P)
+        real = j < tail  # [BLOCK_P]
+        cols = tl.where(real, seq - tail + j, 0)
+        cols = tl.minimum(tl.maximum(cols, 0), max_context - 1)
+        src = tl.load(req_to_token_ptr + row * stride_rt + cols, mask=real, other=0)
+        cell = (lane[:, None] < topk) & (j[None, :] < PAGE_SIZE - 1)  # [BLOCK_K, BLOCK_P]
+        lane_start = base + lane[:, None].to(tl.int64) * width  # first slot of each lane
+        dst = tl.load(alloc_slots_ptr + lane_start + j[None, :], mask=cell & real[None, :], other=0)
+        out = (b.to(tl.int64) * topk + lane[:, None]) * (PAGE_SIZE - 1) + j[None, :]
+        src_2d = tl.where(real[None, :], src[None, :], 0) + dst * 0
+        tl.store(copy_src_ptr + out, src_2d, mask=cell)
+        tl.store(copy_dst_ptr + out, dst, mask=cell)
+
+
+def assign_draft_cache_locs(
+    req_pool_indices: torch.Tensor,  # [bs]
+    req_to_token: torch.Tensor,  # [R, C]
+    seq_lens: torch.Tensor,  # [bs]
+    alloc_slots: torch.Tensor,  # [bs*K*W]
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    lane_locs: torch.Tensor,  # out: [bs, K, W]
+    tail_lens: torch.Tensor,  # out: [bs]
+    copy_src: torch.Tensor,  # out: [bs*K*(page_size-1)]
+    copy_dst: torch.Tensor,  # out: [bs*K*(page_size-1)]
+) -> None:
+    """Triton ``assign_draft_cache_locs``; see
+    :func:`polyspec.kernels.reference.assign_draft_cache_locs`."""
+    bs = seq_lens.shape[0]
+    check(page_size >= 1 and topk >= 1 and num_steps >= 1, "page_size, topk, num_steps >= 1")
+    width = _lane_width(num_steps, page_size)
+    check(
+        alloc_slots.numel() == bs * topk * width,
+        f"alloc_slots must hold bs*K*W = {bs}*{topk}*{width} slots (W for num_steps={num_steps}, "
+        f"page_size={page_size}), got {alloc_slots.numel()}",
+    )
+    check(tuple(lane_locs.shape) == (bs, topk, width), f"lane_locs must be [{bs}, {topk}, {width}]")
+    copies = bs * topk * (page_size - 1)
+    check(
+        copy_src.numel() == copies and copy_dst.numel() == copies,
+        f"copy_src / copy_dst must have bs*K*(page_size-1) = {copies} entries",
+    )
+    check(req_to_token.stride(-1) == 1, "req_to_token must be contiguous in its last dimension")
+    if bs == 0:
+        return
+    slots = alloc_slots.reshape(-1)
+    if not slots.is_contiguous():
+        slots = slots.contiguous()
+    outs = [writable(t) for t in (lane_locs, tail_lens, copy_src, copy_dst)]
+    _assign_draft_cache_locs_kernel[(bs,)](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        slots,
+        outs[0][0],
+        outs[1][0],
+        outs[2][0],
+        outs[3][0],
+        topk,
+        width,
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        PAGE_SIZE=page_size,
+        BLOCK=min(next_pow2(topk * width), 1024),
+        BLOCK_K=next_pow2(topk),
+        BLOCK_P=next_pow2(page_size - 1),
+        num_warps=1,
+    )
+    for _, finish in outs:
+        finish()
+
+
+@triton.jit
+def _segment_kernel(
+    req_pool_indices_ptr,  # [bs]
+    req_to_token_ptr,  # [R, C]
+    start_ptr,  # [bs]
+    end_ptr,  # [bs]
+    flat_ptr,  # [sum(end - start)]
+    num_requests,
+    stride_rt,
+    TO_TABLE: tl.constexpr,  # True: table <- flat (assign_req_to_token); False: flat <- table
+    BLOCK_BS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    reqs = tl.arange(0, BLOCK_BS)
+    in_batch = reqs < num_requests
+    starts = tl.load(start_ptr + reqs, mask=in_batch, other=0).to(tl.int64)
+    ends = tl.load(end_ptr + reqs, mask=in_batch, other=0).to(tl.int64)
+    lens = tl.maximum(ends - starts, 0)
+    offset = tl.sum(tl.where(reqs < b, lens, 0), axis=0)  # segments before request b
+    length = tl.sum(tl.where(reqs == b, lens, 0), axis=0)
+    start = tl.load(start_ptr + b).to(tl.int64)
+    row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
+    table = req_to_token_ptr + row * stride_rt + start
+    offs = tl.arange(0, BLOCK)
+    for c0 in range(0, length, BLOCK):
+        m = c0 + offs < length
+        if TO_TABLE:
+            vals = tl.load(flat_ptr + offset + c0 + offs, mask=m)
+            tl.store(table + c0 + offs, vals, mask=m)
+        else:
+            vals = tl.load(table + c0 + offs, mask=m)
+            tl.store(flat_ptr + offset + c0 + offs, vals, mask=m)
+
+
+def _launch_segments(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    flat: torch.Tensor,
+    to_table: bool,
+) -> None:
+    bs = req_pool_indices.shape[0]
+    check(
+        start.shape[0] == bs and end.shape[0] == bs,
+        f"start / end must be [bs={bs}], got {tuple(start.shape)} and {tuple(end.shape)}",
+    )
+    check(req_to_token.stride(-1) == 1, "req_to_token must be contiguous in its last dimension")
+    if bs == 0:
+        return
+    _segment_kernel[(bs,)](
+        req_pool_indices,
+        req_to_token,
+        start.contiguous(),
+        end.contiguous(),
+        flat,
+        bs,
+        req_to_token.stride(0),
+        TO_TABLE=to_table,
+        BLOCK_BS=next_pow2(bs),
+        BLOCK=128,
+        num_warps=1,
+    )
+
+
+def assign_req_to_token(
+    req_pool_indices: torch.Tensor,  # [bs]
+    req_to_token: torch.Tensor,  # [R, C] in/out
+    start: torch.Tensor,  # [bs]
+    end: torch.Tensor,  # [bs]
+    slots: torch.Tensor,  # [sum(end - start)]
+) -> None:
+    """Triton ``assign_req_to_token``; see
+    :func:`polyspec.kernels.reference.assign_req_to_token`. ``slots`` must hold exactly
+    sum(end - start) entries (not checked: that would need a host sync)."""
+    flat = slots.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    _launch_segments(req_pool_indices, req_to_token, start, end, flat, True)
+
+
+def assign_extend_cache_locs(
+    req_pool_indices: torch.Tensor,  # [bs]
+    req_to_token: torch.Tensor,  # [R, C]
+    start: torch.Tensor,  # [bs]
+    end: torch.Tensor,  # [bs]
+    out: torch.Tensor,  # out: [sum(end - start)]
+) -> None:
+    """Triton ``assign_extend_cache_locs``; see
+    :func:`polyspec.kernels.reference.assign_extend_cache_locs`."""
+    buf, finish = writable(out)
+    _launch_segments(req_pool_indices, req_to_token, start, end, buf, False)
+    finish()
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr,  # [rows, row_len] (row stride stride_src)
+    dst_ptr,  # [rows, row_len] (row stride stride_dst)
+    src_index_ptr,  # [n] row of src for each copy (unused when not GATHER_INDEX)
+    dst_index_ptr,  # [n] row of dst for each copy (unused when not SCATTER_INDEX)
+    row_len,
+    stride_src,
+    stride_dst,
+    GATHER_INDEX: tl.constexpr,
+    SCATTER_INDEX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    c0 = tl.program_id(1) * BLOCK
+    offs = c0 + tl.arange(0, BLOCK)
+    m = offs < row_len
+    src_row = i.to(tl.int64)
+    dst_row = i.to(tl.int64)
+    if GATHER_INDEX:
+        src_row = tl.load(src_index_ptr + i).to(tl.int64)
+    if SCATTER_INDEX:
+        dst_row = tl.load(dst_index_ptr + i).to(tl.int64)
+    vals = tl.load(src_ptr + src_row * stride_src + offs, mask=m)
+    tl.store(dst_ptr + dst_row * stride_dst + offs, vals, mask=m)
+
+
+def _cache_rows(cache: torch.Tensor, what: str) -> int:
+    """Row length (Hkv * D) of a ``[slots, Hkv, D]`` cache whose rows are contiguous."""
+    check(cache.dim() == 3, f"{what} must be [slots, Hkv, D], got {tuple(cache.shape)}")
+    hkv, d = cache.shape[1], cache.shape[2]
+    check(
+        cache.stride(2) == 1 and (hkv == 1 or cache.stride(1) == d),
+        f"{what}: each slot's [Hkv, D] block must be contiguous (as KV pools allocate them)",
+    )
+    return hkv * d
+
+
+def move_kv(
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    dst_loc: torch.Tensor,  # [n]
+    src_loc: torch.Tensor,  # [n]
+) -> None:
+    """Triton ``move_kv``: a gather launch into a temporary, then a scatter launch, so
+    overlapping ``src`` / ``dst`` lists are safe (see :func:`polyspec.kernels.reference.move_kv`)."""
+    check(dst_loc.numel() == src_loc.numel(), "dst_loc and src_loc must have the same length")
+    n = dst_loc.numel()
+    if n == 0:
+        return
+    src = src_loc.reshape(-1).contiguous()
+    dst = dst_loc.reshape(-1).contiguous()
+    for cache, what in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        row_len = _cache_rows(cache, what)
+        block = min(next_pow2(row_len), 1024)
+        grid = (n, triton.cdiv(row_len, block))
+        moved = torch.empty(n, row_len, dtype=cache.dtype, device=cache.device)
+        _copy_rows_kernel[grid](
+            cache, moved, src, src, row_len, cache.stride(0), row_len, True, False, block
+        )
+        _copy_rows_kernel[grid](
+            moved, cache, dst, dst, row_len, row_len, cache.stride(0), False, True, block
+        )
+
+
+@triton.jit
+def _store_kv_kernel(
+    cache_ptr,  # [slots, Hkv, D] rows contiguous
+    loc_ptr,  # [T]
+    x_ptr,  # [T, Hkv, D] any strides
+    num_heads,
+    head_dim,
+    stride_cache,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (h[:, None] < num_heads) & (d[None, :] < head_dim)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    x = tl.load(
+        x_ptr + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh + d[None, :] * stride_xd,
+        mask=m,
+    )
+    out = cache_ptr + slot * stride_cache + h[:, None] * head_dim + d[None, :]
+    tl.store(out, x.to(cache_ptr.dtype.element_ty), mask=m)
+
+
+def store_kv(
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    loc: torch.Tensor,  # [T]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+) -> None:
+    """Triton ``store_kv``: ``k_cache[loc] = k``, ``v_cache[loc] = v`` (cast to the cache
+    dtype); ``k`` / ``v`` may be strided views (e.g. slices of a fused QKV projection)."""
+    tokens = loc.numel()
+    if tokens == 0:
+        return
+    loc_flat = loc.reshape(-1).contiguous()
+    for cache, x, what in ((k_cache, k, "k"), (v_cache, v, "v")):
+        _cache_rows(cache, f"{what}_cache")
+        check(
+            x.dim() == 3 and x.shape[0] == tokens and x.shape[1:] == cache.shape[1:],
+            f"{what} must be [T={tokens}, Hkv, D] = [{tokens}, {cache.shape[1]}, "
+            f"{cache.shape[2]}], got {tuple(x.shape)}",
+        )
+        _store_kv_kernel[(tokens,)](
+            cache,
+            loc_flat,
+            x,
+            cache.shape[1],
+            cache.shape[2],
+            cache.stride(0),
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            BLOCK_H=next_pow2(cache.shape[1]),
+            BLOCK_D=next_pow2(cache.shape[2]),
+        )

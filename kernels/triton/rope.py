@@ -1,0 +1,137 @@
+"""Triton ``rotary_embedding`` (neox rotate-halves and GPT-J interleaved layouts), one program
+per token rotating every query and key head; computed in fp32, returned in q / k's dtypes."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from polyspec.kernels.triton._util import check, next_pow2
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # [T, H, D] any strides
+    out_ptr,  # [T, H, D] contiguous
+    t,
+    cos,  # [BLOCK_HALF] fp32
+    sin,  # [BLOCK_HALF] fp32
+    num_heads,
+    half,
+    stride_t,
+    stride_h,
+    stride_d,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Rotate the heads of token ``t`` of ``x`` into ``out``."""
+    h = tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_HALF)
+    m = (h[:, None] < num_heads) & (i[None, :] < half)
+    if IS_NEOX:
+        first = i
+        second = i + half
+    else:
+        first = 2 * i
+        second = 2 * i + 1
+    row = x_ptr + t.to(tl.int64) * stride_t + h[:, None] * stride_h
+    x1 = tl.load(row + first[None, :] * stride_d, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(row + second[None, :] * stride_d, mask=m, other=0.0).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out_row = out_ptr + (t.to(tl.int64) * num_heads + h[:, None]) * (2 * half)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_row + first[None, :], o1.to(dtype), mask=m)
+    tl.store(out_row + second[None, :], o2.to(dtype), mask=m)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,  # [T]
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [T, Hkv, D]
+    cache_ptr,  # [max_pos, D] fp32: D/2 cos then D/2 sin
+    q_out_ptr,  # [T, Hq, D]
+    k_out_ptr,  # [T, Hkv, D]
+    num_q_heads,
+    num_kv_heads,
+    half,
+    stride_cache,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    IS_NEOX: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    cache_row = cache_ptr + pos * stride_cache
+    cos = tl.load(cache_row + i, mask=i < half, other=0.0).to(tl.float32)
+    sin = tl.load(cache_row + half + i, mask=i < half, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr, q_out_ptr, t, cos, sin, num_q_heads, half, stride_qt, stride_qh, stride_qd,
+        IS_NEOX, BLOCK_HQ, BLOCK_HALF,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, k_out_ptr, t, cos, sin, num_kv_heads, half, stride_kt, stride_kh, stride_kd,
+        IS_NEOX, BLOCK_HKV, BLOCK_HALF,
+    )  # fmt: skip
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32: D/2 cos columns then D/2 sin columns
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hq, D], [T, Hkv, D])
+    """Triton ``rotary_embedding``; see :func:`polyspec.kernels.reference.rotary_embedding`.
+    ``q`` / ``k`` may be strided views; new contiguous tensors are returned."""
+    head_dim = q.shape[-1]
+    check(
+        cos_sin_cache.shape[-1] == head_dim and k.shape[-1] == head_dim and head_dim % 2 == 0,
+        f"cos_sin_cache must be [max_pos, D={head_dim}] (D even) and match q / k's head dim; "
+        f"got cache {tuple(cos_sin_cache.shape)}, k {tuple(k.shape)}",
+    )
+    check(
+        q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.numel(),
+        f"q [T, Hq, D], k [T, Hkv, D] and positions [T] must agree on T; got "
+        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(positions.shape)}",
+    )
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    tokens = q.shape[0]
+    if tokens > 0:
+        half = head_dim // 2
+        _rotary_kernel[(tokens,)](
+            positions.reshape(-1),
+            q,
+            k,
+            cache,
+            q_out,
+            k_out,
+            q.shape[1],
+            k.shape[1],
+            half,
+            cache.stride(0),
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            IS_NEOX=bool(is_neox),
+            BLOCK_HQ=next_pow2(q.shape[1]),
+            BLOCK_HKV=next_pow2(k.shape[1]),
+            BLOCK_HALF=next_pow2(half),
+        )
+    return q_out, k_out

@@ -1,0 +1,574 @@
+"""Triton draft-tree kernels: ``build_tree``, ``verify_tree_greedy``, ``verify_tree_sampling``.
+
+Drop-ins for the functions of the same name in :mod:`polyspec.kernels.reference` (same
+signatures, same outputs, every ``out`` entry written). One program per request. Portable
+Triton only (plain ``tl.*`` ops, no inline assembly or CUDA intrinsics) so that triton-ascend
+can compile the same source. Register vectors are never indexed by a runtime value: a "gather"
+from a register vector is a one-hot reduction (``sum(where(node == i, vec, 0))``), and walks read
+links with scalar loads from the (read-only) input tensors.
+
+Notation: ``bs`` requests, ``K`` topk, ``S`` num_steps, ``N`` num_draft_tokens, ``V`` vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from polyspec.backend import TreeMaskMode
+from polyspec.kernels.triton._util import check, next_pow2, writable
+
+_MASK_CODES = {TreeMaskMode.TREE_ONLY: 0, TreeMaskMode.BITPACKED: 1, TreeMaskMode.FULL: 2}
+
+
+# ------------------------------------------------------------------------------ build_tree
+
+
+@triton.jit
+def _build_tree_kernel(
+    parent_list_ptr,  # [bs, P]
+    selected_ptr,  # [bs, N-1] candidate ids of nodes 1..N-1
+    seq_lens_ptr,  # [bs]
+    mask_ptr,  # TREE_ONLY [bs, N, N] / BITPACKED [bs, N, WORDS] / FULL flat
+    mask_start_ptr,  # [bs] int64 FULL block offsets (unused otherwise)
+    positions_ptr,  # [bs*N]
+    retrive_index_ptr,  # [bs, N]
+    next_token_ptr,  # [bs, N]
+    next_sibling_ptr,  # [bs, N]
+    topk,
+    num_steps,
+    n,
+    num_parents,  # P
+    stride_parent,
+    stride_selected,
+    MASK_MODE: tl.constexpr,  # 0 TREE_ONLY, 1 BITPACKED, 2 FULL
+    WORDS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    node = tl.arange(0, BLOCK_N)  # [BLOCK_N] int32
+    valid = node < n
+    is_draft = (node >= 1) & valid  # nodes 1..N-1 carry a candidate
+
+    # Candidate id of every node, and the candidate id of its parent.
+    sel = tl.load(selected_ptr + b * stride_selected + node - 1, mask=is_draft, other=-1)
+    sel = sel.to(tl.int64)
+    # Floor division for c >= 0 only: a negative id is garbage and has no parent at all.
+    pc = tl.where(sel >= 0, sel // topk, -1)
+    in_range = is_draft & (pc >= 1) & (pc < num_parents)
+    parent_cand = tl.load(
+        parent_list_ptr + b * stride_parent + pc, mask=in_range, other=-1
+    ).to(tl.int64)
+    # First node (1..N-1) whose candidate id equals the parent candidate: bounded by N-1.
+    match = (sel[None, :] == parent_cand[:, None]) & is_draft[None, :] & in_range[:, None]
+    first = tl.min(tl.where(match, node[None, :], BLOCK_N), axis=1)  # [BLOCK_N]
+    parent = tl.where(first < n, first, -1)
+    parent = tl.where(is_draft & (pc == 0), 0, parent)  # a root child
+    parent = tl.where(is_draft, parent, -1)  # the root and padding rows have no parent
+
+    # First child = smallest child index; next sibling = next larger index with the same parent.
+    child_of = parent[None, :] == node[:, None]  # [parent u, child i]
+    first_child = tl.min(tl.where(child_of, node[None, :], BLOCK_N), axis=1)
+    same_parent = (parent[:, None] == parent[None, :]) & (parent[:, None] >= 0)
+    later = node[None, :] > node[:, None]
+    next_sib = tl.min(tl.where(same_parent & later, node[None, :], BLOCK_N), axis=1)
+
+    # Bounded ancestor walk of every row at once: at most S nodes per row.
+    tree = node[None, :] + node[:, None] * 0 == 0  # [BLOCK_N, BLOCK_N]: column 0 (the root)
+    cur = node
+    active = is_draft
+    depth = node * 0
+    for _ in range(num_steps):
+        tree = tree | ((cur[:, None] == node[None, :]) & active[:, None])
+        depth += active.to(tl.int32)
+        up = tl.sum(tl.where(cur[:, None] == node[None, :], parent[None, :], 0), axis=1)
+        active = active & (up > 0)
+        cur = tl.where(active, up, cur)
+
+    seq = tl.load(seq_lens_ptr + b).to(tl.int64)
+    row = b * n + node
+    tl.store(positions_ptr + row, seq + depth, mask=valid)
+    tl.store(retrive_index_ptr + row, row, mask=valid)
+    tl.store(next_token_ptr + row, tl.where(first_child < n, first_child, -1), mask=valid)
+    tl.store(next_sibling_ptr + row, tl.where(next_sib < n, next_sib, -1), mask=valid)
+
+    cell = valid[:, None] & valid[None, :]
+    if MASK_MODE == 0:
+        offs = (b * n + node[:, None]) * n + node[None, :]
+        tl.store(mask_ptr + offs, tree, mask=cell)
+    elif MASK_MODE == 1:
+        bit = tl.full([BLOCK_N], 1, tl.int64) << (node % 32).to(tl.int64)  # [BLOCK_N]
+        for w in tl.static_range(WORDS):
+            in_word = (node // 32 == w) & valid
+            bits = tl.where(tree & in_word[None, :], bit[None, :], 0)
+            word = tl.sum(bits, axis=1)  # distinct bits: the sum is the OR, < 2**32
+            # Two's complement reinterpretation so that bit 31 survives the int32 store.
+            word = tl.where(word >= 2147483648, word - 4294967296, word).to(tl.int32)
+            tl.store(mask_ptr + (b * n + node) * WORDS + w, word, mask=valid)
+    else:
+        start = tl.load(mask_start_ptr + b)
+        width = seq + n
+        col = tl.arange(0, BLOCK_C)
+        row_base = start + node[:, None].to(tl.int64) * width  # [BLOCK_N, 1]
+        ones = (col[None, :] + node[:, None] * 0) >= 0
+        for c0 in range(0, seq, BLOCK_C):
+            keep = valid[:, None] & (c0 + col[None, :] < seq)
+            tl.store(mask_ptr + row_base + c0 + col[None, :], ones, mask=keep)
+        tl.store(mask_ptr + row_base + seq + node[None, :], tree, mask=cell)
+
+
+def build_tree(
+    parent_list: torch.Tensor,  # [bs, K*(S-1)+1] ([bs, 0] allowed when S == 1)
+    top_scores_index: torch.Tensor,  # [bs, N-1]
+    seq_lens: torch.Tensor,  # [bs]
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+    tree_mask_mode: TreeMaskMode,
+    tree_mask: torch.Tensor,  # out: layout of tree_mask_mode
+    positions: torch.Tensor,  # out: [bs*N]
+    retrive_index: torch.Tensor,  # out: [bs, N]
+    retrive_next_token: torch.Tensor,  # out: [bs, N]
+    retrive_next_sibling: torch.Tensor,  # out: [bs, N]
+) -> None:
+    """Triton ``build_tree``; see :func:`polyspec.kernels.reference.build_tree`."""
+    bs = seq_lens.shape[0]
+    n = num_draft_tokens
+    check(topk >= 1 and num_steps >= 1 and n >= 1, "topk, num_steps, num_draft_tokens >= 1")
+    width = topk * (num_steps - 1) + 1
+    check(
+        parent_list.dim() == 2
+        and parent_list.shape[0] == bs
+        and (parent_list.shape[1] == width or (num_steps == 1 and parent_list.shape[1] == 0)),
+        f"parent_list must be [bs={bs}, topk*(num_steps-1)+1={width}] (or [bs, 0] when "
+        f"num_steps == 1), got {tuple(parent_list.shape)}",
+    )
+    check(
+        tuple(top_scores_index.shape) == (bs, n - 1),
+        f"top_scores_index must be [bs={bs}, N-1={n - 1}], got {tuple(top_scores_index.shape)}",
+    )
+    for name, t in (
+        ("retrive_index", retrive_index),
+        ("retrive_next_token", retrive_next_token),
+        ("retrive_next_sibling", retrive_next_sibling),
+    ):
+        check(tuple(t.shape) == (bs, n), f"{name} must be [bs={bs}, N={n}], got {tuple(t.shape)}")
+    check(positions.numel() == bs * n, f"positions must have bs*N={bs * n} entries")
+    words = (n + 31) // 32
+    if tree_mask_mode is TreeMaskMode.TREE_ONLY:
+        check(tuple(tree_mask.shape) == (bs, n, n), f"TREE_ONLY tree_mask must be [{bs}, {n}, {n}]")
+    elif tree_mask_mode is TreeMaskMode.BITPACKED:
+        check(
+            tuple(tree_mask.shape) == (bs, n, words),
+            f"BITPACKED tree_mask must be [{bs}, {n}, {words}] int32",
+        )
+    else:
+        check(tree_mask.dim() == 1, "FULL tree_mask must be flat: sum_b N*(seq_lens[b]+N)")
+    if bs == 0:
+        return
+    if tree_mask_mode is TreeMaskMode.FULL:
+        sizes = n * (seq_lens.long() + n)
+        mask_start = torch.cumsum(sizes, 0) - sizes  # [bs] offset of each request's block
+    else:
+        mask_start = seq_lens  # unused by the kernel
+    parent = parent_list if parent_list.shape[1] > 0 else seq_lens.view(bs, 1)  # never read
+    selected = top_scores_index if n > 1 else seq_lens.view(bs, 1)  # never read when N == 1
+    outs = [writable(t) for t in (tree_mask, positions, retrive_index)]
+    outs += [writable(t) for t in (retrive_next_token, retrive_next_sibling)]
+    _build_tree_kernel[(bs,)](
+        parent,
+        selected,
+        seq_lens,
+        outs[0][0],
+        mask_start,
+        outs[1][0],
+        outs[2][0],
+        outs[3][0],
+        outs[4][0],
+        topk,
+        num_steps,
+        n,
+        parent_list.shape[1],
+        parent.stride(0),
+        selected.stride(0),
+        MASK_MODE=_MASK_CODES[tree_mask_mode],
+        WORDS=words,
+        BLOCK_N=next_pow2(n),
+        BLOCK_C=64,
+        num_warps=1 if n <= 32 else 4,
+    )
+    for _, finish in outs:
+        finish()
+
+
+# ------------------------------------------------------------------------------ verification
+
+
+@triton.jit
+def _link(links_ptr, at, n):
+    """``links[at]`` as an int32 node index, -1 when outside [0, n) (end of list)."""
+    val = tl.load(links_ptr + at)
+    return tl.where((val >= 0) & (val < n), val, -1).to(tl.int32)
+
+
+@triton.jit
+def _verify_greedy_kernel(
+    cand_ptr,  # [bs, N]
+    ridx_ptr,  # [bs, N]
+    next_token_ptr,  # [bs, N]
+    next_sibling_ptr,  # [bs, N]
+    target_ptr,  # [bs, N]
+    predicts_ptr,  # [bs*N]
+    accept_index_ptr,  # [bs, S+1]
+    accept_length_ptr,  # [bs]
+    n,
+    steps,
+    stride_cand,
+    stride_ridx,
+    stride_nt,
+    stride_ns,
+    stride_target,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    cand_row = cand_ptr + b * stride_cand
+    ridx_row = ridx_ptr + b * stride_ridx
+    nt_row = next_token_ptr + b * stride_nt
+    ns_row = next_sibling_ptr + b * stride_ns
+    target_row = target_ptr + b * stride_target
+    node = tl.arange(0, BLOCK_N)
+    depth_ids = tl.arange(0, BLOCK_S)
+
+    accept = tl.where(depth_ids == 0, tl.load(ridx_row), -1)  # [BLOCK_S]
+    on_path = node == 0
+    cur = b * 0
+    depth = b * 0
+    hops = b * 0  # children rejected at the current depth
+    want = tl.load(target_row)
+    child = _link(nt_row, 0, n)
+    go = (child >= 0) & (steps > 0) & (n > 1)
+    while go:
+        hit = tl.load(cand_row + child) == want
+        depth = tl.where(hit, depth + 1, depth)
+        cur = tl.where(hit, child, cur)
+        accept = tl.where(hit & (depth_ids == depth), tl.load(ridx_row + child), accept)
+        on_path = on_path | (hit & (node == child))
+        want = tl.where(hit, tl.load(target_row + child), want)
+        child = tl.where(hit, _link(nt_row, child, n), _link(ns_row, child, n))
+        hops = tl.where(hit, 0, hops + 1)
+        go = (child >= 0) & (depth < steps) & (hops < n - 1)
+
+    valid = node < n
+    target = tl.load(target_row + node, mask=valid, other=0)
+    gidx = tl.load(ridx_row + node, mask=valid, other=0)
+    tl.store(predicts_ptr + gidx, tl.where(on_path, target, 0), mask=valid)
+    tl.store(accept_index_ptr + b * (steps + 1) + depth_ids, accept, mask=depth_ids <= steps)
+    tl.store(accept_length_ptr + b, depth)
+
+
+def _check_verify(
+    candidates: torch.Tensor,
+    others: dict[str, torch.Tensor],
+    predicts: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_length: torch.Tensor,
+) -> tuple[int, int, int]:
+    """The reference's shape checks; returns (bs, N, S)."""
+    check(candidates.dim() == 2, f"candidates must be [bs, N], got {tuple(candidates.shape)}")
+    bs, n = candidates.shape
+    for name, t in others.items():
+        check(t.shape[:2] == (bs, n), f"{name} must start with [bs={bs}, N={n}]")
+        check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
+    check(candidates.stride(-1) == 1, "candidates must be contiguous in its last dimension")
+    check(predicts.numel() == bs * n, f"predicts must have bs*N={bs * n} entries")
+    check(
+        accept_index.dim() == 2 and accept_index.shape[0] == bs and accept_index.shape[1] >= 1,
+        f"accept_index must be [bs={bs}, S+1], got {tuple(accept_index.shape)}",
+    )
+    check(accept_length.numel() == bs, f"accept_length must be [bs={bs}]")
+    return bs, n, accept_index.shape[1] - 1
+
+
+def verify_tree_greedy(
+    candidates: torch.Tensor,  # [bs, N]
+    retrive_index: torch.Tensor,  # [bs, N]
+    retrive_next_token: torch.Tensor,  # [bs, N]
+    retrive_next_sibling: torch.Tensor,  # [bs, N]
+    target_predict: torch.Tensor,  # [bs, N]
+    predicts: torch.Tensor,  # out: [bs*N]
+    accept_index: torch.Tensor,  # out: [bs, S+1]
+    accept_length: torch.Tensor,  # out: [bs]
+) -> None:
+    """Triton ``verify_tree_greedy``; see :func:`polyspec.kernels.reference.verify_tree_greedy`."""
+    bs, n, steps = _check_verify(
+        candidates,
+        {
+            "retrive_index": retrive_index,
+            "retrive_next_token": retrive_next_token,
+            "retrive_next_sibling": retrive_next_sibling,
+            "target_predict": target_predict,
+        },
+        predicts,
+        accept_index,
+        accept_length,
+    )
+    if bs == 0:
+        return
+    outs = [writable(t) for t in (predicts, accept_index, accept_length)]
+    _verify_greedy_kernel[(bs,)](
+        candidates,
+        retrive_index,
+        retrive_next_token,
+        retrive_next_sibling,
+        target_predict,
+        outs[0][0],
+        outs[1][0],
+        outs[2][0],
+        n,
+        steps,
+        candidates.stride(0),
+        retrive_index.stride(0),
+        retrive_next_token.stride(0),
+        retrive_next_sibling.stride(0),
+        target_predict.stride(0),
+        BLOCK_N=next_pow2(n),
+        BLOCK_S=next_pow2(steps + 1),
+        num_warps=1,
+    )
+    for _, finish in outs:
+        finish()
+
+
+@triton.jit
+def _inverse_cdf(base_row, scratch_row, use_scratch, vocab, coin, BLOCK_V: tl.constexpr):
+    """Inverse-CDF draw from the row at ``scratch_row`` (``use_scratch``) or ``base_row``: the
+    count of cumulative sums <= ``coin * total``, clamped to the last positive entry."""
+    lanes = tl.arange(0, BLOCK_V)
+    total = 0.0
+    for v0 in range(0, vocab, BLOCK_V):
+        offs = v0 + lanes
+        m = offs < vocab
+        p = tl.load(base_row + offs, mask=m & (use_scratch == 0), other=0.0).to(tl.float32)
+        p += tl.load(scratch_row + offs, mask=m & (use_scratch != 0), other=0.0)
+        total += tl.sum(p, axis=0)
+    threshold = coin * total
+    carry = 0.0
+    count = use_scratch * 0
+    last_positive = use_scratch * 0
+    for v0 in range(0, vocab, BLOCK_V):
+        offs = v0 + lanes
+        m = offs < vocab
+        p = tl.load(base_row + offs, mask=m & (use_scratch == 0), other=0.0).to(tl.float32)
+        p += tl.load(scratch_row + offs, mask=m & (use_scratch != 0), other=0.0)
+        cdf = tl.cumsum(p, axis=0) + carry
+        count += tl.sum(((cdf <= threshold) & m).to(tl.int32), axis=0)
+        last_positive = tl.maximum(last_positive, tl.max(tl.where((p > 0) & m, offs, 0), axis=0))
+        carry += tl.sum(p, axis=0)
+    return tl.minimum(count, last_positive)
+
+
+@triton.jit
+def _verify_sampling_kernel(
+    cand_ptr,  # [bs, N]
+    ridx_ptr,  # [bs, N]
+    next_token_ptr,  # [bs, N]
+    next_sibling_ptr,  # [bs, N]
+    target_probs_ptr,  # [bs, N, V]
+    draft_probs_ptr,  # [bs, N, V] (target_probs when HAS_DRAFT is False: never read)
+    coins_ptr,  # [bs, N]
+    final_coins_ptr,  # [bs]
+    scratch_ptr,  # [bs, V] fp32 residual
+    predicts_ptr,  # [bs*N]
+    accept_index_ptr,  # [bs, S+1]
+    accept_length_ptr,  # [bs]
+    n,
+    vocab,
+    steps,
+    stride_cand,
+    stride_ridx,
+    stride_nt,
+    stride_ns,
+    stride_tp_b,
+    stride_tp_n,
+    stride_dp_b,
+    stride_dp_n,
+    stride_coins,
+    HAS_DRAFT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    cand_row = cand_ptr + b * stride_cand
+    ridx_row = ridx_ptr + b * stride_ridx
+    nt_row = next_token_ptr + b * stride_nt
+    ns_row = next_sibling_ptr + b * stride_ns
+    coin_row = coins_ptr + b * stride_coins
+    scratch_row = scratch_ptr + b.to(tl.int64) * vocab
+    node = tl.arange(0, BLOCK_N)
+    depth_ids = tl.arange(0, BLOCK_S)
+    lanes = tl.arange(0, BLOCK_V)
+    final_coin = tl.load(final_coins_ptr + b).to(tl.float32)
+
+    accept = tl.where(depth_ids == 0, tl.load(ridx_row), -1)  # [BLOCK_S]
+    emitted = (node * 0).to(tl.int64)  # predicts by local node
+    cur = b * 0
+    depth = b * 0
+    alive = b >= 0
+    while alive & (depth < steps):
+        base_row = target_probs_ptr + b.to(tl.int64) * stride_tp_b + cur * stride_tp_n
+        draft_row = draft_probs_ptr + b.to(tl.int64) * stride_dp_b + cur * stride_dp_n
+        child = _link(nt_row, cur, n)
+        accepted = b * 0 - 1
+        hops = b * 0
+        fresh = b >= 0  # the residual is still target_probs[b, cur] (scratch not written yet)
+        looking = (child >= 0) & (n > 1)
+        while looking:
+            x = tl.load(cand_row + child).to(tl.int64)
+            x = tl.minimum(tl.maximum(x, 0), vocab - 1)
+            r_x = 0.0
+            q_x = 0.0
+            total = 0.0
+            for v0 in range(0, vocab, BLOCK_V):
+                offs = v0 + lanes
+                m = offs < vocab
+                r = tl.load(base_row + offs, mask=m & fresh, other=0.0).to(tl.float32)
+                r += tl.load(scratch_row + offs, mask=m & (fresh == 0), other=0.0)
+                if HAS_DRAFT:
+                    q = tl.load(draft_row + offs, mask=m, other=0.0).to(tl.float32)
+                else:
+                    q = tl.where(offs == x, 1.0, 0.0)
+                r_x += tl.sum(tl.where(offs == x, r, 0.0), axis=0)
+                q_x += tl.sum(tl.where(offs == x, q, 0.0), axis=0)
+                total += tl.sum(tl.maximum(r - q, 0.0), axis=0)
+            ratio = tl.where(q_x > 0, r_x / tl.where(q_x > 0, q_x, 1.0), 1.0)
+            accept_p = tl.where(r_x > 0, tl.minimum(ratio, 1.0), 0.0)
+            hit = tl.load(coin_row + child).to(tl.float32) < accept_p
+            if hit:
+                accepted = child
+            else:
+                # Residual update: max(r - q, 0) renormalised (target_probs[b, cur] if empty).
+                for v0 in range(0, vocab, BLOCK_V):
+                    offs = v0 + lanes
+                    m = offs < vocab
+                    base = tl.load(base_row + offs, mask=m, other=0.0).to(tl.float32)
+                    r = tl.where(fresh, base, tl.load(scratch_row + offs, mask=m, other=0.0))
+                    if HAS_DRAFT:
+                        q = tl.load(draft_row + offs, mask=m, other=0.0).to(tl.float32)
+                    else:
+                        q = tl.where(offs == x, 1.0, 0.0)
+                    safe_total = tl.where(total > 0, total, 1.0)
+                    new = tl.where(total > 0, tl.maximum(r - q, 0.0) / safe_total, base)
+                    tl.store(scratch_row + offs, new, mask=m)
+                fresh = b < 0
+                child = _link(ns_row, child, n)
+                hops += 1
+            looking = (accepted < 0) & (child >= 0) & (hops < n - 1)
+        took = accepted >= 0
+        if took:
+            token = tl.load(cand_row + accepted).to(tl.int64)
+        else:
+            use_scratch = (fresh == 0).to(tl.int32)
+            token = _inverse_cdf(
+                base_row, scratch_row, use_scratch, vocab, final_coin, BLOCK_V
+            ).to(tl.int64)
+        emitted = tl.where(node == cur, token, emitted)
+        if took:
+            cur = accepted
+            depth += 1
+            accept = tl.where(depth_ids == depth, tl.load(ridx_row + accepted), accept)
+        alive = took
+    if alive:
+        # Reached depth S: the bonus token comes from the target after the last node.
+        base_row = target_probs_ptr + b.to(tl.int64) * stride_tp_b + cur * stride_tp_n
+        bonus = _inverse_cdf(base_row, scratch_row, b * 0, vocab, final_coin, BLOCK_V)
+        emitted = tl.where(node == cur, bonus.to(tl.int64), emitted)
+
+    valid = node < n
+    gidx = tl.load(ridx_row + node, mask=valid, other=0)
+    tl.store(predicts_ptr + gidx, emitted, mask=valid)
+    tl.store(accept_index_ptr + b * (steps + 1) + depth_ids, accept, mask=depth_ids <= steps)
+    tl.store(accept_length_ptr + b, depth)
+
+
+def verify_tree_sampling(
+    candidates: torch.Tensor,  # [bs, N]
+    retrive_index: torch.Tensor,  # [bs, N]
+    retrive_next_token: torch.Tensor,  # [bs, N]
+    retrive_next_sibling: torch.Tensor,  # [bs, N]
+    target_probs: torch.Tensor,  # [bs, N, V] fp32
+    draft_probs: torch.Tensor | None,  # [bs, N, V] or None
+    coins: torch.Tensor,  # [bs, N] uniform [0, 1)
+    final_coins: torch.Tensor,  # [bs] uniform [0, 1)
+    predicts: torch.Tensor,  # out: [bs*N]
+    accept_index: torch.Tensor,  # out: [bs, S+1]
+    accept_length: torch.Tensor,  # out: [bs]
+) -> None:
+    """Triton ``verify_tree_sampling``; see
+    :func:`polyspec.kernels.reference.verify_tree_sampling`. The running residual of each
+    request lives in a ``[bs, V]`` fp32 scratch tensor, so any vocabulary size works."""
+    bs, n, steps = _check_verify(
+        candidates,
+        {
+            "retrive_index": retrive_index,
+            "retrive_next_token": retrive_next_token,
+            "retrive_next_sibling": retrive_next_sibling,
+            "target_probs": target_probs,
+            "coins": coins,
+        },
+        predicts,
+        accept_index,
+        accept_length,
+    )
+    check(target_probs.dim() == 3, "target_probs must be [bs, N, V]")
+    check(
+        draft_probs is None or draft_probs.shape == target_probs.shape,
+        "draft_probs must be None or shaped like target_probs [bs, N, V]",
+    )
+    check(
+        draft_probs is None or draft_probs.stride(-1) == 1,
+        "draft_probs must be contiguous in its last dimension",
+    )
+    check(final_coins.numel() == bs, f"final_coins must be [bs={bs}]")
+    if bs == 0:
+        return
+    vocab = target_probs.shape[2]
+    scratch = torch.empty(bs, vocab, dtype=torch.float32, device=target_probs.device)
+    draft = draft_probs if draft_probs is not None else target_probs
+    outs = [writable(t) for t in (predicts, accept_index, accept_length)]
+    _verify_sampling_kernel[(bs,)](
+        candidates,
+        retrive_index,
+        retrive_next_token,
+        retrive_next_sibling,
+        target_probs,
+        draft,
+        coins,
+        final_coins.reshape(bs),
+        scratch,
+        outs[0][0],
+        outs[1][0],
+        outs[2][0],
+        n,
+        vocab,
+        steps,
+        candidates.stride(0),
+        retrive_index.stride(0),
+        retrive_next_token.stride(0),
+        retrive_next_sibling.stride(0),
+        target_probs.stride(0),
+        target_probs.stride(1),
+        draft.stride(0),
+        draft.stride(1),
+        coins.stride(0),
+        HAS_DRAFT=draft_probs is not None,
+        BLOCK_N=next_pow2(n),
+        BLOCK_S=next_pow2(steps + 1),
+        BLOCK_V=min(next_pow2(vocab), 1024),
+        num_warps=4,
+    )
+    for _, finish in outs:
+        finish()

@@ -1,0 +1,189 @@
+"""``polyspec bench`` end to end on tiny checkpoints, plus its dataset and metric helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from polyspec.bench import datasets, metrics
+from polyspec.cli import main
+from polyspec.commands.bench import parse_temperatures
+from polyspec.errors import ConfigError
+from polyspec.testing import builders
+
+PROMPTS = ["Hello there", "The cat sat on the", "Tell me a story about the sea"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, Path]:
+    """A tiny target (a HF directory transformers loads), an EAGLE-3 head and a prompt file."""
+    root = tmp_path_factory.mktemp("bench")
+    target = builders.build_tiny_target(root / "target", seed=0)
+    data = root / "prompts.jsonl"
+    lines = [json.dumps({"turns": [PROMPTS[0], "second turn"]})]
+    lines += [json.dumps({"prompt": p}) for p in PROMPTS[1:]]
+    data.write_text("\n".join(lines) + "\n")
+    return {
+        "target": target,
+        "eagle3": builders.build_tiny_eagle3(root / "eagle3", target, seed=2),
+        "data": data,
+    }
+
+
+def _bench(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "out.json"
+    argv = ["bench", "--max-new-tokens", "8", "--no-progress", "--json", str(out), *flags]
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_end_to_end_eagle3(tiny, tmp_path, capsys):
+    md = tmp_path / "bench.md"
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--draft", str(tiny["eagle3"]), "--algorithm", "eagle3", "--num-steps", "3",
+        "--markdown", str(md), "--threads", "1", "--temperatures", "0,0.7",
+    )  # fmt: skip
+    systems = rep["systems"]
+    assert set(systems) == {"plain", "spec", "transformers"}
+    for entry in systems.values():
+        assert entry["tokens_per_s"] > 0 and entry["num_tokens"] > 0
+    spec = systems["spec"]
+    assert spec["mean_acceptance_length"] >= 1.0
+    assert len(spec["acceptance_per_position"]) == 3
+    assert sum(spec["acceptance_length_histogram"].values()) == spec["num_rounds"] > 0
+    assert set(spec["phase_fractions"]) == {"draft", "verify", "draft_extend", "other"}
+    assert sum(spec["phase_fractions"].values()) == pytest.approx(1.0)
+    assert rep["outputs_identical"] is True and rep["outputs_differing"] == 0
+    # Same model, dtype and prompt ids: the fp32 transformers baseline agrees with plain.
+    assert rep["transformers_outputs_differing_from_plain"] == 0
+    assert rep["speedups"]["spec_over_plain"] == pytest.approx(
+        spec["tokens_per_s"] / systems["plain"]["tokens_per_s"]
+    )
+    assert [row["temperature"] for row in rep["temperature_sweep"]] == [0.0, 0.7]
+    s, m = rep["settings"], rep["machine"]
+    assert (s["num_prompts"], s["max_new_tokens"], s["algorithm"], s["batch_size"]) == (
+        3, 8, "eagle3", 1,
+    )  # fmt: skip
+    assert m["torch_num_threads"] == 1 and m["backend"] == "cpu" and m["torch_version"]
+    assert rep["command"].startswith("polyspec bench") and "--num-steps 3" in rep["command"]
+    text = md.read_text()
+    assert rep["command"] in text and "| spec |" in text
+    assert "spec and plain outputs identical" in capsys.readouterr().out
+
+
+def test_bench_standalone_self_draft_accepts_everything(tiny, tmp_path):
+    """The target as its own draft: every draft token is accepted, in batches of 2."""
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--draft", str(tiny["target"]), "--algorithm", "standalone", "--num-steps", "2",
+        "--batch-size", "2", "--no-transformers",
+    )  # fmt: skip
+    spec = rep["systems"]["spec"]
+    assert rep["outputs_identical"] is True
+    assert spec["acceptance_per_position"] == [1.0, 1.0]
+    assert spec["mean_acceptance_length"] == 3.0
+    assert rep["skipped"] == {"transformers": "--no-transformers"}
+    assert rep["settings"]["batch_size"] == 2
+
+
+def test_bench_plain_only_sampling(tiny, tmp_path):
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--num-prompts", "2", "--temperature", "0.8", "--seed", "3", "--no-transformers",
+    )  # fmt: skip
+    assert set(rep["systems"]) == {"plain"} and "spec" in rep["skipped"]
+    assert rep["outputs_identical"] is None and rep["identity_check"].startswith("n/a")
+    assert rep["settings"]["num_prompts"] == 2
+
+
+def test_read_prompts_formats_and_errors(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"turns": ["a", "b"]}\n\n{"prompt": "c"}\n')
+    assert datasets.read_prompts(good) == ["a", "c"]
+    bad = tmp_path / "bad.jsonl"
+    for line, msg in [
+        ("{not json", "line 2 is not valid JSON"),
+        ('{"text": "x"}', "line 2 has neither 'turns' nor 'prompt'"),
+        ('{"turns": []}', "line 2: 'turns' must be a non-empty list"),
+        ('["x"]', "line 2 must be a JSON object"),
+    ]:
+        bad.write_text('{"prompt": "ok"}\n' + line + "\n")
+        with pytest.raises(ConfigError, match=msg):
+            datasets.read_prompts(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        datasets.read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_find_mt_bench(tmp_path):
+    nested = tmp_path / "a" / "main" / "sub"
+    nested.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="question.jsonl"):
+        datasets.find_mt_bench(cwd=nested, env={})
+    found = tmp_path / "a" / "shared" / "data" / "eval" / "mt_bench.jsonl"
+    found.parent.mkdir(parents=True)
+    found.write_text('{"turns": ["q"]}\n')
+    assert datasets.find_mt_bench(cwd=nested, env={}) == found
+    env_file = tmp_path / "env" / "eval" / "mt_bench.jsonl"
+    env_file.parent.mkdir(parents=True)
+    env_file.write_text('{"turns": ["q"]}\n')
+    assert (
+        datasets.find_mt_bench(cwd=nested, env={"POLYSPEC_DATA_DIR": str(env_file.parents[1])})
+        == env_file
+    )
+
+
+def test_metrics():
+    rounds = [1, 4, 2, 3]  # tokens committed per round: accepted draft tokens + 1
+    assert metrics.mean_acceptance_length(rounds) == 2.5
+    assert metrics.position_acceptance(rounds, 3) == [0.75, 0.5, 0.25]
+    assert metrics.acceptance_histogram(rounds, 4) == {1: 1, 2: 1, 3: 1, 4: 1}
+    frac = metrics.spec_phase_fractions(
+        {"draft": 1.0, "verify": 2.0, "accept": 0.5, "draft_extend": 0.25, "other": 0.25}
+    )
+    assert frac == {"draft": 0.25, "verify": 0.5, "draft_extend": 0.0625, "other": 0.1875}
+    assert metrics.speedup(3.0, 2.0) == 1.5 and metrics.speedup(3.0, None) is None
+
+
+def test_parse_temperatures_and_flag_errors(tmp_path):
+    assert parse_temperatures("0, 0.7,1") == [0.0, 0.7, 1.0]
+    with pytest.raises(ConfigError, match="'hot' is not a number"):
+        parse_temperatures("0,hot")
+    with pytest.raises(ConfigError, match="must be a finite number >= 0"):
+        parse_temperatures("-1")
+    assert main(["bench", "--dataset", str(tmp_path / "none.jsonl")]) == 2
+
+
+def _report_for_plot(spec: bool) -> dict:
+    systems = {"plain": {"tokens_per_s": 10.0}, "transformers": {"tokens_per_s": 5.0}}
+    if spec:
+        systems["spec"] = {
+            "tokens_per_s": 20.0,
+            "mean_acceptance_length": 2.5,
+            "acceptance_length_histogram": {"1": 3, "2": 1, "3": 0, "4": 4},
+        }
+    return {"command": "polyspec bench --dataset x.jsonl", "systems": systems}
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from polyspec.bench.plot import write_plot
+
+    for spec in (True, False):
+        out = tmp_path / f"plot_{spec}.png"
+        write_plot(_report_for_plot(spec), out)
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    from polyspec.bench.plot import write_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(ConfigError, match="pip install matplotlib"):
+        write_plot(_report_for_plot(True), tmp_path / "p.png")
+    argv = ["bench", "--dataset", "x.jsonl", "--plot", str(tmp_path / "p.png")]
+    assert main(argv) == 2  # refused before any model loads

@@ -1,0 +1,108 @@
+"""train-draft: the trainable EAGLE-3 head computes what the inference head computes (TTT
+steps included), the exported checkpoint loads and drafts losslessly, and the CLI runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from polyspec.backends.cpu.backend import CPUBackend
+from polyspec.config import SamplingParams, SpeculativeConfig
+from polyspec.model.loader import default_aux_layers, load_draft, load_target
+from polyspec.testing.builders import build_tiny_target
+from polyspec.testing.forward import SingleRequest
+from polyspec.train.export import export_eagle3
+from polyspec.train.features import extract_features
+from polyspec.train.head import Eagle3Trainable
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    backend = CPUBackend()
+    target_path = build_tiny_target(root / "target", seed=0)
+    target = load_target(target_path, backend, "float32")
+    ids = [5, 17, 33, 2, 250, 91, 14, 7, 66, 120, 3, 48]
+    aux_layers = default_aux_layers(target.config.num_layers)
+    feats = extract_features(target, backend, [(ids, 3)], aux_layers)[0]
+    draft_ids = torch.arange(0, target.config.vocab_size, 2)
+    torch.manual_seed(0)
+    head = Eagle3Trainable(target.config, int(draft_ids.numel()), 64)
+    head.init_from_target(target, draft_ids)
+    with torch.no_grad():  # move away from the symmetric warm start
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    export_eagle3(head, draft_ids, aux_layers, root / "head", dtype=torch.float32)
+    return root, backend, target, target_path, head, feats, draft_ids
+
+
+def test_ttt_steps_match_inference_head(setup):
+    root, backend, target, _, head, feats, draft_ids = setup
+    ids = feats.ids
+    t = len(ids)
+    aux = feats.aux.float()[None]
+    nxt = torch.cat([ids[1:], ids[:1]])  # token p + 1 at position p (last one unused)
+    with torch.no_grad():
+        logits = head(aux, target.embed(nxt).float()[None], ttt_steps=3)
+    draft = load_draft(root / "head", target, "eagle3", backend, "float32")
+    # step 0: the inference head over every position, fed the target's features
+    req = SingleRequest(draft, backend)
+    batch, meta = req.next_batch(nxt[: t - 1])
+    with torch.no_grad():
+        lh, feat0 = draft(batch.input_ids, feats.aux.float()[: t - 1], batch.positions, req.attn, meta)
+        torch.testing.assert_close(draft.compute_logits(lh), logits[0][0, : t - 1], rtol=1e-4, atol=1e-4)
+    # steps 1 and 2 at position p: step-0 KV up to p - j, then the head's own features
+    for j in (1, 2):
+        for p in (j + 1, t - 2):
+            req = SingleRequest(draft, backend)
+            with torch.no_grad():
+                batch, meta = req.next_batch(nxt[: p - j + 1])
+                _, f = draft(batch.input_ids, feats.aux.float()[: p - j + 1], batch.positions, req.attn, meta)
+                f = f[-1:]
+                for step in range(1, j + 1):
+                    q = p - j + step
+                    batch, meta = req.next_batch(nxt[q : q + 1])
+                    lh, f = draft(batch.input_ids, f, batch.positions, req.attn, meta)
+            torch.testing.assert_close(
+                draft.compute_logits(lh)[0], logits[j][0, p], rtol=1e-4, atol=1e-4
+            )
+
+
+def test_exported_head_drafts_losslessly(setup):
+    from polyspec.engine.llm import LLM
+
+    root, _, _, target_path, *_ = setup
+    cfg = json.loads((root / "head" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 150 and "eagle_aux_hidden_state_layer_ids" in cfg["eagle_config"]
+    prompts = [[5, 6, 7, 8], [40, 41, 42]]
+    p = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    plain = LLM(target=target_path, backend="cpu", dtype="float32", max_context=128)
+    spec = LLM(target=target_path, draft=root / "head", backend="cpu", dtype="float32",
+               max_context=128, speculative=SpeculativeConfig(algorithm="eagle3", num_steps=3))  # fmt: skip
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=p)]
+    assert [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=p)] == want
+
+
+def test_train_draft_cli_end_to_end_and_resume(setup, tmp_path):
+    from polyspec.cli import main
+
+    _, _, _, target_path, *_ = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(12)))
+    out = tmp_path / "head"
+    argv = ["train-draft", "--target", str(target_path), "--prompts", str(prompts), "--out",
+            str(out), "--steps", "8", "--num-prompts", "12", "--max-new-tokens", "8",
+            "--draft-vocab-size", "64", "--batch-tokens", "256", "--ttt-steps", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 8 and len(log[-1]["acc_per_step"]) == 2
+    answers = (out / "answers.jsonl").read_text()
+    # a second run without --resume refuses to clobber a checkpoint; with it, it reuses answers
+    (out / "checkpoint.pt").write_bytes(b"")
+    assert main(argv) == 2
+    (out / "checkpoint.pt").unlink()
+    assert main(argv + ["--resume", "--steps", "10"]) == 0
+    assert (out / "answers.jsonl").read_text() == answers

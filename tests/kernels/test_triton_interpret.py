@@ -1,0 +1,476 @@
+"""Every Triton kernel of ``polyspec.kernels.triton`` against the PyTorch reference.
+
+Runs on the CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set by this directory's
+conftest before any kernel is defined), or compiled on a device when ``POLYSPEC_TRITON_DEVICE``
+names one (ci/device_cuda.sh). Shapes are tiny because the interpreter runs each program in
+Python. Output tensors are poisoned with two different sentinels so that an entry a kernel
+forgets to write fails; the golden tree cases of the conformance suite run on a backend whose
+kernels are the Triton ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'polyspec[cuda]')")
+
+from polyspec.backend import KernelSet, TreeMaskMode  # noqa: E402
+from polyspec.backends.cpu.backend import CPUBackend  # noqa: E402
+from polyspec.kernels import reference as ref  # noqa: E402
+from polyspec.kernels.triton import KERNELS, triton_kernel_overrides  # noqa: E402
+
+# The conformance suite's golden tree cases, run here on the Triton kernels (fixture below).
+from polyspec.testing.test_tree_golden import (  # noqa: E402, F401
+    test_chain,
+    test_missing_parent,
+    test_out_of_range_and_duplicate_ids,
+    test_parent_cycle_is_bounded,
+    test_topk_tree,
+    test_verify_greedy_garbage_links_are_bounded,
+    test_verify_sampling_golden,
+)
+
+SEED = 1234
+TOL = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+}
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> dict:
+    return triton_kernel_overrides()
+
+
+class _TritonBackend:
+    """What the golden cases need of a backend: device, index dtype, kernels, capabilities."""
+
+    def __init__(self, device: str, index_dtype: torch.dtype) -> None:
+        self._device = torch.device(device)
+        self.index_dtype = index_dtype
+        self.capabilities = CPUBackend().capabilities
+        self.kernels = dataclasses.replace(KernelSet.reference(), **triton_kernel_overrides())
+
+    def device(self, rank: int = 0) -> torch.device:
+        return self._device
+
+
+@pytest.fixture(scope="module", params=[torch.int64, torch.int32], ids=["int64", "int32"])
+def backend(request, triton_device):
+    """A backend whose kernels are the Triton ones (overrides the pytest plugin's fixture)."""
+    return _TritonBackend(triton_device, request.param)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _poisoned(fn, args: dict, outs: dict, device: str) -> list[dict[str, torch.Tensor]]:
+    """Call ``fn`` once per sentinel with every out tensor filled with it; CPU results."""
+    results = []
+    for which in range(2):
+        filled = {}
+        for name, t in outs.items():
+            if t.dtype == torch.bool:
+                value = (True, False)[which]
+            elif t.dtype.is_floating_point:
+                value = (float("nan"), -7.0)[which]
+            else:
+                value = (-7, 1234567)[which]
+            filled[name] = torch.full_like(t, value, device=device)
+        fn(**args, **filled)
+        results.append({k: v.cpu() for k, v in filled.items()})
+    return results
+
+
+def _same(got: list[dict], expected: dict, what: str) -> None:
+    for run in got:
+        for name, exp in expected.items():
+            a = run[name]
+            assert a.shape == exp.shape, f"{what}.{name}: shape {a.shape} != {exp.shape}"
+            assert torch.equal(a.long() if a.dtype != torch.bool else a, exp.long() if exp.dtype != torch.bool else exp), (
+                f"{what}.{name} differs:\n got {a}\n expected {exp}"
+            )
+
+
+def _on(t: torch.Tensor, device: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype or t.dtype, copy=True)
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def test_overrides_cover_the_assigned_kernels(kernels):
+    expected = {name for names in KERNELS.values() for name in names}
+    assert set(kernels) == expected
+    assert expected <= set(KernelSet.names())
+    assert {"build_tree", "verify_tree_greedy", "verify_tree_sampling", "move_kv"} <= expected
+
+
+def test_importing_the_package_does_not_import_triton():
+    code = "import sys, polyspec.kernels.triton; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ----------------------------------------------------------------------------- draft tree
+
+
+def _random_tree(seed: int, bs: int, topk: int, num_steps: int, n: int):
+    """A well-formed tree from the reference draft pipeline (parent_list, selected, tokens)."""
+    g = _gen(seed)
+    scores, levels = None, []
+    for step in range(num_steps):
+        rows = bs if step == 0 else bs * topk
+        p, i = torch.randn(rows, 40, generator=g).softmax(-1).topk(topk, dim=-1)
+        _, _, scores, level = ref.select_top_k(step, p, i, torch.zeros(rows, 2), scores, topk)
+        levels.append(level)
+    return ref.organize_draft_results(*[[lv[k] for lv in levels] for k in range(3)], n)
+
+
+def _tree_outs(mode: TreeMaskMode, bs: int, n: int, seq_lens: torch.Tensor, idt) -> dict:
+    if mode is TreeMaskMode.FULL:
+        mask = torch.empty(int((n * (seq_lens + n)).sum()), dtype=torch.bool)
+    elif mode is TreeMaskMode.BITPACKED:
+        mask = torch.empty(bs, n, (n + 31) // 32, dtype=torch.int32)
+    else:
+        mask = torch.empty(bs, n, n, dtype=torch.bool)
+    return {
+        "tree_mask": mask,
+        "positions": torch.empty(bs * n, dtype=idt),
+        "retrive_index": torch.empty(bs, n, dtype=idt),
+        "retrive_next_token": torch.empty(bs, n, dtype=idt),
+        "retrive_next_sibling": torch.empty(bs, n, dtype=idt),
+    }
+
+
+@pytest.mark.parametrize("mode", list(TreeMaskMode))
+@pytest.mark.parametrize("topk,num_steps,n", [(1, 3, 4), (3, 3, 9), (4, 4, 36)])
+def test_build_tree_matches_reference(kernels, triton_device, mode, topk, num_steps, n):
+    bs = 2
+    parent_list, selected, _ = _random_tree(SEED + n, bs, topk, num_steps, n)
+    seq_lens = torch.randint(1, 20, (bs,), generator=_gen(n))
+    common = {"topk": topk, "num_steps": num_steps, "num_draft_tokens": n, "tree_mask_mode": mode}
+    expected = _poisoned(
+        ref.build_tree,
+        {"parent_list": parent_list, "top_scores_index": selected, "seq_lens": seq_lens, **common},
+        _tree_outs(mode, bs, n, seq_lens, torch.int64),
+        "cpu",
+    )[0]
+    for idt in (torch.int64, torch.int32):
+        args = {
+            "parent_list": _on(parent_list, triton_device, idt),
+            "top_scores_index": _on(selected, triton_device, idt),
+            "seq_lens": _on(seq_lens, triton_device, idt),
+            **common,
+        }
+        got = _poisoned(
+            kernels["build_tree"], args, _tree_outs(mode, bs, n, seq_lens, idt), triton_device
+        )
+        _same(got, expected, f"build_tree[{mode.value}, {idt}]")
+
+
+def test_build_tree_garbage_matches_reference(kernels, triton_device):
+    """Random garbage ids and parents (missing parents, duplicates, cycles, negatives)."""
+    g = _gen(SEED + 5)
+    bs, topk, num_steps, n = 3, 3, 4, 12
+    parent_list = torch.randint(-3, 40, (bs, topk * (num_steps - 1) + 1), generator=g)
+    selected = torch.randint(-4, 40, (bs, n - 1), generator=g)
+    seq_lens = torch.randint(0, 10, (bs,), generator=g)
+    mode = TreeMaskMode.TREE_ONLY
+    common = {"topk": topk, "num_steps": num_steps, "num_draft_tokens": n, "tree_mask_mode": mode}
+    expected = _poisoned(
+        ref.build_tree,
+        {"parent_list": parent_list, "top_scores_index": selected, "seq_lens": seq_lens, **common},
+        _tree_outs(mode, bs, n, seq_lens, torch.int64),
+        "cpu",
+    )[0]
+    args = {
+        "parent_list": _on(parent_list, triton_device),
+        "top_scores_index": _on(selected, triton_device),
+        "seq_lens": _on(seq_lens, triton_device),
+        **common,
+    }
+    got = _poisoned(
+        kernels["build_tree"], args, _tree_outs(mode, bs, n, seq_lens, torch.int64), triton_device
+    )
+    _same(got, expected, "build_tree[garbage]")
+
+
+def _verify_case(seed: int, bs: int, topk: int, num_steps: int, n: int, vocab: int):
+    parent_list, selected, tokens = _random_tree(seed, bs, topk, num_steps, n)
+    seq_lens = torch.full((bs,), 3)
+    tree = _tree_outs(TreeMaskMode.TREE_ONLY, bs, n, seq_lens, torch.int64)
+    ref.build_tree(parent_list, selected, seq_lens, topk, num_steps, n, TreeMaskMode.TREE_ONLY, **tree)
+    g = _gen(seed + 1)
+    candidates = torch.cat([torch.randint(0, vocab, (bs, 1), generator=g), tokens % vocab], 1)
+    first_child = tree["retrive_next_token"]
+    follow = candidates.gather(1, first_child.clamp(min=0))
+    use = (torch.rand(bs, n, generator=g) < 0.7) & (first_child >= 0)
+    target = torch.where(use, follow, torch.randint(0, vocab, (bs, n), generator=g))
+    links = {k: tree[k] for k in ("retrive_index", "retrive_next_token", "retrive_next_sibling")}
+    return candidates, links, target
+
+
+def _verify_outs(bs: int, n: int, num_steps: int, idt) -> dict:
+    return {
+        "predicts": torch.empty(bs * n, dtype=torch.int64),
+        "accept_index": torch.empty(bs, num_steps + 1, dtype=idt),
+        "accept_length": torch.empty(bs, dtype=idt),
+    }
+
+
+@pytest.mark.parametrize("topk,num_steps,n", [(1, 4, 5), (4, 3, 10), (2, 5, 12)])
+def test_verify_tree_greedy_matches_reference(kernels, triton_device, topk, num_steps, n):
+    bs, vocab = 5, 6
+    candidates, links, target = _verify_case(SEED + n, bs, topk, num_steps, n, vocab)
+    expected = _poisoned(
+        ref.verify_tree_greedy,
+        {"candidates": candidates, **links, "target_predict": target},
+        _verify_outs(bs, n, num_steps, torch.int64),
+        "cpu",
+    )[0]
+    assert int(expected["accept_length"].max()) >= 2, "test case too weak"
+    for idt in (torch.int64, torch.int32):
+        args = {
+            "candidates": _on(candidates, triton_device),
+            **{k: _on(v, triton_device, idt) for k, v in links.items()},
+            "target_predict": _on(target, triton_device),
+        }
+        got = _poisoned(
+            kernels["verify_tree_greedy"], args, _verify_outs(bs, n, num_steps, idt), triton_device
+        )
+        _same(got, expected, f"verify_tree_greedy[{idt}]")
+
+
+@pytest.mark.parametrize("with_draft_probs", [False, True])
+@pytest.mark.parametrize("topk,num_steps,n,vocab", [(1, 3, 4, 7), (3, 3, 8, 12), (2, 2, 5, 1500)])
+def test_verify_tree_sampling_matches_reference(
+    kernels, triton_device, with_draft_probs, topk, num_steps, n, vocab
+):
+    bs = 6 if vocab < 100 else 2
+    candidates, links, _ = _verify_case(SEED + 3 * n, bs, topk, num_steps, n, vocab)
+    g = _gen(SEED + vocab)
+    target_probs = (3.0 * torch.randn(bs, n, vocab, generator=g)).softmax(-1)
+    # Mass on the first child's token so that acceptances and rejections both happen.
+    target_probs.scatter_add_(2, candidates.roll(-1, 1).unsqueeze(2), torch.full((bs, n, 1), 2.0))
+    target_probs /= target_probs.sum(-1, keepdim=True)
+    draft_probs = torch.randn(bs, n, vocab, generator=g).softmax(-1) if with_draft_probs else None
+    coins = torch.rand(bs, n, generator=g)
+    final_coins = torch.rand(bs, generator=g)
+    base = {"target_probs": target_probs, "draft_probs": draft_probs, "coins": coins}
+    expected = _poisoned(
+        ref.verify_tree_sampling,
+        {"candidates": candidates, **links, **base, "final_coins": final_coins},
+        _verify_outs(bs, n, num_steps, torch.int64),
+        "cpu",
+    )[0]
+    args = {
+        "candidates": _on(candidates, triton_device),
+        **{k: _on(v, triton_device) for k, v in links.items()},
+        **{k: None if v is None else _on(v, triton_device) for k, v in base.items()},
+        "final_coins": _on(final_coins, triton_device),
+    }
+    got = _poisoned(
+        kernels["verify_tree_sampling"],
+        args,
+        _verify_outs(bs, n, num_steps, torch.int64),
+        triton_device,
+    )
+    _same(got, expected, "verify_tree_sampling")
+    lengths = expected["accept_length"]
+    assert int(lengths.max()) >= 1 and int(lengths.min()) < num_steps, "test case too weak"
+
+
+# ----------------------------------------------------------------------------- slot bookkeeping
+
+
+@pytest.mark.parametrize("topk,num_steps,page_size", [(1, 3, 1), (4, 3, 1), (3, 5, 4), (2, 2, 16)])
+def test_assign_draft_cache_locs_matches_reference(
+    kernels, triton_device, topk, num_steps, page_size
+):
+    g = _gen(SEED + page_size + topk)
+    bs, rows, cols = 3, 5, 48
+    width = ref.draft_lane_width(num_steps, page_size)
+    req_to_token = torch.randint(1, 10000, (rows, cols), generator=g)
+    req_pool_indices = torch.randperm(rows, generator=g)[:bs]
+    seq_lens = torch.randint(1, cols - 1, (bs,), generator=g)
+    seq_lens[0] = 2 * page_size  # a prefix without a partial page
+    alloc_slots = torch.randperm(20000, generator=g)[: bs * topk * width] + 1
+    copies = bs * topk * (page_size - 1)
+
+    def outs(idt):
+        return {
+            "lane_locs": torch.empty(bs, topk, width, dtype=idt),
+            "tail_lens": torch.empty(bs, dtype=idt),
+            "copy_src": torch.empty(copies, dtype=idt),
+            "copy_dst": torch.empty(copies, dtype=idt),
+        }
+
+    common = {"topk": topk, "num_steps": num_steps, "page_size": page_size}
+    tensors = {
+        "req_pool_indices": req_pool_indices,
+        "req_to_token": req_to_token,
+        "seq_lens": seq_lens,
+        "alloc_slots": alloc_slots,
+    }
+    expected = _poisoned(
+        ref.assign_draft_cache_locs, {**tensors, **common}, outs(torch.int64), "cpu"
+    )[0]
+    for idt in (torch.int64, torch.int32):
+        args = {k: _on(v, triton_device, idt) for k, v in tensors.items()}
+        got = _poisoned(
+            kernels["assign_draft_cache_locs"], {**args, **common}, outs(idt), triton_device
+        )
+        _same(got, expected, f"assign_draft_cache_locs[{idt}]")
+
+
+def test_assign_req_to_token_and_extend_cache_locs_match_reference(kernels, triton_device):
+    g = _gen(SEED + 21)
+    bs, rows, cols = 4, 6, 300
+    req_pool_indices = torch.randperm(rows, generator=g)[:bs]
+    start = torch.randint(0, 20, (bs,), generator=g)
+    lens = torch.tensor([3, 0, 150, 7])  # an empty segment and one longer than a block
+    end = start + lens
+    slots = torch.randperm(10000, generator=g)[: int(lens.sum())] + 1
+    table = torch.randint(1, 10000, (rows, cols), generator=g)
+    for idt in (torch.int64, torch.int32):
+        expected = table.clone()
+        ref.assign_req_to_token(req_pool_indices, expected, start, end, slots)
+        got = _on(table, triton_device, idt)
+        dev = {k: _on(v, triton_device, idt) for k, v in
+               {"req_pool_indices": req_pool_indices, "start": start, "end": end}.items()}  # fmt: skip
+        kernels["assign_req_to_token"](
+            dev["req_pool_indices"], got, dev["start"], dev["end"], _on(slots, triton_device, idt)
+        )
+        assert torch.equal(got.cpu().long(), expected), f"assign_req_to_token[{idt}]"
+
+        out = {"out": torch.empty(int(lens.sum()), dtype=idt)}
+        exp = _poisoned(
+            ref.assign_extend_cache_locs,
+            {"req_pool_indices": req_pool_indices, "req_to_token": table, "start": start, "end": end},
+            {"out": torch.empty(int(lens.sum()), dtype=torch.int64)},
+            "cpu",
+        )[0]
+        res = _poisoned(
+            kernels["assign_extend_cache_locs"],
+            {**dev, "req_to_token": _on(table, triton_device, idt)},
+            out,
+            triton_device,
+        )
+        _same(res, exp, f"assign_extend_cache_locs[{idt}]")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_kv_is_overlap_safe(kernels, triton_device, dtype):
+    g = _gen(SEED + 23)
+    k = torch.randn(32, 2, 8, generator=g).to(dtype)
+    v = torch.randn(32, 2, 8, generator=g).to(dtype)
+    # A right shift and a swap: copying pair by pair, or scattering before gathering, fails.
+    src = torch.tensor([4, 5, 6, 20, 11, 12])
+    dst = torch.tensor([5, 6, 7, 4, 12, 11])
+    ek, ev = k.clone(), v.clone()
+    ref.move_kv(ek, ev, dst, src)
+    gk, gv = _on(k, triton_device), _on(v, triton_device)
+    kernels["move_kv"](gk, gv, _on(dst, triton_device, torch.int32), _on(src, triton_device))
+    assert torch.equal(gk.cpu(), ek) and torch.equal(gv.cpu(), ev)
+
+
+@pytest.mark.parametrize("cache_dtype", FLOATS)
+def test_store_kv_casts_and_reads_strided_inputs(kernels, triton_device, cache_dtype):
+    g = _gen(SEED + 24)
+    k = torch.randn(32, 2, 8, generator=g).to(cache_dtype)
+    v = torch.randn(32, 2, 8, generator=g).to(cache_dtype)
+    loc = torch.tensor([3, 31, 1, 17, 9])
+    # k / v as slices of a fused [T, Hq + 2*Hkv, D] fp32 projection: strided, another dtype.
+    qkv = torch.randn(5, 6, 8, generator=g)
+    nk, nv = qkv[:, 2:4], qkv[:, 4:6]
+    ek, ev = k.clone(), v.clone()
+    ref.store_kv(ek, ev, loc, nk, nv)
+    gk, gv = _on(k, triton_device), _on(v, triton_device)
+    dq = _on(qkv, triton_device)
+    kernels["store_kv"](gk, gv, _on(loc, triton_device), dq[:, 2:4], dq[:, 4:6])
+    assert torch.equal(gk.cpu(), ek) and torch.equal(gv.cpu(), ev)
+
+
+# ----------------------------------------------------------------------------- model kernels
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rms_norm_and_fused_add_match_reference(kernels, triton_device, dtype):
+    g = _gen(SEED + 31)
+    x = (3 * torch.randn(5, 48, generator=g)).to(dtype)
+    res = torch.randn(5, 48, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype)
+    x0, res0 = x.clone(), res.clone()
+    dx, dres, dw = _on(x, triton_device), _on(res, triton_device), _on(w, triton_device)
+    got = kernels["rms_norm"](dx, dw, 1e-6)
+    expected = ref.rms_norm(x, w, 1e-6)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
+    got_n, got_s = kernels["fused_add_rms_norm"](dx, dres, dw, 1e-6)
+    exp_n, exp_s = ref.fused_add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(got_s.cpu(), exp_s), "the residual sum must round exactly as torch"
+    torch.testing.assert_close(got_n.cpu(), exp_n, **TOL[dtype])
+    assert torch.equal(dx.cpu(), x0) and torch.equal(dres.cpu(), res0), "inputs modified"
+    # fp32 weight on a low-precision input promotes like the reference.
+    wf = w.float()
+    got = kernels["rms_norm"](dx, _on(wf, triton_device), 1e-6)
+    expected = ref.rms_norm(x, wf, 1e-6)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
+
+
+def _cos_sin_cache(max_pos: int, dim: int) -> torch.Tensor:
+    inv = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = torch.arange(max_pos, dtype=torch.float32).unsqueeze(1) * inv
+    return torch.cat([freqs.cos(), freqs.sin()], dim=1)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rotary_embedding_matches_reference(kernels, triton_device, is_neox, dtype):
+    g = _gen(SEED + 32)
+    dim = 16
+    cache = _cos_sin_cache(64, dim)
+    positions = torch.randint(0, 64, (6,), generator=g)
+    qkv = torch.randn(6, 4 + 2 + 2, dim, generator=g).to(dtype)
+    q, k = qkv[:, :4], qkv[:, 4:6]  # strided views, as after a fused projection
+    eq, ek = ref.rotary_embedding(positions, q, k, cache, is_neox)
+    d = _on(qkv, triton_device)
+    gq, gk = kernels["rotary_embedding"](
+        _on(positions, triton_device, torch.int32), d[:, :4], d[:, 4:6], _on(cache, triton_device), is_neox
+    )
+    assert gq.dtype == dtype and gk.dtype == dtype
+    torch.testing.assert_close(gq.cpu(), eq, **TOL[dtype])
+    torch.testing.assert_close(gk.cpu(), ek, **TOL[dtype])
+    assert torch.equal(d.cpu(), qkv), "inputs modified"
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_silu_and_mul_matches_reference(kernels, triton_device, dtype):
+    g = _gen(SEED + 33)
+    x = torch.randn(2, 3, 2 * 20, generator=g).to(dtype)
+    got = kernels["silu_and_mul"](_on(x, triton_device))
+    expected = ref.silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == (2, 3, 20)
+    torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
+
+
+def test_bad_shapes_raise_clear_errors(kernels, triton_device):
+    with pytest.raises(ValueError, match="top_scores_index"):
+        outs = _tree_outs(TreeMaskMode.TREE_ONLY, 1, 4, torch.tensor([2]), torch.int64)
+        kernels["build_tree"](
+            torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+            torch.tensor([2]), 1, 3, 4, TreeMaskMode.TREE_ONLY, **outs,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="even last dim"):
+        kernels["silu_and_mul"](torch.zeros(2, 5, device=triton_device))
+    with pytest.raises(ValueError, match="weight"):
+        kernels["rms_norm"](torch.zeros(2, 8, device=triton_device), torch.ones(4), 1e-6)

@@ -1,0 +1,1 @@
+"""Registers polyspec's Ascend-shaped constrained test backend (``ascend-like``)."""

@@ -1,23 +1,27 @@
 """Plugin for the CUDA backend (entry point ``cuda`` in ``polyspec.backends``).
 
-The probe tells the truth about this machine without importing ``torch.cuda`` or initialising a
-device; the backend itself is not implemented in this version, so even on a machine with an
-NVIDIA GPU the probe reports it unavailable and the factory refuses.
+The probe tells the truth about this machine without importing ``torch.cuda``, Triton, or
+initialising a device: an NVIDIA device node or ``nvidia-smi``, a CUDA build of torch and an
+installed ``triton``. The factory imports the backend (torch.cuda, Triton) only when it is
+selected and refuses with ``NotImplementedError`` when no CUDA device is usable after all.
 """
 
 from __future__ import annotations
 
-from polyspec.backend import BackendCapabilities
-from polyspec.backends.probing import NOT_IMPLEMENTED, device_nodes, torch_build_info, which
+from polyspec.backend import Backend, BackendCapabilities
+from polyspec.backends.probing import device_nodes, has_module, torch_build_info, which
 from polyspec.hookspecs import BackendSpec, ProbeResult, hookimpl
 
 CAPABILITIES = BackendCapabilities(
     graph_capture=True,
     tree_attention=True,
+    page_sizes=None,
     index_dtype="int64",
     dtypes=("float32", "bfloat16", "float16"),
+    sampling_verify=True,
 )
-"""Planned capabilities (CUDA graphs, tree attention); listed so users see what is coming."""
+"""The capabilities of :class:`polyspec.backends.cuda.backend.CUDABackend`, declared statically
+(a test checks that they match the backend's)."""
 
 
 def _device_evidence(env: dict[str, str]) -> str | None:
@@ -31,7 +35,7 @@ def _device_evidence(env: dict[str, str]) -> str | None:
 
 
 def probe(env: dict[str, str]) -> ProbeResult:
-    """Why (not) CUDA here: device presence, then whether torch was built with CUDA."""
+    """Why (not) CUDA here: device presence, a CUDA build of torch, Triton installed."""
     evidence = _device_evidence(env)
     version, build = torch_build_info()
     problems = []
@@ -44,15 +48,11 @@ def probe(env: dict[str, str]) -> ProbeResult:
             f"torch {version} is built without CUDA (torch.version.cuda is None); "
             f"install a CUDA build of torch"
         )
+    if not has_module("triton"):
+        problems.append("triton is not installed (pip install 'polyspec[cuda]')")
     if problems:
         return ProbeResult(available=False, reason="; ".join(problems))
-    return ProbeResult(
-        available=False,
-        reason=(
-            f"NVIDIA GPU found ({evidence}, torch {version} with CUDA {build['cuda']}), but the "
-            f"cuda backend is {NOT_IMPLEMENTED} of polyspec; use --backend cpu"
-        ),
-    )
+    return ProbeResult(available=True)
 
 
 @hookimpl
@@ -64,7 +64,7 @@ def polyspec_backend_spec() -> BackendSpec:
         priority=100,
         capabilities=CAPABILITIES,
         device_type="cuda",
-        description=f"NVIDIA GPUs (CUDA graphs, Triton kernels) -- {NOT_IMPLEMENTED}",
+        description="NVIDIA GPUs (CUDA graphs, Triton kernels)",
     )
 
 
@@ -74,8 +74,17 @@ def polyspec_backend_probe(env: dict[str, str]) -> ProbeResult:
     return probe(env)
 
 
-def make_backend() -> None:
-    """Factory placeholder: refuses, since the backend does not exist in this version."""
-    raise NotImplementedError(
-        f"the cuda backend is {NOT_IMPLEMENTED} of polyspec; select the cpu backend instead"
-    )
+def make_backend() -> Backend:
+    """Create the :class:`~polyspec.backends.cuda.backend.CUDABackend` (imports torch.cuda and
+    Triton now). Raises ``NotImplementedError`` when no CUDA device is usable."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NotImplementedError(
+            "the cuda backend needs a usable CUDA device, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda}); check the driver and "
+            "CUDA_VISIBLE_DEVICES, or select the cpu backend"
+        )
+    from polyspec.backends.cuda.backend import CUDABackend
+
+    return CUDABackend()

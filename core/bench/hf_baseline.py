@@ -105,7 +105,7 @@ def run_transformers(
     progress: bool = True,
     warmup: bool = True,
 ) -> SystemResult:
-    """Warm up on the first prompt (untimed), then time ``model.generate`` over all prompts in
+    """Warm up on the first batch (untimed), then time ``model.generate`` over all prompts in
     batches of ``batch_size`` (left padding when > 1). ``synchronize`` waits for the device
     (the polyspec backend's, so that core never names a vendor API)."""
     device = next(model.parameters()).device
@@ -121,7 +121,7 @@ def run_transformers(
         return [_trim(row, eos) for row in out[:, ids.shape[1] :].tolist()]
 
     if warmup:
-        generate([prompt_ids[0]])
+        generate(prompt_ids[:batch_size])
     bar = progress_bar("transformers", len(prompt_ids), progress)
     outputs: list[list[int]] = []
     try:

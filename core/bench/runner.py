@@ -56,15 +56,17 @@ def run_polyspec(
     sampling: SamplingParams,
     progress: bool = True,
     phase_times: bool = True,
-    warmup: bool = True,
+    warmup_prompts: int = 1,
 ) -> SystemResult:
-    """Warm ``llm`` (a :class:`polyspec.LLM`) up on the first prompt, untimed, then time
-    ``llm.generate`` over all prompts at once (the engine batches up to its max_batch_size).
+    """Warm ``llm`` (a :class:`polyspec.LLM`) up on the first ``warmup_prompts`` prompts
+    (untimed; one batch, so that every batch-size-dependent path is built before timing), then
+    time ``llm.generate`` over all prompts at once (the engine batches up to max_batch_size).
 
     ``phase_times`` turns the worker's :class:`PhaseTimer` on for the timed run; it
     synchronises the device at each phase boundary (free on CPU, a small cost on GPUs)."""
-    if warmup:
-        llm.generate(prompt_token_ids=[list(prompt_ids[0])], sampling_params=sampling)
+    if warmup_prompts > 0:
+        warm = [list(p) for p in prompt_ids[:warmup_prompts]]
+        llm.generate(prompt_token_ids=warm, sampling_params=sampling)
     timer = llm.worker.timer
     timer.seconds.clear()
     timer.enabled = phase_times

@@ -1,8 +1,9 @@
 """``polyspec bench``: plain vs speculative decoding vs Hugging Face transformers, same prompts.
 
-Runs each system in this process, one after the other, each warmed up on the first prompt
-(untimed): (a) polyspec plain decoding, (b) polyspec speculative decoding (when a draft is
-configured), (c) ``transformers`` ``generate`` on the same model, dtype and prompt token ids.
+Runs each system in this process, one after the other, each warmed up untimed on the first
+prompt (the first batch when --batch-size > 1): (a) polyspec plain decoding, (b) polyspec
+speculative decoding (when a draft is configured), (c) ``transformers`` ``generate`` on the
+same model, dtype and prompt token ids.
 Prints a table; ``--json``, ``--markdown`` and ``--plot`` write the report.
 """
 
@@ -243,7 +244,10 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     settings.update(backend=backend.name, resolved_dtype=str(dtype).removeprefix("torch."))
     print(f"polyspec bench: {len(ids)} prompts from {dataset_file}, target {target}, "
           f"backend {backend.name}, {settings['resolved_dtype']}", file=sys.stderr)  # fmt: skip
-    results["plain"] = runner.run_polyspec(llm, "plain", ids, sampling, progress, phase_times)
+    warm = min(plain_cfg.max_batch_size, len(ids))  # one prompt at batch 1, else one batch
+    results["plain"] = runner.run_polyspec(
+        llm, "plain", ids, sampling, progress, phase_times, warmup_prompts=warm
+    )
     del llm  # free the target before the next system loads its own copy
     gc.collect()
 
@@ -256,11 +260,13 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     else:
         llm = LLM(config=spec_cfg)
         num_steps = spec_cfg.speculative.num_steps
-        results["spec"] = runner.run_polyspec(llm, "spec", ids, sampling, progress, phase_times)
+        results["spec"] = runner.run_polyspec(
+            llm, "spec", ids, sampling, progress, phase_times, warmup_prompts=warm
+        )
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
             sweep[t] = runner.run_polyspec(
-                llm, f"spec T={t:g}", ids, params, progress, phase_times=False, warmup=False
+                llm, f"spec T={t:g}", ids, params, progress, phase_times=False, warmup_prompts=0
             )
         del llm
         gc.collect()

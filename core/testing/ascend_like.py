@@ -46,7 +46,7 @@ from polyspec.backend import (
 )
 from polyspec.backends.cpu.allocator import PagedAllocator
 from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
-from polyspec.backends.cpu.graph import EagerGraphRunner
+from polyspec.backends.cpu.graph import EagerGraphRunner, _check_fits
 from polyspec.backends.cpu.kv_pool import TensorKVPool
 
 PAGE_SIZE = 128
@@ -339,7 +339,9 @@ class AscendLikeGraphRunner(EagerGraphRunner):
     def replay(self, key: Any, new_inputs: Mapping[str, torch.Tensor]) -> Any:
         """Replay ``key``; raises ``RuntimeError`` unless :meth:`prepare` ran since the last
         replay (the prepared parameters are consumed)."""
-        self._get(key)
+        graph = self._get(key)
+        for name, new in new_inputs.items():  # bad inputs are reported as such first
+            _check_fits(key, name, new, graph.inputs)
         if key not in self._prepared:
             raise RuntimeError(
                 f"ascend-like graph runner: replay of {key!r} without prepare(): this backend's "

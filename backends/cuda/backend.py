@@ -1,0 +1,95 @@
+"""The CUDA backend: the cpu reference's allocator, KV pool and SDPA attention on a CUDA device,
+the portable Triton kernels in the KernelSet, and real CUDA graphs.
+
+Attention reuses :class:`polyspec.backends.cpu.attention.SDPAAttention`, which is plain torch and
+device-agnostic: on CUDA, ``scaled_dot_product_attention`` dispatches to the flash / memory
+efficient kernels, and every mode (tree masks included) works over the paged KV cache. It reads
+host-side lengths while building metadata, so the attention metadata is built outside captured
+graphs (the engine builds it once per forward anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from polyspec.backend import Backend, KernelSet
+from polyspec.backends.cpu.allocator import PagedAllocator
+from polyspec.backends.cpu.attention import SDPAAttention
+from polyspec.backends.cpu.kv_pool import TensorKVPool
+from polyspec.kernels.triton import triton_kernel_overrides
+
+from .graph import CUDAGraphRunner
+from .plugin import CAPABILITIES as CUDA_CAPABILITIES
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CUDABackend(Backend):
+    """NVIDIA GPUs through torch.cuda, with the Triton kernels of ``polyspec.kernels.triton``."""
+
+    name = "cuda"
+    device_type = "cuda"
+
+    def __init__(self, device_index: int | None = None) -> None:
+        """Use CUDA device ``device_index`` (default: the current device). Raises
+        ``NotImplementedError`` when no CUDA device is usable and ``ImportError`` when Triton is
+        missing."""
+        if not torch.cuda.is_available():
+            raise NotImplementedError(
+                "the cuda backend needs a usable CUDA device, but torch.cuda.is_available() is "
+                f"False (torch {torch.__version__}, CUDA {torch.version.cuda}); check the driver "
+                "and CUDA_VISIBLE_DEVICES, or select the cpu backend"
+            )
+        self._index = torch.cuda.current_device() if device_index is None else device_index
+        if not 0 <= self._index < torch.cuda.device_count():
+            raise ValueError(
+                f"cuda backend: device {self._index} does not exist; "
+                f"{torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+        self.capabilities = CUDA_CAPABILITIES
+        self.kernels = dataclasses.replace(KernelSet.reference(), **triton_kernel_overrides())
+
+    def device(self, rank: int = 0) -> torch.device:
+        """CUDA device ``rank`` (offset from the device this backend was created on)."""
+        return torch.device("cuda", self._index + rank)
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on this backend's device."""
+        torch.cuda.synchronize(self.device())
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device, from ``cudaMemGetInfo``."""
+        free, total = torch.cuda.mem_get_info(self.device())
+        return int(free), int(total)
+
+    def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
+        """A token-slot (``page_size == 1``) or paged allocator; free lists stay on the host,
+        slots are handed out on the device."""
+        return PagedAllocator(num_slots, page_size, self.device(), self.index_dtype)
+
+    def make_kv_pool(
+        self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> TensorKVPool:
+        """Zero-initialised ``[num_layers, num_slots, Hkv, D]`` K and V tensors on the device."""
+        if dtype not in _DTYPES.values():
+            raise ValueError(
+                f"cuda backend: unsupported KV dtype {dtype}; use one of {self.capabilities.dtypes}"
+            )
+        return TensorKVPool(num_slots, num_layers, num_kv_heads, head_dim, dtype, self.device())
+
+    def make_attention(
+        self, kv_pool: TensorKVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> SDPAAttention:
+        """SDPA attention over ``kv_pool`` (a pool made by :meth:`make_kv_pool`)."""
+        if not isinstance(kv_pool, TensorKVPool) or kv_pool.device.type != "cuda":
+            raise TypeError(
+                f"cuda backend: make_attention needs a pool from make_kv_pool, got "
+                f"{type(kv_pool).__name__}"
+            )
+        return SDPAAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
+
+    def make_graph_runner(self) -> CUDAGraphRunner:
+        """A runner that captures CUDA graphs on this backend's device."""
+        return CUDAGraphRunner(self.device())

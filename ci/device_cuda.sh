@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# The cuda backend on a real GPU (run by the lead on the H200 through the device tool):
+#
+#   bash ci/device_cuda.sh                 # every step; logs under $OUT (or /tmp/out)
+#   bash ci/device_cuda.sh kernels bench   # env + install, then only the steps named
+#
+# The device tool allows 10 minutes a command: the step timeouts below add up to more, so split
+# the run (e.g. "kernels bench", then "conformance") when the first run times out.
+#
+# Steps (each logs to $OUT/NN-name.log; a failing step is recorded and the next one runs):
+#   env        python / torch / triton / GPU versions
+#   install    pip install --no-deps --no-build-isolation -e .  (fallback: a .pth in /tmp that
+#              maps polyspec -> core/, polyspec.backends -> backends/, polyspec.kernels ->
+#              kernels/ through a symlink farm, plus the entry points via a generated
+#              dist-info so plugin discovery and the pytest11 plugin still work)
+#   backends   polyspec backends (cuda must be available)
+#   kernels    tests/kernels compiled on the GPU (POLYSPEC_TRITON_DEVICE=cuda, no interpreter)
+#   conform    pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q
+#   bench      ci/bench_kernels.py -> $OUT/bench.json
+# $OUT/summary.txt lists every step with its exit status; the script exits non-zero if any failed.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+FAILED=0
+export TRITON_INTERPRET=0
+export PYTHONDONTWRITEBYTECODE=1
+
+WANTED=("$@")
+
+wanted() {  # wanted NAME: true when no step was named or NAME contains a named one
+  [ "${#WANTED[@]}" -eq 0 ] && return 0
+  local w
+  for w in "${WANTED[@]}"; do case "$1" in *"$w"*) return 0 ;; esac; done
+  return 1
+}
+
+run_step() {  # run_step NAME TIMEOUT_S COMMAND...
+  local name="$1" limit="$2"
+  shift 2
+  case "$name" in 00-* | 01-*) ;; *) wanted "$name" || return 0 ;; esac
+  local log="$OUT/$name.log"
+  local start=$SECONDS
+  echo "=== $name: $*" | tee "$log"
+  if declare -F "$1" >/dev/null; then
+    "$@" >>"$log" 2>&1  # a shell function (timeout cannot run one); these steps are short
+  else
+    timeout "$limit" "$@" >>"$log" 2>&1
+  fi
+  local rc=$?
+  local took=$((SECONDS - start))
+  tail -n 15 "$log"
+  echo "$name rc=$rc ${took}s" | tee -a "$SUMMARY"
+  if [ "$rc" -ne 0 ]; then FAILED=1; fi
+  return 0
+}
+
+env_info() {
+  "$PY" - <<'PY'
+import sys, torch
+print("python", sys.version.split()[0], sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as exc:  # noqa: BLE001
+    print("triton import failed:", exc)
+for name in ("pytest", "hypothesis", "pluggy", "setuptools", "transformers", "safetensors"):
+    try:
+        mod = __import__(name)
+        print(name, getattr(mod, "__version__", "?"))
+    except Exception as exc:  # noqa: BLE001
+        print(name, "MISSING", exc)
+PY
+  nvidia-smi || true
+}
+
+fallback_install() {
+  # polyspec maps several top-level folders into one package: rebuild that layout in /tmp.
+  local farm=/tmp/polyspec-farm root
+  root="$(pwd)"
+  rm -rf "$farm"
+  mkdir -p "$farm/polyspec"
+  for entry in core/*; do ln -s "$root/$entry" "$farm/polyspec/$(basename "$entry")"; done
+  ln -s "$root/backends" "$farm/polyspec/backends"
+  ln -s "$root/kernels" "$farm/polyspec/kernels"
+  local dist="$farm/polyspec-0.0.0.dist-info"
+  mkdir -p "$dist"
+  printf 'Metadata-Version: 2.1\nName: polyspec\nVersion: 0.0.0\n' >"$dist/METADATA"
+  cat >"$dist/entry_points.txt" <<'EP'
+[polyspec.backends]
+cpu = polyspec.backends.cpu.plugin
+cuda = polyspec.backends.cuda.plugin
+npu = polyspec.backends.npu.plugin
+
+[pytest11]
+polyspec = polyspec.testing.plugin
+
+[console_scripts]
+polyspec = polyspec.cli:main
+EP
+  local site
+  site="$("$PY" -c 'import site; print(site.getsitepackages()[0])')"
+  echo "$farm" >"$site/polyspec-farm.pth"
+  "$PY" -c 'import polyspec, polyspec.backends.cuda.plugin, polyspec.kernels.reference; print("fallback ok", polyspec.__file__)'
+}
+
+install() {
+  if "$PY" -m pip install --no-deps --no-build-isolation -e . ; then
+    "$PY" -c 'import polyspec, polyspec.kernels.reference, polyspec.backends.cuda.plugin; print("installed", polyspec.__file__)' && return 0
+  fi
+  echo "pip install failed; falling back to the /tmp symlink farm"
+  fallback_install
+}
+
+run_step 00-env 60 env_info
+run_step 01-install 180 install
+run_step 02-backends 60 "$PY" -m polyspec backends
+run_step 03-kernels 240 env POLYSPEC_TRITON_DEVICE=cuda "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
+run_step 04-conformance 480 "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q -p no:cacheprovider
+run_step 05-bench 180 "$PY" ci/bench_kernels.py "$OUT/bench.json"
+
+echo "--- summary"
+cat "$SUMMARY"
+exit "$FAILED"

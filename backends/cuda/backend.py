@@ -26,6 +26,24 @@ from .plugin import CAPABILITIES as CUDA_CAPABILITIES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _chosen_overrides() -> dict:
+    """The Triton kernels, minus those ``POLYSPEC_CUDA_REFERENCE_KERNELS`` names ("all", or a
+    comma-separated list of KernelSet names): a switch for bisecting a kernel problem."""
+    import os
+
+    keep_reference = os.environ.get("POLYSPEC_CUDA_REFERENCE_KERNELS", "").strip()
+    if keep_reference == "all":
+        return {}
+    names = {n.strip() for n in keep_reference.split(",") if n.strip()}
+    unknown = names - set(KernelSet.names())
+    if unknown:
+        raise ValueError(
+            f"POLYSPEC_CUDA_REFERENCE_KERNELS names unknown kernels {sorted(unknown)}; "
+            f"known: {', '.join(KernelSet.names())} (or 'all')"
+        )
+    return {k: v for k, v in triton_kernel_overrides().items() if k not in names}
+
+
 class CUDABackend(Backend):
     """NVIDIA GPUs through torch.cuda, with the Triton kernels of ``polyspec.kernels.triton``."""
 
@@ -49,7 +67,7 @@ class CUDABackend(Backend):
                 f"{torch.cuda.device_count()} CUDA device(s) are visible"
             )
         self.capabilities = CUDA_CAPABILITIES
-        self.kernels = dataclasses.replace(KernelSet.reference(), **triton_kernel_overrides())
+        self.kernels = dataclasses.replace(KernelSet.reference(), **_chosen_overrides())
 
     def device(self, rank: int = 0) -> torch.device:
         """CUDA device ``rank`` (offset from the device this backend was created on)."""

@@ -1,48 +1,83 @@
 """Plugin for the Ascend NPU backend (entry point ``npu`` in ``polyspec.backends``).
 
 The probe tells the truth about this machine without importing ``torch_npu`` or initialising a
-device; the backend itself is not implemented in this version, so even on a machine with an
-Ascend NPU the probe reports it unavailable and the factory refuses.
+device: it looks for the torch_npu distribution, Ascend device nodes, the CANN environment, and
+a torch build torch_npu can run on. The backend itself (:mod:`.backend`) is imported only when
+selected; an install that passes the probe but cannot load CANN fails there with the same hint.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from polyspec.backend import BackendCapabilities, TreeMaskMode
-from polyspec.backends.probing import NOT_IMPLEMENTED, device_nodes, has_module
+from polyspec.backends.probing import device_nodes, has_module, torch_build_info
 from polyspec.hookspecs import BackendSpec, ProbeResult, hookimpl
+
+PAGE_SIZE = 128
+"""KV page (block) size: what Ascend's paged attention and vllm-ascend use."""
 
 CAPABILITIES = BackendCapabilities(
     graph_capture=True,
     graph_needs_prepare=True,
+    max_graph_shapes=16,
     tree_attention=True,
+    page_sizes=(PAGE_SIZE,),
     index_dtype="int32",
     dtypes=("float32", "bfloat16", "float16"),
+    sampling_dtypes=("float32",),
+    sampling_verify=True,
     host_seq_lens=True,
     tree_mask_mode=TreeMaskMode.TREE_ONLY,
 )
-"""Planned capabilities: Ascend graphs need host-side sequence lengths before each replay."""
+"""Ascend: graphs need host lengths before each replay (and are few: each holds streams and
+memory), int32 indices, 128-slot pages, host-side sequence lengths. float32 models run the
+portable attention path (the fused operators take float16 / bfloat16)."""
+
+CANN_SETUP = "source /usr/local/Ascend/ascend-toolkit/set_env.sh (CANN toolkit)"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def probe(env: dict[str, str]) -> ProbeResult:
-    """Why (not) Ascend here: torch_npu installed, NPU device nodes, the CANN toolkit."""
+    """Why (not) Ascend here: torch_npu installed, NPU device nodes, the CANN toolkit, and a
+    torch build that torch_npu accepts."""
     problems = []
     if not has_module("torch_npu"):
-        problems.append("torch_npu is not installed (pip install 'polyspec[npu]')")
+        problems.append(
+            "torch_npu is not installed (pip install 'polyspec[npu]' in an environment of its "
+            "own: torch_npu needs the CPU build of torch)"
+        )
     nodes = device_nodes("/dev/davinci*")
     if not nodes:
         problems.append("no Ascend NPU (no /dev/davinci[0-9]* device node)")
     cann = env.get("ASCEND_HOME_PATH") or env.get("ASCEND_TOOLKIT_HOME")
     if not cann:
-        problems.append("CANN toolkit not set up (ASCEND_HOME_PATH is unset; source set_env.sh)")
+        problems.append(f"CANN toolkit not set up (ASCEND_HOME_PATH is unset; {CANN_SETUP})")
+    version, build = torch_build_info()
+    if build.get("cuda"):
+        problems.append(
+            f"torch {version} is a CUDA build; torch_npu refuses it: use a separate environment "
+            f"with the CPU build of torch and torch_npu"
+        )
+    npu_version = _version("torch-npu") or _version("torch_npu")
+    if (
+        version
+        and npu_version
+        and npu_version.split("+")[0].split(".")[:2] != version.split("+")[0].split(".")[:2]
+    ):
+        problems.append(
+            f"torch_npu {npu_version} does not match torch {version} (their major.minor must "
+            f"agree); install the torch_npu built for this torch"
+        )
     if problems:
         return ProbeResult(available=False, reason="; ".join(problems))
-    return ProbeResult(
-        available=False,
-        reason=(
-            f"Ascend NPU found ({len(nodes)} device node(s), CANN at {cann}), but the npu backend "
-            f"is {NOT_IMPLEMENTED} of polyspec; use --backend cpu"
-        ),
-    )
+    return ProbeResult(available=True)
 
 
 @hookimpl
@@ -50,11 +85,11 @@ def polyspec_backend_spec() -> BackendSpec:
     """The Ascend NPU backend: preferred to cpu when it is available."""
     return BackendSpec(
         name="npu",
-        factory="polyspec.backends.npu.plugin:make_backend",
+        factory="polyspec.backends.npu.backend:NPUBackend",
         priority=100,
         capabilities=CAPABILITIES,
         device_type="npu",
-        description=f"Huawei Ascend NPUs (torch_npu, triton-ascend) -- {NOT_IMPLEMENTED}",
+        description="Huawei Ascend NPUs (torch_npu fused attention, NPU graphs, triton-ascend)",
     )
 
 
@@ -62,10 +97,3 @@ def polyspec_backend_spec() -> BackendSpec:
 def polyspec_backend_probe(env: dict[str, str]) -> ProbeResult:
     """See :func:`probe`."""
     return probe(env)
-
-
-def make_backend() -> None:
-    """Factory placeholder: refuses, since the backend does not exist in this version."""
-    raise NotImplementedError(
-        f"the npu backend is {NOT_IMPLEMENTED} of polyspec; select the cpu backend instead"
-    )

@@ -13,6 +13,7 @@ from polyspec.engine.request import Request, RequestOutput, RequestStats
 from polyspec.engine.scheduler import Scheduler
 from polyspec.engine.stop import StopChecker
 from polyspec.errors import ConfigError
+from polyspec.kernels.reference import draft_lane_width
 
 
 class LLM:
@@ -122,7 +123,7 @@ class LLM:
         cfg = self.config
         spec = cfg.speculative
         per_req = min(cfg.max_context, 2048) + (spec.num_draft_tokens if spec else 1)
-        lanes = spec.topk * (spec.num_steps + cfg.page_size) if spec else 0
+        lanes = spec.topk * draft_lane_width(spec.num_steps, cfg.page_size) if spec else 0
         return cfg.max_batch_size * (per_req + lanes + 2 * cfg.page_size) + cfg.page_size
 
     # -- generation ---------------------------------------------------------------------------

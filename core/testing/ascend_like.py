@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
 from polyspec.backend import (
     Backend,
     BackendCapabilities,
@@ -158,9 +159,7 @@ def ascend_like_kernels(base: KernelSet | None = None) -> KernelSet:
     """``base`` (default: the reference set) with every kernel wrapped in the Ascend checks."""
     base = base or KernelSet.reference()
     dtypes = ASCEND_LIKE_CAPABILITIES.sampling_dtypes
-    return KernelSet(
-        **{n: _checked_kernel(n, getattr(base, n), dtypes) for n in KernelSet.names()}
-    )
+    return KernelSet(**{n: _checked_kernel(n, getattr(base, n), dtypes) for n in KernelSet.names()})
 
 
 class AscendLikeKVPool(TensorKVPool):

@@ -173,8 +173,8 @@ def build_tree(
         mask_start = torch.cumsum(sizes, 0) - sizes  # [bs] offset of each request's block
     else:
         mask_start = seq_lens  # unused by the kernel
-    parent = parent_list if parent_list.shape[1] > 0 else seq_lens.view(bs, 1)  # never read
-    selected = top_scores_index if n > 1 else seq_lens.view(bs, 1)  # never read when N == 1
+    parent = parent_list if parent_list.shape[1] > 0 else seq_lens.reshape(bs, 1)  # never read
+    selected = top_scores_index if n > 1 else seq_lens.reshape(bs, 1)  # never read when N == 1
     outs = [writable(t) for t in (tree_mask, positions, retrive_index)]
     outs += [writable(t) for t in (retrive_next_token, retrive_next_sibling)]
     _build_tree_kernel[(bs,)](

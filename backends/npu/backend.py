@@ -1,0 +1,95 @@
+"""The Ascend NPU backend object (factory ``polyspec.backends.npu.backend:NPUBackend``).
+
+Creating it activates the Ascend runtime (imports ``torch_npu``); importing this module does not.
+Device ops go through ``torch.npu``; slots are int32 (Ascend's cache and paged-attention
+operators take int32 indices); KV pages are 128 slots; attention, graphs and kernels live in
+:mod:`.attention`, :mod:`.graph` and :mod:`.kernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyspec.backend import Backend
+from polyspec.backends.cpu.allocator import PagedAllocator
+
+from .attention import FIA_DTYPES, GraphTaskRecorder, NPUAttention
+from .graph import NPUGraphRunner
+from .kernels import build_kernels
+from .kv_pool import NPUKVPool
+from .plugin import CAPABILITIES, PAGE_SIZE
+from .runtime import import_torch_npu
+
+
+class NPUBackend(Backend):
+    """Huawei Ascend NPUs through torch_npu (CANN) and triton-ascend."""
+
+    name = "npu"
+    device_type = "npu"
+
+    def __init__(self, use_triton: bool = True) -> None:
+        """Activate the runtime (``PluginError`` with the CANN hint when it is unusable) and
+        build the kernel set (``use_triton=False``: reference kernels only)."""
+        import_torch_npu()
+        self.capabilities = CAPABILITIES
+        built = build_kernels(use_triton)
+        self.kernels = built.kernels
+        self.kernel_sources = built.sources
+        self._recorder = GraphTaskRecorder()
+
+    def device(self, rank: int = 0) -> torch.device:
+        """``npu:rank``."""
+        return torch.device("npu", rank)
+
+    def synchronize(self) -> None:
+        """Wait for the current NPU's queued work."""
+        torch.npu.synchronize()
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the current NPU."""
+        free, total = torch.npu.mem_get_info()
+        return int(free), int(total)
+
+    def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
+        """Whole 128-slot pages handed out as int32 slots on the NPU."""
+        if not self.capabilities.supports_page_size(page_size):
+            raise ValueError(
+                f"npu backend: page_size {page_size} is not supported; use page_size={PAGE_SIZE} "
+                f"(the block size of Ascend's paged attention)"
+            )
+        return PagedAllocator(num_slots, page_size, self.device(), self.index_dtype)
+
+    def make_kv_pool(
+        self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> NPUKVPool:
+        """Zero-initialised K/V tensors on the NPU (the fused attention needs ``num_slots`` a
+        multiple of 128)."""
+        if str(dtype).removeprefix("torch.") not in self.capabilities.dtypes:
+            raise ValueError(
+                f"npu backend: unsupported KV dtype {dtype}; use one of "
+                f"{list(self.capabilities.dtypes)}"
+            )
+        return NPUKVPool(num_slots, num_layers, num_kv_heads, head_dim, dtype, self.device())
+
+    def make_attention(
+        self, kv_pool: NPUKVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ) -> NPUAttention:
+        """Paged fused attention (float16 / bfloat16) or the portable SDPA path (float32)."""
+        if not isinstance(kv_pool, NPUKVPool):
+            raise TypeError(
+                f"npu backend: make_attention needs a pool from make_kv_pool, got "
+                f"{type(kv_pool).__name__}"
+            )
+        if kv_pool.dtype in FIA_DTYPES and (head_dim % 16 or kv_pool.num_slots % PAGE_SIZE):
+            raise ValueError(
+                f"npu backend: the fused attention needs head_dim a multiple of 16 (got "
+                f"{head_dim}) and a pool of whole {PAGE_SIZE}-slot blocks (got "
+                f"{kv_pool.num_slots} slots)"
+            )
+        return NPUAttention(
+            kv_pool, num_heads, num_kv_heads, head_dim, scale, PAGE_SIZE, self._recorder
+        )
+
+    def make_graph_runner(self) -> NPUGraphRunner:
+        """An NPU graph runner whose replays need a prepare with host lengths."""
+        return NPUGraphRunner(self._recorder, self.capabilities.max_graph_shapes or 16)

@@ -1,0 +1,120 @@
+"""The npu backend's KernelSet: triton-ascend kernels where they work, the reference elsewhere.
+
+The Triton kernels of :mod:`polyspec.kernels.triton` are one source for CUDA Triton and
+triton-ascend. They are imported by name when the backend is activated; a family whose module
+does not import (no triton-ascend, an API the installed Triton lacks) keeps the reference
+kernels. Triton compiles on a kernel's first call, so each Triton kernel is wrapped: if that
+call fails inside Triton itself (a compilation error or missing resources on this NPU), the
+kernel falls back to the reference for the rest of the process and the reason is recorded in
+:attr:`NPUKernels.sources`. Errors raised for bad inputs (the kernels' own checks) propagate.
+
+``store_kv`` uses torch_npu's ``npu_scatter_nd_update_``; the sampling kernels
+(``top_k_top_p_renorm``, ``sample``, ``verify_tree_sampling``) run as torch ops on the NPU unless
+Triton provides them, so sampled requests are always verified by sampling, never greedily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from polyspec.backend import KernelSet
+
+from .kv_pool import store_rows
+
+TRITON_PACKAGE = "polyspec.kernels.triton"
+
+
+@dataclasses.dataclass
+class NPUKernels:
+    """The kernel set and, per kernel name, where it comes from ("triton", "torch_npu",
+    "reference", or "reference (why)")."""
+
+    kernels: KernelSet
+    sources: dict[str, str]
+
+
+class _TritonWithFallback:
+    """A Triton kernel that, if its first call fails inside Triton, becomes the reference."""
+
+    def __init__(
+        self,
+        name: str,
+        triton_fn: Callable[..., Any],
+        reference_fn: Callable[..., Any],
+        sources: dict[str, str],
+    ) -> None:
+        self.name = name
+        self.fn = triton_fn
+        self.reference_fn = reference_fn
+        self.sources = sources
+        self.verified = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.verified:
+            return self.fn(*args, **kwargs)
+        try:
+            out = self.fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001  (filtered just below)
+            if not _raised_by_triton(exc):
+                raise
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            warnings.warn(
+                f"npu backend: the Triton kernel {self.name} failed to compile or launch "
+                f"({reason}); using the torch reference for it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.sources[self.name] = f"reference (triton failed: {reason})"
+            self.fn = self.reference_fn
+            self.verified = True
+            return self.fn(*args, **kwargs)
+        self.verified = True
+        return out
+
+
+def _raised_by_triton(exc: BaseException) -> bool:
+    """True when ``exc`` (or what it wraps) comes from the triton package: a compiler or
+    driver failure, not a contract check of the kernel's Python wrapper."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if type(exc).__module__.split(".")[0] == "triton":
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def build_kernels(use_triton: bool = True) -> NPUKernels:
+    """The npu KernelSet (module docstring); ``use_triton=False`` keeps every reference."""
+    reference = KernelSet.reference()
+    sources = {name: "reference" for name in KernelSet.names()}
+    overrides: dict[str, Callable[..., Any]] = {"store_kv": store_rows}
+    sources["store_kv"] = "torch_npu"
+    if use_triton:
+        try:
+            families: dict[str, tuple[str, ...]] = importlib.import_module(TRITON_PACKAGE).KERNELS
+        except (ImportError, AttributeError) as exc:
+            families = {}
+            for name in sources:
+                if sources[name] == "reference":
+                    sources[name] = f"reference (no Triton kernels: {exc})"
+        for family, names in families.items():
+            try:
+                module = importlib.import_module(f"{TRITON_PACKAGE}.{family}")
+            except Exception as exc:  # noqa: BLE001  (any import failure: keep the reference)
+                for name in names:
+                    if name != "store_kv":
+                        sources[name] = f"reference (import of {family} failed: {exc})"
+                continue
+            for name in names:
+                if name == "store_kv" or not hasattr(module, name):
+                    continue
+                overrides[name] = _TritonWithFallback(
+                    name, getattr(module, name), getattr(reference, name), sources
+                )
+                sources[name] = "triton"
+    return NPUKernels(dataclasses.replace(reference, **overrides), sources)

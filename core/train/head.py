@@ -69,7 +69,9 @@ class Eagle3Trainable(nn.Module):
         )  # fmt: skip
         self.eps = c.rms_norm_eps
         self.fc = nn.Linear(3 * c.hidden_size, c.hidden_size, bias=False)
-        self.midlayer = _MidLayer(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim)
+        self.midlayer = _MidLayer(
+            c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+        )
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(c.hidden_size))
         self.lm_head = nn.Linear(c.hidden_size, draft_vocab_size, bias=False)
@@ -81,7 +83,9 @@ class Eagle3Trainable(nn.Module):
         """Warm start: lm_head rows and final norm from the target, the midlayer's MLP, o_proj
         and norms from the target's last layer, fc averaging the three aux features."""
         h = self.h
-        self.lm_head.weight.copy_(target.lm_head_weight[draft_ids.to(target.lm_head_weight.device)].float())
+        self.lm_head.weight.copy_(
+            target.lm_head_weight[draft_ids.to(target.lm_head_weight.device)].float()
+        )
         self.norm.weight.copy_(target.norm.float())
         last = target.layers[-1]
         m = self.midlayer
@@ -133,8 +137,12 @@ class Eagle3Trainable(nn.Module):
             s0 = (q @ keys[0].transpose(-1, -2)) * scale
             s0 = s0.masked_fill(~full.tril(-j), float("-inf"))
             # one key from each later step i at position p - j + i ("the diagonal")
-            diag_k = [_shift(keys[i].transpose(1, 2), j - i).transpose(1, 2) for i in range(1, j + 1)]
-            diag_v = [_shift(values[i].transpose(1, 2), j - i).transpose(1, 2) for i in range(1, j + 1)]
+            diag_k = [
+                _shift(keys[i].transpose(1, 2), j - i).transpose(1, 2) for i in range(1, j + 1)
+            ]
+            diag_v = [
+                _shift(values[i].transpose(1, 2), j - i).transpose(1, 2) for i in range(1, j + 1)
+            ]
             sd = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]
             probs = torch.softmax(torch.cat([s0] + sd, dim=-1).float(), dim=-1).to(q.dtype)
             o = probs[..., :t] @ values[0]

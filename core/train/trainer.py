@@ -138,8 +138,10 @@ def train_head(
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
-        lambda s: min(1.0, (s + 1) / cfg.warmup)
-        * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps))),
+        lambda s: (
+            min(1.0, (s + 1) / cfg.warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+        ),
     )
     vocab = target.config.vocab_size
     t2d_index = torch.full((vocab,), -1, dtype=torch.int64)

@@ -51,15 +51,21 @@ def test_ttt_steps_match_inference_head(setup):
     req = SingleRequest(draft, backend)
     batch, meta = req.next_batch(nxt[: t - 1])
     with torch.no_grad():
-        lh, feat0 = draft(batch.input_ids, feats.aux.float()[: t - 1], batch.positions, req.attn, meta)
-        torch.testing.assert_close(draft.compute_logits(lh), logits[0][0, : t - 1], rtol=1e-4, atol=1e-4)
+        lh, feat0 = draft(
+            batch.input_ids, feats.aux.float()[: t - 1], batch.positions, req.attn, meta
+        )
+        torch.testing.assert_close(
+            draft.compute_logits(lh), logits[0][0, : t - 1], rtol=1e-4, atol=1e-4
+        )
     # steps 1 and 2 at position p: step-0 KV up to p - j, then the head's own features
     for j in (1, 2):
         for p in (j + 1, t - 2):
             req = SingleRequest(draft, backend)
             with torch.no_grad():
                 batch, meta = req.next_batch(nxt[: p - j + 1])
-                _, f = draft(batch.input_ids, feats.aux.float()[: p - j + 1], batch.positions, req.attn, meta)
+                _, f = draft(
+                    batch.input_ids, feats.aux.float()[: p - j + 1], batch.positions, req.attn, meta
+                )
                 f = f[-1:]
                 for step in range(1, j + 1):
                     q = p - j + step
@@ -75,7 +81,9 @@ def test_exported_head_drafts_losslessly(setup):
 
     root, _, _, target_path, *_ = setup
     cfg = json.loads((root / "head" / "config.json").read_text())
-    assert cfg["draft_vocab_size"] == 150 and "eagle_aux_hidden_state_layer_ids" in cfg["eagle_config"]
+    assert (
+        cfg["draft_vocab_size"] == 150 and "eagle_aux_hidden_state_layer_ids" in cfg["eagle_config"]
+    )
     prompts = [[5, 6, 7, 8], [40, 41, 42]]
     p = SamplingParams(max_new_tokens=10, ignore_eos=True)
     plain = LLM(target=target_path, backend="cpu", dtype="float32", max_context=128)

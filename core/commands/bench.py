@@ -138,7 +138,7 @@ def bench_configs(args: argparse.Namespace):
     """(plain EngineConfig, speculative EngineConfig or None, SamplingParams, why spec is
     skipped or None) from the flags > env > config file > defaults, as ``generate`` reads them."""
     from polyspec.config import SpeculativeConfig, load_config
-    from polyspec.engine.defaults import shipped_head_path
+    from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
     if args.batch_size is not None and args.batch_size < 1:
@@ -156,8 +156,9 @@ def bench_configs(args: argparse.Namespace):
     elif cfg.speculative is None:
         head = shipped_head_path() if cfg.target is None and cfg.draft is None else None
         if head is not None:
+            settings = {"algorithm": "eagle3", **shipped_head_settings()}
             cfg = dataclasses.replace(
-                cfg, draft=str(head), speculative=SpeculativeConfig(algorithm="eagle3")
+                cfg, draft=str(head), speculative=SpeculativeConfig(**settings)
             )
         else:
             skip = "no draft configured (pass --algorithm eagle|eagle3|standalone and --draft PATH)"

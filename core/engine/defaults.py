@@ -33,3 +33,14 @@ def shipped_head_path() -> Path | None:
     """The EAGLE-3 head trained for the default target and shipped in the package, if any."""
     path = Path(__file__).resolve().parent.parent / "heads" / SHIPPED_HEAD
     return path if (path / "config.json").is_file() else None
+
+
+def shipped_head_settings() -> dict:
+    """The speculative settings chosen for the shipped head by the sweep in
+    docs/benchmarks.md (``polyspec.json`` next to the head)."""
+    import json
+
+    head = shipped_head_path()
+    if head is None or not (head / "polyspec.json").is_file():
+        return {}
+    return json.loads((head / "polyspec.json").read_text())["speculative"]

@@ -163,13 +163,17 @@ class LLM:
         progress: Callable[[int, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Like :meth:`generate`, with the model's chat template applied. ``messages`` is one
-        user prompt, one conversation (a list of ``{"role", "content"}``) or a list of them."""
+        user prompt, a list of user prompts, one conversation (a list of
+        ``{"role", "content"}``) or a list of conversations."""
         if isinstance(messages, str):
             convs = [[{"role": "user", "content": messages}]]
         elif messages and isinstance(messages[0], dict):
             convs = [list(messages)]
         else:
-            convs = [list(c) for c in messages]
+            convs = [
+                [{"role": "user", "content": c}] if isinstance(c, str) else list(c)
+                for c in messages
+            ]
         ids = [self.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
         outs = self.generate(
             prompt_token_ids=ids, sampling_params=sampling_params, progress=progress

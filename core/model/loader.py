@@ -97,7 +97,27 @@ def load_target(path: str | Path, backend: Backend, dtype: str | torch.dtype = "
         config, backend.kernels, backend.device(), resolve_dtype(dtype, config.torch_dtype, backend)
     )
     model.load_weights(tensors)
+    apply_weight_layout(model, backend)
     return model.eval()
+
+
+def apply_weight_layout(model: torch.nn.Module, backend: Backend) -> None:
+    """Give every matrix ``F.linear`` reads the layout the backend prefers
+    (:meth:`Backend.prepare_linear_weight`); a tied lm_head gets its own copy so that the
+    embedding lookup keeps its row-major table."""
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "fc", "lm_head")
+    with torch.no_grad():
+        for module in model.modules():
+            for name in names:
+                w = getattr(module, name, None)
+                if isinstance(w, torch.nn.Parameter) and w.dim() == 2:
+                    new = backend.prepare_linear_weight(w.data)
+                    if new is not w.data:
+                        setattr(module, name, torch.nn.Parameter(new, requires_grad=False))
+        if isinstance(model, CausalLM) and model.lm_head is None:
+            tied = backend.prepare_linear_weight(model.embed_tokens.data)
+            if tied is not model.embed_tokens.data:
+                model.lm_head = torch.nn.Parameter(tied, requires_grad=False)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -160,6 +180,7 @@ def load_draft(
         except Exception as e:
             raise ModelLoadError(f"cannot read token map {token_map}: {e}") from None
         _set_map(head, torch.as_tensor(m, dtype=torch.int64), target, f"token map {token_map}")
+    apply_weight_layout(head, backend)
     return head.eval()
 
 

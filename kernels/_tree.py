@@ -197,6 +197,58 @@ def _pack_mask(
     return (col < seq[owner]) | tree[owner, row, tree_col]
 
 
+def check_build_tree_args(
+    parent_list: torch.Tensor,  # [bs, K*(S-1)+1] ([bs, 0] allowed when S == 1)
+    top_scores_index: torch.Tensor,  # [bs, N-1]
+    seq_lens: torch.Tensor,  # [bs]
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+    tree_mask_mode: TreeMaskMode,
+    tree_mask: torch.Tensor,
+    positions: torch.Tensor,  # [bs*N]
+    retrive_index: torch.Tensor,  # [bs, N]
+    retrive_next_token: torch.Tensor,  # [bs, N]
+    retrive_next_sibling: torch.Tensor,  # [bs, N]
+) -> None:
+    """The argument checks of ``build_tree`` (shapes only, no host sync), shared by every
+    implementation so that all of them refuse the same inputs with the same message."""
+    bs = seq_lens.shape[0]
+    n = num_draft_tokens
+    _check(topk >= 1 and num_steps >= 1 and n >= 1, "topk, num_steps, num_draft_tokens >= 1")
+    width = topk * (num_steps - 1) + 1
+    _check(
+        parent_list.dim() == 2
+        and parent_list.shape[0] == bs
+        and (parent_list.shape[1] == width or (num_steps == 1 and parent_list.shape[1] == 0)),
+        f"parent_list must be [bs={bs}, topk*(num_steps-1)+1={width}] (or [bs, 0] when "
+        f"num_steps == 1, as organize_draft_results returns it), got {tuple(parent_list.shape)}",
+    )
+    _check(
+        tuple(top_scores_index.shape) == (bs, n - 1),
+        f"top_scores_index must be [bs={bs}, N-1={n - 1}], got {tuple(top_scores_index.shape)}",
+    )
+    for name, t in (
+        ("retrive_index", retrive_index),
+        ("retrive_next_token", retrive_next_token),
+        ("retrive_next_sibling", retrive_next_sibling),
+    ):
+        _check(tuple(t.shape) == (bs, n), f"{name} must be [bs={bs}, N={n}], got {tuple(t.shape)}")
+    _check(positions.numel() == bs * n, f"positions must have bs*N={bs * n} entries")
+    if tree_mask_mode is TreeMaskMode.TREE_ONLY:
+        _check(
+            tuple(tree_mask.shape) == (bs, n, n), f"TREE_ONLY tree_mask must be [{bs}, {n}, {n}]"
+        )
+    elif tree_mask_mode is TreeMaskMode.BITPACKED:
+        words = (n + 31) // 32
+        _check(
+            tuple(tree_mask.shape) == (bs, n, words),
+            f"BITPACKED tree_mask must be [{bs}, {n}, {words}] int32",
+        )
+    else:
+        _check(tree_mask.dim() == 1, "FULL tree_mask must be flat: sum_b N*(seq_lens[b]+N)")
+
+
 def build_tree(
     parent_list: torch.Tensor,  # [bs, K*(S-1)+1] ([bs, 0] allowed when S == 1)
     top_scores_index: torch.Tensor,  # [bs, N-1] selected candidate ids, ascending
@@ -240,40 +292,12 @@ def build_tree(
       TREE_ONLY: bool [bs, N, N]. BITPACKED: int32 [bs, N, ceil(N/32)], node i's bit of row j is
       bit i%32 of word i//32.
     """
-    bs = seq_lens.shape[0]
-    n = num_draft_tokens
-    _check(topk >= 1 and num_steps >= 1 and n >= 1, "topk, num_steps, num_draft_tokens >= 1")
-    width = topk * (num_steps - 1) + 1
-    _check(
-        parent_list.dim() == 2
-        and parent_list.shape[0] == bs
-        and (parent_list.shape[1] == width or (num_steps == 1 and parent_list.shape[1] == 0)),
-        f"parent_list must be [bs={bs}, topk*(num_steps-1)+1={width}] (or [bs, 0] when "
-        f"num_steps == 1, as organize_draft_results returns it), got {tuple(parent_list.shape)}",
-    )
-    _check(
-        tuple(top_scores_index.shape) == (bs, n - 1),
-        f"top_scores_index must be [bs={bs}, N-1={n - 1}], got {tuple(top_scores_index.shape)}",
-    )
-    for name, t in (
-        ("retrive_index", retrive_index),
-        ("retrive_next_token", retrive_next_token),
-        ("retrive_next_sibling", retrive_next_sibling),
-    ):
-        _check(tuple(t.shape) == (bs, n), f"{name} must be [bs={bs}, N={n}], got {tuple(t.shape)}")
-    _check(positions.numel() == bs * n, f"positions must have bs*N={bs * n} entries")
-    if tree_mask_mode is TreeMaskMode.TREE_ONLY:
-        _check(
-            tuple(tree_mask.shape) == (bs, n, n), f"TREE_ONLY tree_mask must be [{bs}, {n}, {n}]"
-        )
-    elif tree_mask_mode is TreeMaskMode.BITPACKED:
-        words = (n + 31) // 32
-        _check(
-            tuple(tree_mask.shape) == (bs, n, words),
-            f"BITPACKED tree_mask must be [{bs}, {n}, {words}] int32",
-        )
-    else:
-        _check(tree_mask.dim() == 1, "FULL tree_mask must be flat: sum_b N*(seq_lens[b]+N)")
+    check_build_tree_args(
+        parent_list, top_scores_index, seq_lens, topk, num_steps, num_draft_tokens,
+        tree_mask_mode, tree_mask, positions, retrive_index, retrive_next_token,
+        retrive_next_sibling,
+    )  # fmt: skip
+    bs, n = seq_lens.shape[0], num_draft_tokens
 
     device = seq_lens.device
     selected = top_scores_index.long().to(device)  # [bs, N-1]
@@ -317,14 +341,15 @@ def _link(links: torch.Tensor, at: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(ok, val, -1)
 
 
-def _check_verify_shapes(
+def check_verify_args(
     candidates: torch.Tensor,
     others: dict[str, torch.Tensor],
     predicts: torch.Tensor,
     accept_index: torch.Tensor,
     accept_length: torch.Tensor,
 ) -> tuple[int, int, int]:
-    """Validate the common verify shapes; returns (bs, N, S)."""
+    """The argument checks shared by the verify kernels (shapes only, no host sync);
+    returns (bs, N, S)."""
     _check(candidates.dim() == 2, f"candidates must be [bs, N], got {tuple(candidates.shape)}")
     bs, n = candidates.shape
     for name, t in others.items():
@@ -362,7 +387,7 @@ def verify_tree_greedy(
     node that is the bonus token), 0 elsewhere. ``retrive_index`` must hold in-range global
     indices (as build_tree writes them): they address ``predicts``.
     """
-    bs, n, steps = _check_verify_shapes(
+    bs, n, steps = check_verify_args(
         candidates,
         {
             "retrive_index": retrive_index,
@@ -455,7 +480,7 @@ def verify_tree_sampling(
     i.i.d. draws from ``draft_probs[b, u]``. Outputs are written as in verify_tree_greedy
     (``predicts`` 0 off the path, ``accept_index`` -1 padded).
     """
-    bs, n, steps = _check_verify_shapes(
+    bs, n, steps = check_verify_args(
         candidates,
         {
             "retrive_index": retrive_index,

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from polyspec.backend import TreeMaskMode
+from polyspec.kernels._tree import check_build_tree_args, check_verify_args
 from polyspec.kernels.triton._util import check, next_pow2, writable
 
 _MASK_CODES = {TreeMaskMode.TREE_ONLY: 0, TreeMaskMode.BITPACKED: 1, TreeMaskMode.FULL: 2}
@@ -134,38 +135,13 @@ def build_tree(
     retrive_next_sibling: torch.Tensor,  # out: [bs, N]
 ) -> None:
     """Triton ``build_tree``; see :func:`polyspec.kernels.reference.build_tree`."""
-    bs = seq_lens.shape[0]
-    n = num_draft_tokens
-    check(topk >= 1 and num_steps >= 1 and n >= 1, "topk, num_steps, num_draft_tokens >= 1")
-    width = topk * (num_steps - 1) + 1
-    check(
-        parent_list.dim() == 2
-        and parent_list.shape[0] == bs
-        and (parent_list.shape[1] == width or (num_steps == 1 and parent_list.shape[1] == 0)),
-        f"parent_list must be [bs={bs}, topk*(num_steps-1)+1={width}] (or [bs, 0] when "
-        f"num_steps == 1), got {tuple(parent_list.shape)}",
-    )
-    check(
-        tuple(top_scores_index.shape) == (bs, n - 1),
-        f"top_scores_index must be [bs={bs}, N-1={n - 1}], got {tuple(top_scores_index.shape)}",
-    )
-    for name, t in (
-        ("retrive_index", retrive_index),
-        ("retrive_next_token", retrive_next_token),
-        ("retrive_next_sibling", retrive_next_sibling),
-    ):
-        check(tuple(t.shape) == (bs, n), f"{name} must be [bs={bs}, N={n}], got {tuple(t.shape)}")
-    check(positions.numel() == bs * n, f"positions must have bs*N={bs * n} entries")
+    check_build_tree_args(
+        parent_list, top_scores_index, seq_lens, topk, num_steps, num_draft_tokens,
+        tree_mask_mode, tree_mask, positions, retrive_index, retrive_next_token,
+        retrive_next_sibling,
+    )  # fmt: skip
+    bs, n = seq_lens.shape[0], num_draft_tokens
     words = (n + 31) // 32
-    if tree_mask_mode is TreeMaskMode.TREE_ONLY:
-        check(tuple(tree_mask.shape) == (bs, n, n), f"TREE_ONLY tree_mask must be [{bs}, {n}, {n}]")
-    elif tree_mask_mode is TreeMaskMode.BITPACKED:
-        check(
-            tuple(tree_mask.shape) == (bs, n, words),
-            f"BITPACKED tree_mask must be [{bs}, {n}, {words}] int32",
-        )
-    else:
-        check(tree_mask.dim() == 1, "FULL tree_mask must be flat: sum_b N*(seq_lens[b]+N)")
     if bs == 0:
         return
     if tree_mask_mode is TreeMaskMode.FULL:
@@ -276,20 +252,10 @@ def _check_verify(
     accept_index: torch.Tensor,
     accept_length: torch.Tensor,
 ) -> tuple[int, int, int]:
-    """The reference's shape checks; returns (bs, N, S)."""
-    check(candidates.dim() == 2, f"candidates must be [bs, N], got {tuple(candidates.shape)}")
-    bs, n = candidates.shape
-    for name, t in others.items():
-        check(t.shape[:2] == (bs, n), f"{name} must start with [bs={bs}, N={n}]")
-        check(t.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
-    check(candidates.stride(-1) == 1, "candidates must be contiguous in its last dimension")
-    check(predicts.numel() == bs * n, f"predicts must have bs*N={bs * n} entries")
-    check(
-        accept_index.dim() == 2 and accept_index.shape[0] == bs and accept_index.shape[1] >= 1,
-        f"accept_index must be [bs={bs}, S+1], got {tuple(accept_index.shape)}",
-    )
-    check(accept_length.numel() == bs, f"accept_length must be [bs={bs}]")
-    return bs, n, accept_index.shape[1] - 1
+    """The reference's checks plus the kernels' own need: rows contiguous in their last dim."""
+    for name, x in {"candidates": candidates, **others}.items():
+        check(x.dim() < 1 or x.stride(-1) == 1, f"{name} must be contiguous in its last dimension")
+    return check_verify_args(candidates, others, predicts, accept_index, accept_length)
 
 
 def verify_tree_greedy(

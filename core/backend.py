@@ -124,7 +124,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [max_requests, max_context]
     prefix_lens: torch.Tensor  # [bs] keys before the new tokens (shared prefix for DRAFT_DECODE)
     extend_lens: torch.Tensor  # [bs] queries per request (1 DECODE, K DRAFT_DECODE, N VERIFY)
-    prefix_lens_cpu: list[int] | None = None  # host copy, filled when host_seq_lens
+    prefix_lens_cpu: list[int] | None = None  # host copy (the engine always fills the *_cpu lists)
     extend_lens_cpu: list[int] | None = None
     tree_mask: torch.Tensor | None = None  # TARGET_VERIFY: [bs, N, N] bool (TREE_ONLY layout)
     lane_locs: torch.Tensor | None = None  # DRAFT_DECODE: [bs, K, W] slots of each lane

@@ -21,7 +21,6 @@ class BatchBuilder:
         self.req_pool = req_pool
         self.device = backend.device()
         self.index_dtype = backend.index_dtype
-        self.host_seq_lens = backend.capabilities.host_seq_lens
 
     def index(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=self.index_dtype, device=self.device)
@@ -83,7 +82,8 @@ class BatchBuilder:
             extend_lens=self.index(extend_lens),
             **extra,
         )
-        if self.host_seq_lens:
-            batch.prefix_lens_cpu = list(prefix_lens)
-            batch.extend_lens_cpu = list(extend_lens)
+        # The engine knows the lengths on the host anyway: always passing them spares every
+        # backend a device-to-host sync (and host_seq_lens backends require them).
+        batch.prefix_lens_cpu = list(prefix_lens)
+        batch.extend_lens_cpu = list(extend_lens)
         return batch

@@ -246,8 +246,7 @@ class EagleWorker(WorkerBase):
                 input_ids, positions=positions, out_cache_loc=out_loc, lane_locs=lane_locs,
                 lane_lens=self.builder.index(lane_lens), topk=K,
             )  # fmt: skip
-            if self.backend.capabilities.host_seq_lens:
-                batch.lane_lens_cpu = lane_lens
+            batch.lane_lens_cpu = lane_lens
             logit_h, hidden = self.draft_runner.forward_draft(batch, hidden)
             topk_p, topk_index = self.draft.topk(logit_h, K)
         if scratch is not None:

@@ -363,6 +363,19 @@ def check_verify_args(
     return bs, n, accept_index.shape[1] - 1
 
 
+def check_sampling_probs(
+    target_probs: torch.Tensor,  # [bs, N, V]
+    draft_probs: torch.Tensor | None,  # [bs, N, V] or None
+) -> None:
+    """The probability-argument checks of ``verify_tree_sampling`` shared by every
+    implementation."""
+    _check(target_probs.dim() == 3, "target_probs must be [bs, N, V]")
+    _check(
+        draft_probs is None or draft_probs.shape == target_probs.shape,
+        "draft_probs must be None or shaped like target_probs [bs, N, V]",
+    )
+
+
 def verify_tree_greedy(
     candidates: torch.Tensor,  # [bs, N] node tokens; column 0 is the root token
     retrive_index: torch.Tensor,  # [bs, N] global node index b*N + j (from build_tree)
@@ -493,11 +506,7 @@ def verify_tree_sampling(
         accept_index,
         accept_length,
     )
-    _check(target_probs.dim() == 3, "target_probs must be [bs, N, V]")
-    _check(
-        draft_probs is None or draft_probs.shape == target_probs.shape,
-        "draft_probs must be None or shaped like target_probs [bs, N, V]",
-    )
+    check_sampling_probs(target_probs, draft_probs)
     device = candidates.device
     cand = candidates.long()
     gidx = retrive_index.long()

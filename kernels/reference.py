@@ -68,6 +68,37 @@ def draft_lane_width(num_steps: int, page_size: int) -> int:
     return page_size * ((page_size - 1 + num_steps + page_size - 1) // page_size)
 
 
+def check_draft_cache_locs_args(
+    seq_lens: torch.Tensor,  # [bs]
+    alloc_slots: torch.Tensor,  # [bs*K*W]
+    topk: int,
+    num_steps: int,
+    page_size: int,
+    lane_locs: torch.Tensor,  # [bs, K, W]
+    copy_src: torch.Tensor,  # [bs*K*(page_size-1)]
+    copy_dst: torch.Tensor,  # [bs*K*(page_size-1)]
+) -> tuple[int, int]:
+    """The argument checks of ``assign_draft_cache_locs`` shared by every implementation
+    (shapes only, no host sync); returns (bs, W)."""
+    bs = seq_lens.shape[0]
+    _check(page_size >= 1 and topk >= 1 and num_steps >= 1, "page_size, topk, num_steps >= 1")
+    width = draft_lane_width(num_steps, page_size)
+    _check(
+        alloc_slots.numel() == bs * topk * width,
+        f"alloc_slots must hold bs*K*W = {bs}*{topk}*{width} slots (W for num_steps={num_steps}, "
+        f"page_size={page_size}), got {alloc_slots.numel()}",
+    )
+    _check(
+        tuple(lane_locs.shape) == (bs, topk, width), f"lane_locs must be [{bs}, {topk}, {width}]"
+    )
+    copies = bs * topk * (page_size - 1)
+    _check(
+        copy_src.numel() == copies and copy_dst.numel() == copies,
+        f"copy_src / copy_dst must have bs*K*(page_size-1) = {copies} entries",
+    )
+    return bs, width
+
+
 def assign_draft_cache_locs(
     req_pool_indices: torch.Tensor,  # [bs] rows of req_to_token
     req_to_token: torch.Tensor,  # [R, C]
@@ -93,21 +124,8 @@ def assign_draft_cache_locs(
     reserved padding slot). ``tail_lens[b] = tail``. Draft step i of lane l writes
     ``lane_locs[b, l, tail + i]``.
     """
-    bs = seq_lens.shape[0]
-    _check(page_size >= 1 and topk >= 1 and num_steps >= 1, "page_size, topk, num_steps >= 1")
-    width = draft_lane_width(num_steps, page_size)
-    _check(
-        alloc_slots.numel() == bs * topk * width,
-        f"alloc_slots must hold bs*K*W = {bs}*{topk}*{width} slots (W for num_steps={num_steps}, "
-        f"page_size={page_size}), got {alloc_slots.numel()}",
-    )
-    _check(
-        tuple(lane_locs.shape) == (bs, topk, width), f"lane_locs must be [{bs}, {topk}, {width}]"
-    )
-    copies = bs * topk * (page_size - 1)
-    _check(
-        copy_src.numel() == copies and copy_dst.numel() == copies,
-        f"copy_src / copy_dst must have bs*K*(page_size-1) = {copies} entries",
+    bs, width = check_draft_cache_locs_args(
+        seq_lens, alloc_slots, topk, num_steps, page_size, lane_locs, copy_src, copy_dst
     )
     lanes = alloc_slots.view(bs, topk, width)
     lane_locs.copy_(lanes)

@@ -13,14 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from polyspec.kernels.reference import check_draft_cache_locs_args
 from polyspec.kernels.triton._util import check, next_pow2, writable
-
-
-def _lane_width(num_steps: int, page_size: int) -> int:
-    """W, the slots of one draft lane (as ``reference.draft_lane_width``)."""
-    if page_size == 1:
-        return num_steps
-    return page_size * ((page_size - 1 + num_steps + page_size - 1) // page_size)
 
 
 @triton.jit
@@ -87,19 +81,8 @@ def assign_draft_cache_locs(
 ) -> None:
     """Triton ``assign_draft_cache_locs``; see
     :func:`polyspec.kernels.reference.assign_draft_cache_locs`."""
-    bs = seq_lens.shape[0]
-    check(page_size >= 1 and topk >= 1 and num_steps >= 1, "page_size, topk, num_steps >= 1")
-    width = _lane_width(num_steps, page_size)
-    check(
-        alloc_slots.numel() == bs * topk * width,
-        f"alloc_slots must hold bs*K*W = {bs}*{topk}*{width} slots (W for num_steps={num_steps}, "
-        f"page_size={page_size}), got {alloc_slots.numel()}",
-    )
-    check(tuple(lane_locs.shape) == (bs, topk, width), f"lane_locs must be [{bs}, {topk}, {width}]")
-    copies = bs * topk * (page_size - 1)
-    check(
-        copy_src.numel() == copies and copy_dst.numel() == copies,
-        f"copy_src / copy_dst must have bs*K*(page_size-1) = {copies} entries",
+    bs, width = check_draft_cache_locs_args(
+        seq_lens, alloc_slots, topk, num_steps, page_size, lane_locs, copy_src, copy_dst
     )
     check(req_to_token.stride(-1) == 1, "req_to_token must be contiguous in its last dimension")
     if bs == 0:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from polyspec.backend import TreeMaskMode
-from polyspec.kernels._tree import check_build_tree_args, check_verify_args
+from polyspec.kernels._tree import check_build_tree_args, check_sampling_probs, check_verify_args
 from polyspec.kernels.triton._util import check, next_pow2, writable
 
 _MASK_CODES = {TreeMaskMode.TREE_ONLY: 0, TreeMaskMode.BITPACKED: 1, TreeMaskMode.FULL: 2}
@@ -496,11 +496,7 @@ def verify_tree_sampling(
         accept_index,
         accept_length,
     )
-    check(target_probs.dim() == 3, "target_probs must be [bs, N, V]")
-    check(
-        draft_probs is None or draft_probs.shape == target_probs.shape,
-        "draft_probs must be None or shaped like target_probs [bs, N, V]",
-    )
+    check_sampling_probs(target_probs, draft_probs)
     check(
         draft_probs is None or draft_probs.stride(-1) == 1,
         "draft_probs must be contiguous in its last dimension",

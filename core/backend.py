@@ -89,6 +89,9 @@ class BackendCapabilities:
     (``ForwardBatch.prefix_lens_cpu`` / ``extend_lens_cpu`` must be filled)."""
     tree_mask_mode: TreeMaskMode = TreeMaskMode.TREE_ONLY
     """The tree-mask layout the backend's TARGET_VERIFY attention reads."""
+    static_metadata: bool = False
+    """:meth:`AttentionBackend.build_static_metadata` is implemented, so forwards can be
+    captured into graphs (the engine captures only when ``graph_capture`` is True as well)."""
 
     def supports_page_size(self, page_size: int) -> bool:
         return page_size >= 1 and (self.page_sizes is None or page_size in self.page_sizes)
@@ -124,7 +127,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [max_requests, max_context]
     prefix_lens: torch.Tensor  # [bs] keys before the new tokens (shared prefix for DRAFT_DECODE)
     extend_lens: torch.Tensor  # [bs] queries per request (1 DECODE, K DRAFT_DECODE, N VERIFY)
-    prefix_lens_cpu: list[int] | None = None  # host copy (the engine always fills the *_cpu lists)
+    prefix_lens_cpu: list[int] | None = None  # host copy (filled except in captured forwards)
     extend_lens_cpu: list[int] | None = None
     tree_mask: torch.Tensor | None = None  # TARGET_VERIFY: [bs, N, N] bool (TREE_ONLY layout)
     lane_locs: torch.Tensor | None = None  # DRAFT_DECODE: [bs, K, W] slots of each lane
@@ -151,6 +154,36 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
         """Precompute index tensors / masks for ``batch``; called once per forward."""
+
+    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> AttentionMetadata:
+        """Metadata for a forward that is captured into a graph and replayed.
+
+        Differences from :meth:`build_metadata`, all so that the computation can be recorded
+        once and replayed with new values in the same buffers:
+
+        * only ``batch``'s device tensors may be read: the ``*_cpu`` lists are None, and
+          nothing may synchronise with the host (no ``.item()`` / ``.tolist()`` / ``bool()``
+          of a device tensor, no tensor built from a Python list);
+        * every output shape depends only on the tensors' shapes and ``max_prefix_len``, an
+          upper bound of ``prefix_lens`` over every replay (keys past a request's prefix are
+          masked out, not cut off);
+        * the token layout is uniform: ``T = bs * Q`` with ``Q = T // bs`` query rows per
+          request (Q = 1 DECODE, K DRAFT_DECODE, N TARGET_VERIFY, a fixed block width
+          EXTEND / DRAFT_EXTEND). Request ``b`` owns tokens ``[b * Q, (b + 1) * Q)``, of which
+          the first ``extend_lens[b]`` are real; for DRAFT_DECODE, all K are real and the
+          lanes are ``lane_locs[:, :, :W]`` with ``lane_lens`` on the device;
+        * padding requests (rows the engine added to reach a captured batch size) have
+          ``req_pool_indices``, ``prefix_lens``, ``extend_lens``, ``lane_lens`` and the tree
+          mask all zero, and ``out_cache_loc`` 0 (the padding slot). Padding tokens must not
+          fail or write anywhere else; their outputs are finite but meaningless.
+
+        Called while the graph is captured and again at every replay (eager runners). The
+        default raises ``NotImplementedError``: the engine then never captures this backend.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no build_static_metadata; declare "
+            "static_metadata=False in the capabilities and the engine runs eagerly"
+        )
 
     @abc.abstractmethod
     def forward(

@@ -43,6 +43,9 @@ ALGORITHMS = ("eagle", "eagle3", "standalone")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Model dtypes; "auto" lets the backend choose (the checkpoint's dtype where supported)."""
 
+GRAPH_MODES = ("auto", "on", "off")
+"""When decode rounds run as captured graphs (see :class:`EngineConfig`)."""
+
 MAX_NUM_STEPS = 8
 MAX_TOPK = 8
 DEFAULT_CONFIG_FILE = "polyspec.toml"
@@ -217,6 +220,8 @@ class EngineConfig:
     max_tokens_per_step: int = 2048
     prefill_chunk_size: int = 512
     seed: int = 0
+    graphs: str = "auto"
+    max_graph_batch_size: int = 32
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", _check_opt_str("target", self.target))
@@ -242,6 +247,8 @@ class EngineConfig:
         budget = _check_int("max_tokens_per_step", self.max_tokens_per_step, 1)
         _check_int("prefill_chunk_size", self.prefill_chunk_size, 1, budget)
         _check_int("seed", self.seed, 0)
+        _check_choice("graphs", self.graphs, GRAPH_MODES)
+        _check_int("max_graph_batch_size", self.max_graph_batch_size, 1)
         spec = self.speculative
         if self.draft is not None and spec is None:
             raise _invalid(
@@ -285,6 +292,8 @@ _KINDS: dict[str, str] = {
     "num_kv_slots": "opt_int",
     "max_tokens_per_step": "int",
     "prefill_chunk_size": "int",
+    "graphs": "str",
+    "max_graph_batch_size": "int",
 }
 """How a string (environment variable, or a CLI value given as text) is parsed, per key."""
 

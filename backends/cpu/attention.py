@@ -182,6 +182,67 @@ class SDPAAttention(AttentionBackend):
             *self._kv_buffers(kv_index.numel()),
         )
 
+    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> SDPAMetadata:
+        """Fixed-shape metadata from device tensors only (see the contract): ``max_prefix_len``
+        prefix columns per request, always a mask, no padding of queries (the layout is
+        uniform), no host sync."""
+        device = self.kv_pool.device
+        bs, num_tokens = batch.batch_size, batch.num_tokens
+        if bs < 1 or num_tokens % bs:
+            raise ValueError(
+                f"attention: a captured forward needs T = bs * Q tokens, got T = {num_tokens} "
+                f"for bs = {bs}"
+            )
+        q_max = num_tokens // bs
+        rt = batch.req_to_token
+        width = min(int(max_prefix_len), rt.shape[1])
+        rows = rt.index_select(0, batch.req_pool_indices.to(torch.int64)).to(torch.int64)
+        prefix_lens = batch.prefix_lens.to(device=device, dtype=torch.int64)  # [bs]
+        extend_lens = batch.extend_lens.to(device=device, dtype=torch.int64)  # [bs]
+        cols = torch.arange(width, device=device)
+        prefix_visible = cols[None, :] < prefix_lens[:, None]  # [bs, P]
+        prefix_index = torch.where(prefix_visible, rows[:, :width], 0)
+        j = torch.arange(q_max, device=device)  # [Q]
+        if batch.mode is ForwardMode.DRAFT_DECODE:
+            if batch.lane_locs is None or batch.lane_lens is None:
+                raise ValueError("attention: DRAFT_DECODE needs lane_locs and lane_lens")
+            lane_locs = batch.lane_locs.to(torch.int64)  # [bs, K, W]
+            w = lane_locs.shape[2]
+            slot_valid = torch.arange(w, device=device)[None, :] < batch.lane_lens[:, None]
+            block_index = torch.where(slot_valid[:, None, :], lane_locs, 0).reshape(bs, -1)
+            own_lane = j[:, None, None] == j[None, :, None]  # [K, K, 1]
+            block_mask = (own_lane[None] & slot_valid[:, None, None, :]).reshape(bs, q_max, -1)
+        else:
+            valid = j[None, :] < extend_lens[:, None]  # [bs, Q]
+            pos = (prefix_lens[:, None] + j[None, :]).clamp(max=rows.shape[1] - 1)
+            block_index = torch.where(valid, rows.gather(1, pos), 0)  # [bs, Q]
+            if batch.mode is ForwardMode.TARGET_VERIFY:
+                if batch.tree_mask is None or tuple(batch.tree_mask.shape) != (bs, q_max, q_max):
+                    raise ValueError(
+                        f"attention: TARGET_VERIFY needs tree_mask bool [bs, N, N] = "
+                        f"[{bs}, {q_max}, {q_max}]"
+                    )
+                block_mask = batch.tree_mask.to(torch.bool) & valid[:, None, :]
+            else:
+                block_mask = (j[None, :] <= j[:, None])[None] & valid[:, None, :]
+        kv_index = torch.cat([prefix_index, block_index], 1)  # [bs, L]
+        mask = torch.cat([prefix_visible[:, None, :].expand(bs, q_max, width), block_mask], 2)
+        # Padding rows (and padding queries) see every column, so no softmax row is empty.
+        mask = mask | ~mask.any(-1, keepdim=True)
+        return SDPAMetadata(
+            batch.mode,
+            num_tokens,
+            bs,
+            q_max,
+            batch.out_cache_loc.to(torch.int64),
+            kv_index.reshape(-1),
+            int(kv_index.shape[1]),
+            mask[:, None],
+            None,
+            None,
+            *self._kv_buffers(kv_index.numel()),
+        )
+
     def _kv_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for one layer's gathered K and V ([rows, Hkv, D] each)."""
         pool = self.kv_pool

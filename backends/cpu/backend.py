@@ -28,6 +28,7 @@ CPU_CAPABILITIES = BackendCapabilities(
     sampling_dtypes=("float32",),
     sampling_verify=True,
     host_seq_lens=False,
+    static_metadata=True,
     tree_mask_mode=TreeMaskMode.TREE_ONLY,
 )
 """What the cpu backend supports: everything, but its graph runner is eager."""

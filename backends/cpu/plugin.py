@@ -5,7 +5,7 @@ from __future__ import annotations
 from polyspec.backend import BackendCapabilities
 from polyspec.hookspecs import BackendSpec, ProbeResult, hookimpl
 
-CAPABILITIES = BackendCapabilities()
+CAPABILITIES = BackendCapabilities(static_metadata=True)
 """The reference implements the whole contract; its graph runner is eager (no capture)."""
 
 

@@ -14,6 +14,7 @@ from polyspec.hookspecs import BackendSpec, ProbeResult, hookimpl
 
 CAPABILITIES = BackendCapabilities(
     graph_capture=True,
+    static_metadata=True,
     tree_attention=True,
     page_sizes=None,
     index_dtype="int64",

@@ -67,6 +67,10 @@ def run_polyspec(
     if warmup_prompts > 0:
         warm = [list(p) for p in prompt_ids[:warmup_prompts]]
         llm.generate(prompt_token_ids=warm, sampling_params=sampling)
+        graphs = llm.worker.graphs
+        if graphs is not None:  # capture every bucket the timed run can reach, untimed
+            longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
+            graphs.capture_all(llm.config.max_batch_size, longest + 16)
     timer = llm.worker.timer
     timer.seconds.clear()
     timer.enabled = phase_times

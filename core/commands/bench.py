@@ -200,6 +200,7 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "dtype": plain_cfg.dtype,
         "resolved_dtype": None,
         "page_size": plain_cfg.page_size,
+        "graphs": plain_cfg.graphs,
         "phase_timer": not args.no_phase_times,
     }
 

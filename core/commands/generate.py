@@ -36,6 +36,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, dest="page_size")
     p.add_argument("--max-batch-size", type=int, dest="max_batch_size")
     p.add_argument(
+        "--graphs",
+        choices=["auto", "on", "off"],
+        help="capture decode rounds into graphs: auto = where the backend really captures",
+    )
+    p.add_argument(
         "--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)"
     )
     p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
@@ -45,7 +50,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
 
 
-_ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size",
+_ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
                 "algorithm", "num_steps", "topk", "num_draft_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 

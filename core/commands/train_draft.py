@@ -44,6 +44,26 @@ def add_parser(subparsers) -> None:
         help="answer length cap when generating the training text",
     )
     p.add_argument("--gen-batch-size", type=int, default=32, dest="gen_batch_size")
+    p.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=1,
+        dest="samples_per_prompt",
+        help="answers per prompt: the first greedy, the others sampled (more varied text)",
+    )
+    p.add_argument(
+        "--sample-temperature",
+        type=float,
+        default=0.8,
+        dest="sample_temperature",
+        help="temperature of the extra sampled answers",
+    )
+    p.add_argument(
+        "--generate-only",
+        action="store_true",
+        dest="generate_only",
+        help="stop after writing OUT/answers.jsonl (resume later to train on it)",
+    )
     p.add_argument("--draft-vocab-size", type=int, default=8192, dest="draft_vocab_size")
     p.add_argument(
         "--ttt-steps", type=int, default=5, dest="ttt_steps", help="training-time-test unroll depth"
@@ -75,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if args.samples_per_prompt < 1:
+        raise ConfigError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
     if (out / "checkpoint.pt").exists() and not args.resume:
         raise ConfigError(
             f"{out} already holds a training checkpoint: pass --resume to continue it, or "
@@ -86,17 +108,26 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     prompts = read_prompts(args.prompts, args.num_prompts)
     llm = LLM(target=args.target, backend=args.backend, dtype=args.dtype,
-              max_batch_size=args.gen_batch_size, max_context=4096)  # fmt: skip
+              max_batch_size=args.gen_batch_size, max_context=4096,
+              max_graph_batch_size=args.gen_batch_size)  # fmt: skip
     target = llm.target
     (out / "train_args.json").write_text(json.dumps(
         {"argv": sys.argv, **{k: v for k, v in vars(args).items() if k != "func"},
          "target_path": str(llm.target_path), "backend_used": llm.backend.name,
          "train_config": cfg.__dict__}, indent=2, default=str))  # fmt: skip
 
-    with tqdm(total=len(prompts), desc="answers", unit="prompt") as bar:
+    total = len(prompts) * args.samples_per_prompt
+    with tqdm(total=total, desc="answers", unit="answer") as bar:
         seqs = generate_answers(llm, prompts, out / "answers.jsonl", args.max_new_tokens,
-                                args.gen_batch_size, progress=bar.update)  # fmt: skip
+                                args.gen_batch_size, progress=bar.update,
+                                samples_per_prompt=args.samples_per_prompt,
+                                temperature=args.sample_temperature, seed=args.seed)  # fmt: skip
     t_gen = time.perf_counter()
+    if args.generate_only:
+        n_tokens = sum(len(s["answer_ids"]) for s in seqs)
+        print(f"wrote {len(seqs)} answers ({n_tokens} tokens) to {out / 'answers.jsonl'} in "
+              f"{t_gen - t_start:.0f} s; rerun with --resume to train")  # fmt: skip
+        return 0
     draft_ids, coverage = choose_draft_vocab(
         (s["answer_ids"] for s in seqs), target.config.vocab_size, args.draft_vocab_size
     )
@@ -122,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     export_eagle3(head, draft_ids, aux_layers, out)
     summary = {
         "prompts": len(prompts),
+        "answers": len(seqs),
         "answer_tokens": sum(len(s["answer_ids"]) for s in seqs),
         "draft_vocab_size": int(draft_ids.numel()),
         "draft_vocab_coverage": coverage,

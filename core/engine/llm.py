@@ -106,6 +106,8 @@ class LLM:
             max_context=cfg.max_context,
             num_kv_slots=num_slots,
             page_size=ps,
+            graphs=cfg.graphs,
+            max_graph_batch_size=cfg.max_graph_batch_size,
         )
         if self.draft is None:
             from polyspec.spec.plain_worker import PlainWorker

@@ -32,10 +32,20 @@ class ModelRunner:
             self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attn_scale
         )
 
+    def _metadata(self, batch: ForwardBatch, static_prefix: int | None):
+        if static_prefix is None:
+            return self.attn.build_metadata(batch)
+        return self.attn.build_static_metadata(batch, static_prefix)
+
     @torch.inference_mode()
-    def forward_target(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (final normed hidden [T, H], captured aux hidden [T, A*H] or None)."""
-        metadata = self.attn.build_metadata(batch)
+    def forward_target(
+        self, batch: ForwardBatch, static_prefix: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (final normed hidden [T, H], captured aux hidden [T, A*H] or None).
+
+        ``static_prefix``: a captured forward (see ``AttentionBackend.build_static_metadata``)
+        whose prefixes are at most this long."""
+        metadata = self._metadata(batch, static_prefix)
         return self.model(
             batch.input_ids, batch.positions, self.attn, metadata, self.capture_layers
         )
@@ -45,7 +55,8 @@ class ModelRunner:
         self,
         batch: ForwardBatch,
         features: torch.Tensor,  # [T, F]
+        static_prefix: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logit hidden [T, H], next feature [T, H])."""
-        metadata = self.attn.build_metadata(batch)
+        metadata = self._metadata(batch, static_prefix)
         return self.model(batch.input_ids, features, batch.positions, self.attn, metadata)

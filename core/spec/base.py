@@ -11,6 +11,7 @@ import torch
 
 from polyspec.backend import Backend, ForwardMode
 from polyspec.runtime.batch_builder import BatchBuilder
+from polyspec.runtime.graphs import CapturedForwards, GraphBuckets
 from polyspec.runtime.kv_cache import KVCacheManager
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.req_pool import ReqToTokenPool
@@ -71,6 +72,8 @@ class WorkerBase:
         num_kv_slots: int,
         page_size: int,
         capture_layers: tuple[int, ...] = (),
+        graphs: str = "off",
+        max_graph_batch_size: int = 32,
     ):
         self.backend = backend
         self.kernels = backend.kernels
@@ -87,6 +90,21 @@ class WorkerBase:
         self.target_runner = ModelRunner(target, backend, num_kv_slots, dtype, capture_layers)
         self.states: dict[int, SeqState] = {}
         self.timer = PhaseTimer(backend)
+        caps = backend.capabilities
+        use_graphs = caps.static_metadata and (
+            graphs == "on" or (graphs == "auto" and caps.graph_capture)
+        )
+        self.graphs: CapturedForwards | None = None
+        if use_graphs:
+            width = self.req_pool.req_to_token.shape[1]
+            buckets = GraphBuckets.default(max_batch_size, max_graph_batch_size, width)
+            self.graphs = CapturedForwards(backend, buckets)
+
+    def graphed(self, bs: int, max_prefix: int) -> CapturedForwards | None:
+        """The captured forwards when this batch fits a bucket, else None (run eagerly)."""
+        if self.graphs is not None and self.graphs.fits(bs, max_prefix):
+            return self.graphs
+        return None
 
     # -- request lifecycle -------------------------------------------------------------------
     def kv_need(self, prompt_len: int, max_new_tokens: int) -> int:

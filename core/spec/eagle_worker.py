@@ -13,6 +13,7 @@ import torch
 from polyspec.backend import ForwardMode, TreeMaskMode
 from polyspec.config import SpeculativeConfig
 from polyspec.errors import ConfigError
+from polyspec.runtime.graphs import block_slots, static_batch
 from polyspec.runtime.kv_cache import OutOfKVSlots
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.sampling import SamplingBatch
@@ -111,12 +112,7 @@ class EagleWorker(WorkerBase):
             TreeMaskMode.TREE_ONLY, tree_mask, positions, retrive_index, next_token, next_sibling,
         )  # fmt: skip
 
-        batch = self.builder.build(
-            ForwardMode.TARGET_VERIFY, rows, seq_lens, [N] * bs, candidates.flatten(),
-            positions=positions, tree_mask=tree_mask,
-        )  # fmt: skip
-        hidden, aux = self.target_runner.forward_target(batch)
-        logits = self.target.compute_logits(hidden)  # [bs * N, V]
+        logits, feats = self._verify(rows, seq_lens, candidates, positions, tree_mask)
         self.timer.lap("verify")
 
         predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
@@ -152,12 +148,7 @@ class EagleWorker(WorkerBase):
         if self.root_forward:
             self._standalone_extend(rows, seq_lens, accepted, new_tokens_t)
         else:
-            # Draft extend over the accepted tokens: (target feature at node, next token) pairs.
-            batch = self.builder.build(ForwardMode.DRAFT_EXTEND, rows, seq_lens, ext, new_tokens_t)
-            feats = (aux if self.use_aux else hidden)[flat]
-            logit_h, next_feat = self.draft_runner.forward_draft(batch, feats)
-            last = torch.tensor(ext, device=dev).cumsum(0) - 1
-            self._store_draft_view(sts, logit_h[last], next_feat[last])
+            self._draft_extend(sts, rows, seq_lens, ext, path_nodes, predicts, feats, flat)
         self.timer.lap("draft_extend")
 
         new_tokens = new_tokens_t.tolist()
@@ -169,6 +160,82 @@ class EagleWorker(WorkerBase):
             out.append(toks)
         self.timer.lap("other")
         return out
+
+    def _verify(self, rows, seq_lens, candidates, positions, tree_mask):
+        """Target forward over the tree -> (logits [bs * N, V], draft features [bs * N, F])."""
+        bs, N = candidates.shape
+        graphs = self.graphed(bs, max(seq_lens))
+        if graphs is not None:
+            inputs = {
+                "input_ids": candidates.flatten(),
+                "positions": positions,
+                "tree_mask": tree_mask,
+                "rows": self.builder.index(rows),
+                "seq_lens": self.builder.index(seq_lens),
+                "extend_lens": self.builder.index([N] * bs),
+            }
+            out = graphs.run("verify", bs, max(seq_lens), inputs, self._verify_graph)
+            if out is not None:
+                return out[0][: bs * N], out[1][: bs * N]
+        batch = self.builder.build(
+            ForwardMode.TARGET_VERIFY, rows, seq_lens, [N] * bs, candidates.flatten(),
+            positions=positions, tree_mask=tree_mask,
+        )  # fmt: skip
+        hidden, aux = self.target_runner.forward_target(batch)
+        return self.target.compute_logits(hidden), (aux if self.use_aux else hidden)
+
+    def _verify_graph(self, s, bs: int, max_prefix: int):
+        table = self.req_pool.req_to_token
+        n = self.num_draft_tokens
+        slots, _ = block_slots(table, s["rows"], s["seq_lens"], s["extend_lens"], n)
+        batch = static_batch(
+            ForwardMode.TARGET_VERIFY, table, s["rows"], s["seq_lens"], s["extend_lens"],
+            s["input_ids"], s["positions"], slots, tree_mask=s["tree_mask"],
+        )  # fmt: skip
+        hidden, aux = self.target_runner.forward_target(batch, static_prefix=max_prefix)
+        return self.target.compute_logits(hidden), (aux if self.use_aux else hidden)
+
+    def _draft_extend(self, sts, rows, seq_lens, ext, path_nodes, predicts, feats, flat) -> None:
+        """Draft extend over the accepted tokens: (target feature at node, next token) pairs;
+        stores each request's draft view for the next round."""
+        bs, width = len(rows), self.num_steps + 1
+        graphs = self.graphed(bs, max(seq_lens))
+        if graphs is not None:
+            # Fixed width S + 1 per request: the path, then its last node repeated (masked).
+            padded = [p + [p[-1]] * (width - len(p)) for p in path_nodes]
+            index = torch.tensor([g for p in padded for g in p], device=self.device)
+            inputs = {
+                "input_ids": predicts[index],
+                "features": feats[index],
+                "rows": self.builder.index(rows),
+                "seq_lens": self.builder.index(seq_lens),
+                "extend_lens": self.builder.index(ext),
+            }
+            out = graphs.run("draft_extend", bs, max(seq_lens), inputs, self._draft_extend_graph)
+            if out is not None:
+                topk_p, topk_index, next_feat = (t[:bs].clone() for t in out)
+                for i, s in enumerate(sts):
+                    s.topk_p, s.topk_index, s.draft_feature = topk_p[i], topk_index[i], next_feat[i]
+                return
+        batch = self.builder.build(ForwardMode.DRAFT_EXTEND, rows, seq_lens, ext, predicts[flat])
+        logit_h, next_feat = self.draft_runner.forward_draft(batch, feats[flat])
+        last = torch.tensor(ext, device=self.device).cumsum(0) - 1
+        self._store_draft_view(sts, logit_h[last], next_feat[last])
+
+    def _draft_extend_graph(self, s, bs: int, max_prefix: int):
+        table, width = self.req_pool.req_to_token, self.num_steps + 1
+        ext = s["extend_lens"]
+        slots, positions = block_slots(table, s["rows"], s["seq_lens"], ext, width)
+        batch = static_batch(
+            ForwardMode.DRAFT_EXTEND, table, s["rows"], s["seq_lens"], ext,
+            s["input_ids"], positions, slots,
+        )  # fmt: skip
+        logit_h, next_feat = self.draft_runner.forward_draft(
+            batch, s["features"], static_prefix=max_prefix
+        )
+        last = torch.arange(bs, device=ext.device) * width + (ext.to(torch.int64) - 1).clamp(min=0)
+        topk_p, topk_index = self.draft.topk(logit_h[last], self.topk)
+        return topk_p, topk_index, next_feat[last]
 
     def _standalone_extend(self, rows, seq_lens, accepted, new_tokens) -> None:
         """The standalone draft already holds the root; it reads the accepted draft tokens
@@ -225,6 +292,21 @@ class EagleWorker(WorkerBase):
                 )
             lane_locs, tail_t, copy_src, copy_dst = self._assign_lanes(rows, seq_lens, scratch)
             tails = [n % ps for n in seq_lens] if ps > 1 else [0] * bs
+            graphs = None if self.root_forward else self.graphed(bs, max(seq_lens))
+            if graphs is not None:
+                inputs = {
+                    "topk_p": topk_p,
+                    "topk_index": topk_index,
+                    "hidden": hidden,
+                    "rows": self.builder.index(rows),
+                    "seq_lens": self.builder.long(seq_lens),
+                    "tails": tail_t,
+                    "lane_locs": lane_locs,
+                }
+                out = graphs.run("draft", bs, max(seq_lens), inputs, self._draft_graph)
+                if out is not None:
+                    self.allocator.free(scratch)
+                    return tuple(t[:bs] for t in out)
         scores = None
         tree_scores, tree_tokens, tree_parents = [], [], []
         for i in range(S):
@@ -251,6 +333,43 @@ class EagleWorker(WorkerBase):
             topk_p, topk_index = self.draft.topk(logit_h, K)
         if scratch is not None:
             self.allocator.free(scratch)
+        return kernels.organize_draft_results(
+            tree_scores, tree_tokens, tree_parents, self.num_draft_tokens
+        )
+
+    def _draft_graph(self, s, bs: int, max_prefix: int):
+        """The captured multi-step draft (S > 1): the loop of :meth:`_draft` over device
+        tensors only."""
+        K, S = self.topk, self.num_steps
+        kernels, table = self.kernels, self.req_pool.req_to_token
+        topk_p, topk_index, hidden = s["topk_p"], s["topk_index"], s["hidden"]
+        seq_lens, tails, lane_locs = s["seq_lens"], s["tails"], s["lane_locs"]
+        rows = s["rows"]
+        idx = rows.dtype
+        prefix = (seq_lens - tails).to(idx)
+        extend = torch.full_like(rows, K)
+        scores = None
+        tree_scores, tree_tokens, tree_parents = [], [], []
+        for i in range(S):
+            input_ids, hidden, scores, (t_s, t_t, t_p) = kernels.select_top_k(
+                i, topk_p, topk_index, hidden, scores, K
+            )
+            tree_scores.append(t_s)
+            tree_tokens.append(t_t)
+            tree_parents.append(t_p)
+            if i == S - 1:
+                break
+            col = (tails + i).view(bs, 1, 1).expand(bs, K, 1)
+            batch = static_batch(
+                ForwardMode.DRAFT_DECODE, table, rows, prefix, extend, input_ids,
+                (seq_lens + i)[:, None].expand(bs, K).reshape(-1),
+                lane_locs.gather(2, col).flatten(),
+                lane_locs=lane_locs, lane_lens=(tails + i + 1).to(idx), topk=K,
+            )  # fmt: skip
+            logit_h, hidden = self.draft_runner.forward_draft(
+                batch, hidden, static_prefix=max_prefix
+            )
+            topk_p, topk_index = self.draft.topk(logit_h, K)
         return kernels.organize_draft_results(
             tree_scores, tree_tokens, tree_parents, self.num_draft_tokens
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from polyspec.backend import ForwardMode
+from polyspec.runtime.graphs import block_slots, static_batch
 from polyspec.runtime.sampling import SamplingBatch
 from polyspec.spec.base import WorkerBase
 
@@ -28,15 +29,23 @@ class PlainWorker(WorkerBase):
         seq_lens = [s.seq_len for s in sts]
         self.timer.start()
         self.kv.ensure(rows, [n + 1 for n in seq_lens])
-        batch = self.builder.build(
-            ForwardMode.DECODE,
-            rows,
-            seq_lens,
-            [1] * len(rows),
-            self.builder.long([s.last_token for s in sts]),
-        )
-        hidden, _ = self.target_runner.forward_target(batch)
-        logits = self.target.compute_logits(hidden)
+        bs = len(rows)
+        input_ids = self.builder.long([s.last_token for s in sts])
+        logits = None
+        graphs = self.graphed(bs, max(seq_lens))
+        if graphs is not None:
+            inputs = {
+                "input_ids": input_ids,
+                "rows": self.builder.index(rows),
+                "seq_lens": self.builder.index(seq_lens),
+                "extend_lens": self.builder.index([1] * bs),
+            }
+            out = graphs.run("decode", bs, max(seq_lens), inputs, self._decode_graph)
+            logits = None if out is None else out[:bs]
+        if logits is None:
+            batch = self.builder.build(ForwardMode.DECODE, rows, seq_lens, [1] * bs, input_ids)
+            hidden, _ = self.target_runner.forward_target(batch)
+            logits = self.target.compute_logits(hidden)
         self.timer.lap("target")
         tokens = SamplingBatch([s.sampler for s in sts], 1, self.device).sample(
             logits, self.kernels
@@ -47,3 +56,14 @@ class PlainWorker(WorkerBase):
             s.last_token = t
         self.timer.lap("other")
         return [[t] for t in tokens]
+
+    def _decode_graph(self, s, bs: int, max_prefix: int):
+        """The captured plain decode: one target forward -> logits [bs, V]."""
+        table = self.req_pool.req_to_token
+        slots, positions = block_slots(table, s["rows"], s["seq_lens"], s["extend_lens"], 1)
+        batch = static_batch(
+            ForwardMode.DECODE, table, s["rows"], s["seq_lens"], s["extend_lens"],
+            s["input_ids"], positions, slots,
+        )  # fmt: skip
+        hidden, _ = self.target_runner.forward_target(batch, static_prefix=max_prefix)
+        return self.target.compute_logits(hidden)

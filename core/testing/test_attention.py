@@ -194,8 +194,73 @@ class Harness:
                 torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
             torch.testing.assert_close(outputs[0], outputs[-1], atol=tol, rtol=tol)
 
+    def run_and_check_static(self, batch: ForwardBatch, gen: torch.Generator) -> None:
+        """As :meth:`run_and_check`, through ``build_static_metadata`` on the uniform, padded
+        layout of a captured forward: ``Q = max(extend_lens)`` token rows per request and one
+        padding request appended (row 0, lengths 0, slot 0)."""
+        static, token_rows = to_static(batch)
+        visible = visible_slots(batch)
+        loc = batch.out_cache_loc.tolist()
+        metas = [
+            attn.build_static_metadata(on_device(static, be, host_lists=False), MAX_CONTEXT)
+            for be, _, attn in self.sides
+        ]
+        tol = TOLERANCE[self.dtype]
+        rows = torch.tensor(token_rows)
+        t_static = static.num_tokens
+        for layer in range(NUM_LAYERS):
+            q = torch.randn(t_static, self.hq, HEAD_DIM, generator=gen).to(self.dtype)
+            k, v = self.rand_kv(t_static, gen)
+            self.oracle.write(layer, loc, k[rows], v[rows])
+            expected = self.oracle.attend(layer, q[rows], visible)
+            for (be, pool, attn), meta in zip(self.sides, metas):
+                dev = be.device()
+                out = attn.forward(q.to(dev), k.to(dev), v.to(dev), layer, meta)
+                assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+                assert bool(out.isfinite().all()), "padding tokens must stay finite"
+                torch.testing.assert_close(out.cpu()[rows].double(), expected, atol=tol, rtol=tol)
+                torch.testing.assert_close(pool.k_cache(layer)[1:].cpu(), self.oracle.k[layer, 1:])
+                torch.testing.assert_close(pool.v_cache(layer)[1:].cpu(), self.oracle.v[layer, 1:])
 
-def on_device(batch: ForwardBatch, be: Backend) -> ForwardBatch:
+
+def to_static(batch: ForwardBatch) -> tuple[ForwardBatch, list[int]]:
+    """``batch`` in the layout of a captured forward, plus the static row of each real token."""
+    extend = batch.extend_lens.tolist()
+    bs, q = len(extend), max(extend)
+    big = bs + 1  # one padding request
+    token_rows, start = [], 0
+    input_ids = torch.zeros(big * q, dtype=torch.int64)
+    positions = torch.zeros(big * q, dtype=torch.int64)
+    out_cache_loc = torch.zeros(big * q, dtype=torch.int64)
+    for b, e in enumerate(extend):
+        for i in range(e):
+            token_rows.append(b * q + i)
+            input_ids[b * q + i] = batch.input_ids[start + i]
+            positions[b * q + i] = batch.positions[start + i]
+            out_cache_loc[b * q + i] = batch.out_cache_loc[start + i]
+        start += e
+
+    def pad(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, torch.zeros((1, *t.shape[1:]), dtype=t.dtype)])
+
+    static = dataclasses.replace(
+        batch,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        req_pool_indices=pad(batch.req_pool_indices),
+        prefix_lens=pad(batch.prefix_lens),
+        extend_lens=pad(batch.extend_lens),
+        tree_mask=pad(batch.tree_mask),
+        lane_locs=pad(batch.lane_locs),
+        lane_lens=pad(batch.lane_lens),
+    )
+    return static, token_rows
+
+
+def on_device(batch: ForwardBatch, be: Backend, host_lists: bool = True) -> ForwardBatch:
     """``batch`` with index tensors in the backend's index dtype on its device."""
     dev, idx = be.device(), be.index_dtype
 
@@ -214,9 +279,11 @@ def on_device(batch: ForwardBatch, be: Backend) -> ForwardBatch:
         tree_mask=conv(batch.tree_mask),
         lane_locs=conv(batch.lane_locs, idx),
         lane_lens=conv(batch.lane_lens, idx),
-        prefix_lens_cpu=batch.prefix_lens.tolist(),
-        extend_lens_cpu=batch.extend_lens.tolist(),
-        lane_lens_cpu=None if batch.lane_lens is None else batch.lane_lens.tolist(),
+        prefix_lens_cpu=batch.prefix_lens.tolist() if host_lists else None,
+        extend_lens_cpu=batch.extend_lens.tolist() if host_lists else None,
+        lane_lens_cpu=None
+        if batch.lane_lens is None or not host_lists
+        else batch.lane_lens.tolist(),
     )
 
 
@@ -307,6 +374,27 @@ def test_attention_modes(backend, reference_backend, scenario, page_size, dtype_
     h.run_and_check(batch, gen)
 
 
+@pytest.mark.parametrize("page_size", [1, 16, NATIVE_PAGE_SIZE])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_static_metadata_modes(backend, reference_backend, scenario, page_size):
+    """Captured-forward metadata (fixed widths, device tensors only, a padding request) gives
+    the oracle's attention for the real tokens and writes nothing outside their slots."""
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    mode, prefix, extend = SCENARIOS[scenario]
+    page_size = resolve_page_size(backend, page_size)
+    if scenario == "target_verify_tree":
+        require(backend.capabilities.tree_attention, "tree_attention (topk > 1 trees)")
+    gen = torch.Generator().manual_seed(zlib.crc32(f"static/{scenario}/{page_size}".encode()))
+    h = Harness(backends_under_test(backend, reference_backend), torch.float32, 6, 2)
+    reqs = make_requests([p + e for p, e in zip(prefix, extend)], SlotSource(page_size, gen), gen)
+    h.fill(
+        [s for b, r in enumerate(reqs.rows) for s in reqs.req_to_token[r, : prefix[b]].tolist()],
+        gen,
+    )
+    batch = build_batch(mode, prefix, extend, reqs, gen, chain=scenario.endswith("chain"))
+    h.run_and_check_static(batch, gen)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1), (9, 3)])
 def test_attention_head_layouts(backend, reference_backend, heads):
     """MHA, MQA and GQA 9/3 (SmolLM2's ratio) on a verify tree and on decode."""
@@ -329,10 +417,13 @@ def test_attention_head_layouts(backend, reference_backend, heads):
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("page_size", [1, 16, NATIVE_PAGE_SIZE])
-def test_draft_decode_steps(backend, reference_backend, page_size, dtype_name):
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_draft_decode_steps(backend, reference_backend, page_size, dtype_name, static):
     """S draft steps with K lanes per request; with pages each lane starts with a copy of the
     prefix's partial last page (the page_size > 1, topk > 1 layout of assign_draft_cache_locs)."""
     page_size = require_dtype_and_page(backend, dtype_name, page_size)
+    if static:
+        require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     topk, num_steps = 3, 3
     seq_lens = [5, 21, 38]
     gen = torch.Generator().manual_seed(7 + page_size)
@@ -379,4 +470,7 @@ def test_draft_decode_steps(backend, reference_backend, page_size, dtype_name):
             lane_lens=lane_lens,
             topk=topk,
         )
-        h.run_and_check(batch, gen)
+        if static:
+            h.run_and_check_static(batch, gen)
+        else:
+            h.run_and_check(batch, gen)

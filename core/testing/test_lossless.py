@@ -29,7 +29,7 @@ def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(PROMPT_LENS[i])] for i in range(n)]
 
 
-def _llm(backend_name, tiny, algorithm=None, page_size=1, **spec):
+def _llm(backend_name, tiny, algorithm=None, page_size=1, graphs="off", **spec):
     from polyspec.engine.llm import LLM
 
     draft = None
@@ -40,7 +40,7 @@ def _llm(backend_name, tiny, algorithm=None, page_size=1, **spec):
         speculative = SpeculativeConfig(algorithm=algo, **spec)
     return LLM(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
-        dtype="float32", page_size=page_size, max_batch_size=5, max_context=256,
+        dtype="float32", page_size=page_size, max_batch_size=5, max_context=256, graphs=graphs,
     )  # fmt: skip
 
 
@@ -81,3 +81,27 @@ def test_spec_greedy_equals_plain_greedy(
         # The target drafting for itself gets long accepted runs (a topk > 1 tree of at most 8
         # nodes trades depth for breadth, so the bar is modest; random heads get ~1.0).
         assert min(o.stats.mean_acceptance_length for o in outs) > (1.5 if num_steps > 1 else 1.2)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("topk", [1, 4])
+@pytest.mark.parametrize("algorithm", [None, "eagle", "eagle3"])
+def test_captured_rounds_equal_eager_plain(
+    backend, backend_name, tiny_models, plain_outputs, algorithm, topk, page_size, batch
+):
+    """Decode rounds replayed from captured graphs (padded to batch buckets 1, 2, 4, 5; static
+    attention metadata) emit the tokens of eager plain decoding, and leak no KV slot."""
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    if algorithm is None and topk > 1:
+        pytest.skip("plain decoding has no topk")
+    page_size = resolve_page_size(backend, page_size)
+    spec = {} if algorithm is None else {"topk": topk, "num_steps": 3}
+    llm = _llm(backend_name, tiny_models, algorithm, page_size=page_size, graphs="on", **spec)
+    free_before = llm.kv_slots_free
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=_prompts(batch), sampling_params=params)
+    assert [o.token_ids for o in outs] == plain_outputs[:batch]
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    assert llm.worker.graphs is not None and llm.worker.graphs.num_captured > 0

@@ -1,0 +1,181 @@
+"""Captured forwards: one graph per (computation, batch-size bucket, context bucket).
+
+The engine keeps the shapes of a decode round fixed so that the backend's graph runner can
+record it once and replay it: the batch is padded up to a bucket size (padding requests use
+row 0, prefix 0 and the padding slot 0, which is what the runner's zero-fill gives), and the
+attention reads a fixed number of prefix columns (the context bucket), masking what lies past
+each request's prefix. Buckets are captured lazily, on first use; a batch larger than the
+largest bucket, or a context longer than ``max_context``, runs eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from polyspec.backend import Backend, ForwardBatch, ForwardMode
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBuckets:
+    """Batch sizes and prefix widths that graphs are captured for."""
+
+    batch_sizes: tuple[int, ...]  # ascending
+    prefix_lens: tuple[int, ...]  # ascending; the last one is the request table's width
+
+    @classmethod
+    def default(cls, max_batch_size: int, max_graph_batch_size: int, table_width: int):
+        """1, 2, 4, 8, then steps of 8 up to ``min(max_batch_size, max_graph_batch_size)``;
+        prefix widths 256, 512, ... doubling up to the table width (the context limit)."""
+        top = min(max_batch_size, max_graph_batch_size)
+        sizes = [b for b in (1, 2, 4) if b < top] + list(range(8, top, 8)) + [top]
+        widths, w = [], 256
+        while w < table_width:
+            widths.append(w)
+            w *= 2
+        widths.append(table_width)
+        return cls(tuple(sorted(set(sizes))), tuple(widths))
+
+    def batch_bucket(self, bs: int) -> int | None:
+        """The smallest captured batch size >= ``bs``; None above the largest."""
+        i = bisect.bisect_left(self.batch_sizes, bs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def prefix_bucket(self, max_prefix: int) -> int | None:
+        i = bisect.bisect_left(self.prefix_lens, max_prefix)
+        return self.prefix_lens[i] if i < len(self.prefix_lens) else None
+
+
+class CapturedForwards:
+    """Lazily captured, replayed computations over one backend's graph runner.
+
+    ``fn(static_inputs, batch_bucket, prefix_bucket)`` must read its per-step values only from
+    ``static_inputs`` (every tensor's leading dimension is per request: ``bs`` rows, or
+    ``bs * Q`` tokens) and may close over persistent state that is updated in place (weights,
+    KV pools, the request table). Outputs are the runner's static buffers, overwritten by the
+    next replay of the same key: copy what must outlive it.
+    """
+
+    def __init__(self, backend: Backend, buckets: GraphBuckets) -> None:
+        self.backend = backend
+        self.buckets = buckets
+        self.runner = backend.make_graph_runner()
+        self.needs_prepare = backend.capabilities.graph_needs_prepare
+        self.max_graphs = backend.capabilities.max_graph_shapes
+        self.num_captured = 0
+        # name -> (fn, {input: (rows per request, trailing shape, dtype, device)}), from the
+        # first run of each computation, so that capture_all can record the other buckets.
+        self._templates: dict[str, tuple[Callable, dict[str, tuple]]] = {}
+
+    def fits(self, bs: int, max_prefix: int) -> bool:
+        """True when a batch of ``bs`` requests with prefixes up to ``max_prefix`` can replay."""
+        return (
+            self.buckets.batch_bucket(bs) is not None
+            and self.buckets.prefix_bucket(max_prefix) is not None
+        )
+
+    @torch.inference_mode()
+    def run(
+        self,
+        name: str,
+        bs: int,
+        max_prefix: int,
+        inputs: Mapping[str, torch.Tensor],
+        fn: Callable[[Mapping[str, torch.Tensor], int, int], Any],
+    ) -> Any:
+        """Replay ``name`` for the bucket of (``bs``, ``max_prefix``), capturing it first if
+        needed; returns the static outputs (leading dims for the padded batch). Returns None
+        when the backend's graph budget (``max_graph_shapes``) is spent: run eagerly then."""
+        b = self.buckets.batch_bucket(bs)
+        p = self.buckets.prefix_bucket(max_prefix)
+        if b is None or p is None:
+            raise ValueError(f"no graph bucket for bs={bs}, prefix={max_prefix}; check fits()")
+        if name not in self._templates:
+            template = {}
+            for n, x in inputs.items():
+                if x.dim() == 0 or x.shape[0] % bs:
+                    raise ValueError(f"graph input {n!r}: leading dim {x.shape} not per request")
+                template[n] = (x.shape[0] // bs, tuple(x.shape[1:]), x.dtype, x.device)
+            self._templates[name] = (fn, template)
+        if not self._capture(name, b, p):
+            return None
+        key = (name, b, p)
+        if self.needs_prepare:
+            self.runner.prepare(key, {"batch_size": bs, "max_prefix_len": p})
+        return self.runner.replay(key, inputs)
+
+    def _capture(self, name: str, b: int, p: int) -> bool:
+        """Capture ``name`` for buckets (b, p) unless done; False when the budget is spent."""
+        key = (name, b, p)
+        if self.runner.can_run(key):
+            return True
+        if self.max_graphs is not None and self.num_captured >= self.max_graphs:
+            return False
+        fn, template = self._templates[name]
+        static = {
+            n: torch.zeros((per * b, *rest), dtype=dtype, device=device)
+            for n, (per, rest, dtype, device) in template.items()
+        }
+        self.runner.capture(key, lambda s: fn(s, b, p), static)
+        self.num_captured += 1
+        return True
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch_size: int, max_prefix: int) -> int:
+        """Capture every computation run so far for every bucket a batch of up to
+        ``max_batch_size`` requests with prefixes up to ``max_prefix`` can use (a benchmark's
+        warm-up: lazy capture would land inside the timed run). Returns how many were new."""
+        before = self.num_captured
+        top_b = self.buckets.batch_bucket(max_batch_size) or self.buckets.batch_sizes[-1]
+        top_p = self.buckets.prefix_bucket(max_prefix) or self.buckets.prefix_lens[-1]
+        for name in self._templates:
+            for b in self.buckets.batch_sizes:
+                for p in self.buckets.prefix_lens:
+                    if b <= top_b and p <= top_p and not self._capture(name, b, p):
+                        return self.num_captured - before
+        return self.num_captured - before
+
+
+def static_batch(
+    mode: ForwardMode,
+    req_to_token: torch.Tensor,  # [R, C]
+    req_pool_indices: torch.Tensor,  # [bs]
+    prefix_lens: torch.Tensor,  # [bs]
+    extend_lens: torch.Tensor,  # [bs]
+    input_ids: torch.Tensor,  # [bs * Q]
+    positions: torch.Tensor,  # [bs * Q]
+    out_cache_loc: torch.Tensor,  # [bs * Q]
+    **extra: Any,
+) -> ForwardBatch:
+    """A ForwardBatch of device tensors only (no host lists), for captured forwards."""
+    return ForwardBatch(
+        mode=mode,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        req_pool_indices=req_pool_indices,
+        req_to_token=req_to_token,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        **extra,
+    )
+
+
+def block_slots(
+    req_to_token: torch.Tensor,  # [R, C]
+    rows: torch.Tensor,  # [bs]
+    starts: torch.Tensor,  # [bs]
+    lens: torch.Tensor,  # [bs]
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([bs * width] slots, [bs * width] positions)
+    """Slots and positions of ``width`` tokens per request from ``starts``; tokens past
+    ``lens[b]`` get the padding slot 0 (and a position clamped into the table)."""
+    j = torch.arange(width, device=rows.device)
+    pos = (starts.to(torch.int64)[:, None] + j[None, :]).clamp(max=req_to_token.shape[1] - 1)
+    table_rows = req_to_token.index_select(0, rows.to(torch.int64))
+    slots = torch.where(j[None, :] < lens[:, None], table_rows.gather(1, pos), 0)
+    return slots.reshape(-1), pos.reshape(-1)

@@ -77,6 +77,12 @@ def add_parser(subparsers) -> None:
         help="target dtype for generation and features",
     )
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument(
+        "--graphs",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="captured decode rounds while generating the answers (see EngineConfig.graphs)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts, args.num_prompts)
     llm = LLM(target=args.target, backend=args.backend, dtype=args.dtype,
               max_batch_size=args.gen_batch_size, max_context=4096,
-              max_graph_batch_size=args.gen_batch_size)  # fmt: skip
+              max_graph_batch_size=args.gen_batch_size, graphs=args.graphs)  # fmt: skip
     target = llm.target
     (out / "train_args.json").write_text(json.dumps(
         {"argv": sys.argv, **{k: v for k, v in vars(args).items() if k != "func"},

@@ -62,7 +62,10 @@ def generate_answers(
     a time (safe to interrupt)."""
     if samples_per_prompt < 1:
         raise ConfigError(f"--samples-per-prompt must be >= 1, got {samples_per_prompt}")
-    jobs = len(prompts) * samples_per_prompt  # job j: prompt j // M, sample j % M
+    # Job j is sample j // P of prompt j % P: every prompt's greedy answer comes first, so a
+    # run cut short still covers all prompts, and a resume with fewer samples reuses it all.
+    num_prompts = len(prompts)
+    jobs = num_prompts * samples_per_prompt
     done: dict[int, dict] = {}
     if out_file.is_file():
         for line in out_file.read_text().splitlines():
@@ -77,11 +80,11 @@ def generate_answers(
     with out_file.open("a") as f:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            convs = [[{"role": "user", "content": prompts[j // samples_per_prompt]}] for j in chunk]
+            convs = [[{"role": "user", "content": prompts[j % num_prompts]}] for j in chunk]
             ids = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
             params = [
                 SamplingParams(max_new_tokens=max_new_tokens)
-                if j % samples_per_prompt == 0
+                if j < num_prompts
                 else SamplingParams(
                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed * 7919 + j
                 )

@@ -114,3 +114,32 @@ def test_train_draft_cli_end_to_end_and_resume(setup, tmp_path):
     (out / "checkpoint.pt").unlink()
     assert main(argv + ["--resume", "--steps", "10"]) == 0
     assert (out / "answers.jsonl").read_text() == answers
+
+
+def test_train_draft_sampled_answers_generate_only(setup, tmp_path):
+    """--samples-per-prompt M: the greedy answer of every prompt first, then M - 1 sampled
+    ones per prompt (seeded: a rerun writes the same text); --generate-only stops there, and a
+    resume with fewer samples reuses what is written."""
+    from polyspec.cli import main
+
+    _, _, _, target_path, *_ = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(4)))
+    argv = ["train-draft", "--target", str(target_path), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--gen-batch-size", "3", "--samples-per-prompt", "3",
+            "--generate-only"]  # fmt: skip
+    assert main(argv + ["--out", str(tmp_path / "a")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "b")]) == 0
+    assert not (tmp_path / "a" / "model.safetensors").exists()
+    recs = [json.loads(x) for x in (tmp_path / "a" / "answers.jsonl").read_text().splitlines()]
+    again = [json.loads(x) for x in (tmp_path / "b" / "answers.jsonl").read_text().splitlines()]
+    assert sorted(r["index"] for r in recs) == list(range(12)) and recs == again
+    by_index = {r["index"]: r["answer_ids"] for r in recs}
+    # the sampled answers differ from the greedy one for at least one prompt
+    assert any(by_index[i] != by_index[i + 4] or by_index[i] != by_index[i + 8] for i in range(4))
+    text = (tmp_path / "a" / "answers.jsonl").read_text()
+    short = ["--samples-per-prompt", "2", "--steps", "2", "--draft-vocab-size", "64",
+             "--batch-tokens", "256", "--ttt-steps", "2", "--resume"]  # fmt: skip
+    assert main(argv[:-3] + short + ["--out", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "answers.jsonl").read_text() == text  # nothing regenerated
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["answers"] == 8

@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from polyspec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from polyspec.engine.defaults import default_target_path, shipped_head_path
@@ -14,6 +15,12 @@ from polyspec.engine.scheduler import Scheduler
 from polyspec.engine.stop import StopChecker
 from polyspec.errors import ConfigError
 from polyspec.kernels.reference import draft_lane_width
+
+if TYPE_CHECKING:
+    import torch
+
+    from polyspec.backend import Backend
+    from polyspec.model.tokenizer import Tokenizer
 
 
 class LLM:
@@ -97,7 +104,102 @@ class LLM:
 
                 draft = StandaloneDraft(draft)
             self.draft = draft
+        self._start_engine()
 
+    @classmethod
+    def from_modules(
+        cls,
+        target: torch.nn.Module,
+        draft: torch.nn.Module | None = None,
+        speculative: SpeculativeConfig | None = None,
+        backend: str | Backend | None = None,
+        tokenizer: Tokenizer | None = None,
+        **engine_kwargs: Any,
+    ) -> LLM:
+        """An engine over modules already built in memory, skipping checkpoint loading (for
+        benchmarks at a model size nobody wants to write to disk, and tests).
+
+        ``target``: a :class:`~polyspec.model.llama.CausalLM`; ``draft``: a
+        :class:`~polyspec.model.eagle.DraftHead` of ``speculative.algorithm`` ("eagle" /
+        "eagle3"), or a CausalLM for "standalone"; both must already live on ``backend``'s
+        device, built with its kernels (``backend.kernels``). ``backend``: a Backend instance
+        (the one the modules were built for) or a name (None: the selection rules). Weights get
+        the backend's preferred layout, as the loaders give them. ``tokenizer`` None: generate
+        with ``prompt_token_ids=`` only; outputs then have ``text == ""`` and stop strings are
+        refused. ``engine_kwargs``: the other :class:`EngineConfig` fields (``max_batch_size``,
+        ``max_context``, ``num_kv_slots``, ``page_size``, ``graphs``, ...); ``dtype`` is the
+        target's own."""
+        from polyspec.backend import Backend
+        from polyspec.model.llama import CausalLM
+        from polyspec.model.loader import apply_weight_layout
+        from polyspec.plugins import create_backend
+
+        if "target" in engine_kwargs or "draft" in engine_kwargs or "dtype" in engine_kwargs:
+            raise ConfigError(
+                "LLM.from_modules takes the models themselves: target / draft / dtype come from "
+                "the modules, not from engine_kwargs"
+            )
+        if (draft is None) != (speculative is None):
+            raise ConfigError(
+                "LLM.from_modules: pass both draft and speculative (speculative decoding) or "
+                "neither (plain decoding)"
+            )
+        be = backend if isinstance(backend, Backend) else create_backend(backend)
+        dtype = next(target.parameters()).dtype
+        device = next(target.parameters()).device
+        if device != be.device():
+            raise ConfigError(
+                f"LLM.from_modules: the target lives on {device}, backend {be.name!r} runs on "
+                f"{be.device()}; build the modules on backend.device()"
+            )
+        placeholder = "<in-memory module>"
+        config = EngineConfig(
+            target=placeholder,
+            draft=None if draft is None else placeholder,
+            speculative=speculative,
+            backend=be.name,
+            dtype=str(dtype).removeprefix("torch."),
+            **engine_kwargs,
+        )
+        if not be.capabilities.supports_page_size(config.page_size):
+            raise ConfigError(
+                f"page_size = {config.page_size} is not supported by backend {be.name!r}; "
+                f"allowed: {list(be.capabilities.page_sizes or [])}"
+            )
+        wrap = isinstance(draft, CausalLM)  # a standalone draft, not yet adapted
+        if draft is not None:
+            algo = speculative.algorithm
+            kind = "standalone" if wrap else getattr(draft, "algorithm", "")
+            if kind != algo:
+                raise ConfigError(
+                    f"LLM.from_modules: speculative algorithm {algo!r} needs "
+                    + ("a CausalLM draft" if algo == "standalone" else f"a DraftHead({algo!r})")
+                    + f", got {type(draft).__name__} ({kind or 'unknown kind'})"
+                )
+        apply_weight_layout(target, be)
+        if draft is not None:
+            apply_weight_layout(draft, be)
+            if wrap:
+                from polyspec.spec.standalone import StandaloneDraft
+
+                draft = StandaloneDraft(draft)
+        self = cls.__new__(cls)
+        self.config = config
+        self._ids = itertools.count()
+        self.backend = be
+        self.target_path = None
+        self.draft_path = None
+        self.tokenizer = tokenizer
+        self.target = target.eval()
+        self.dtype = dtype
+        self.draft = None if draft is None else draft.eval()
+        self._start_engine()
+        return self
+
+    def _start_engine(self) -> None:
+        """The worker and the scheduler over ``self.target`` / ``self.draft``."""
+        cfg = self.config
+        spec = cfg.speculative
         num_slots = cfg.num_kv_slots or self._default_num_slots()
         ps = cfg.page_size
         num_slots = (num_slots + ps - 1) // ps * ps
@@ -117,7 +219,9 @@ class LLM:
             from polyspec.spec.eagle_worker import EagleWorker
 
             self.worker = EagleWorker(self.backend, self.target, self.draft, spec, self.dtype, **kw)
-        eos = tuple(self.target.config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        eos = tuple(self.target.config.eos_token_ids)
+        if not eos and self.tokenizer is not None:
+            eos = tuple(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos))
 
@@ -143,6 +247,7 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         if prompts is not None:
+            self._need_tokenizer("text prompts (pass prompt_token_ids=)")
             texts: list[str | None] = list(prompts)
             ids = [self.tokenizer.encode(p) for p in prompts]
         else:
@@ -155,6 +260,8 @@ class LLM:
             raise ConfigError(
                 f"{len(params)} sampling_params for {len(ids)} prompts: give one, or one per prompt"
             )
+        if any(p.stop for p in params):
+            self._need_tokenizer("stop strings")
         reqs = [Request(next(self._ids), t, i, p) for t, i, p in zip(texts, ids, params)]
         return self._run(reqs, progress)
 
@@ -167,6 +274,7 @@ class LLM:
         """Like :meth:`generate`, with the model's chat template applied. ``messages`` is one
         user prompt, a list of user prompts, one conversation (a list of
         ``{"role", "content"}``) or a list of conversations."""
+        self._need_tokenizer("chat")
         if isinstance(messages, str):
             convs = [[{"role": "user", "content": messages}]]
         elif messages and isinstance(messages[0], dict):
@@ -183,6 +291,13 @@ class LLM:
         for o, c in zip(outs, convs):
             o.prompt = c[-1]["content"]
         return outs
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ConfigError(
+                f"{what} need(s) a tokenizer; this engine was built by LLM.from_modules without "
+                "one (pass tokenizer=)"
+            )
 
     def _run(self, reqs: list[Request], progress) -> list[RequestOutput]:
         sched = self.scheduler
@@ -225,7 +340,7 @@ class LLM:
             request_id=r.rid,
             prompt=r.prompt,
             prompt_token_ids=r.prompt_ids,
-            text=self.scheduler.stop.text(r),
+            text="" if self.tokenizer is None else self.scheduler.stop.text(r),
             token_ids=list(r.output_ids),
             finish_reason=r.finish_reason or "abort",
             stats=stats,

@@ -362,7 +362,7 @@ class EagleWorker(WorkerBase):
             col = (tails + i).view(bs, 1, 1).expand(bs, K, 1)
             batch = static_batch(
                 ForwardMode.DRAFT_DECODE, table, rows, prefix, extend, input_ids,
-                (seq_lens + i)[:, None].expand(bs, K).reshape(-1),
+                (seq_lens + i).repeat_interleave(K),
                 lane_locs.gather(2, col).flatten(),
                 lane_locs=lane_locs, lane_lens=(tails + i + 1).to(idx), topk=K,
             )  # fmt: skip

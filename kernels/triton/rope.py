@@ -113,7 +113,7 @@ def rotary_embedding(
     if tokens > 0:
         half = head_dim // 2
         _rotary_kernel[(tokens,)](
-            positions.reshape(-1),
+            positions.reshape(-1).contiguous(),  # the kernel reads it densely
             q,
             k,
             cache,

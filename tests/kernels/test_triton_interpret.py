@@ -477,6 +477,27 @@ def test_rotary_embedding_matches_reference(kernels, triton_device, is_neox, dty
     assert torch.equal(d.cpu(), qkv), "inputs modified"
 
 
+def test_rotary_embedding_strided_positions(kernels, triton_device):
+    """Positions may be a broadcast view (one position per request, repeated for its K draft
+    lanes: stride 0); the kernel must read the values, not the memory after the first one.
+    On the H200 this once read past the tensor inside a captured draft loop."""
+    g = _gen(SEED + 34)
+    dim = 16
+    cache = _cos_sin_cache(64, dim)
+    base = torch.tensor([37])
+    positions = base[:, None].expand(1, 4).reshape(-1)  # [4], stride 0
+    assert positions.stride() == (0,)
+    q = torch.randn(4, 3, dim, generator=g)
+    k = torch.randn(4, 1, dim, generator=g)
+    eq, ek = ref.rotary_embedding(positions.contiguous(), q, k, cache, True)
+    dev_pos = _on(base, triton_device)[:, None].expand(1, 4).reshape(-1)
+    gq, gk = kernels["rotary_embedding"](
+        dev_pos, _on(q, triton_device), _on(k, triton_device), _on(cache, triton_device), True
+    )
+    torch.testing.assert_close(gq.cpu(), eq)
+    torch.testing.assert_close(gk.cpu(), ek)
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_silu_and_mul_matches_reference(kernels, triton_device, dtype):
     g = _gen(SEED + 33)

@@ -1,12 +1,14 @@
 """Sweep of speculative settings for the shipped head (docs/benchmarks.md).
 
-    python ci/sweep_settings.py        # MT-bench questions 81, 91, ..., 151; 64 new tokens
+    python ci/sweep_settings.py [DTYPE]   # MT-bench questions 81, 91, ..., 151; 64 new tokens
 
-fp32, batch 1, 2 threads, greedy; prints a markdown table (acceptance, tokens/s, vs plain).
+DTYPE float32 (default) or bfloat16; batch 1, 2 threads, greedy; prints a markdown table
+(acceptance, tokens/s, vs plain).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -28,15 +30,18 @@ def tokens_per_s(llm: LLM, prompts: list[str], params: SamplingParams):
 
 def main() -> None:
     torch.set_num_threads(2)
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
+    if dtype not in ("float32", "bfloat16"):
+        raise SystemExit(f"sweep_settings.py: DTYPE must be float32 or bfloat16, got {dtype!r}")
     _, questions = load_dataset("mt_bench")
     prompts = questions[::10][:8]
     params = SamplingParams(max_new_tokens=64)
-    _, base = tokens_per_s(LLM(dtype="float32", max_batch_size=1), prompts, params)
+    _, base = tokens_per_s(LLM(dtype=dtype, max_batch_size=1), prompts, params)
     print("| setting | mean accept len | tokens/s | vs plain |\n|---|---|---|---|")
     print(f"| plain | - | {base:.1f} | 1.00x |")
     for s, k, n in SETTINGS:
         spec = SpeculativeConfig(algorithm="eagle3", num_steps=s, topk=k, num_draft_tokens=n)
-        llm = LLM(draft=shipped_head_path(), speculative=spec, dtype="float32", max_batch_size=1)
+        llm = LLM(draft=shipped_head_path(), speculative=spec, dtype=dtype, max_batch_size=1)
         outs, tps = tokens_per_s(llm, prompts, params)
         rounds = [r for o in outs for r in o.stats.accepted_per_round]
         print(

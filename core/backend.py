@@ -357,6 +357,26 @@ class Backend(abc.ABC):
     def index_dtype(self) -> torch.dtype:
         return getattr(torch, self.capabilities.index_dtype)
 
+    def host_tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:  # [n]
+        """A 1-D device tensor of host integers (slot indices, lengths, token ids), built
+        without waiting for the device work already queued. The engine calls this several
+        times per decode round; a plain ``torch.tensor(values, device=...)`` from pageable
+        memory synchronises the stream on CUDA-like devices, so a backend overrides this with
+        a pinned, asynchronous copy. The default is the plain construction."""
+        return torch.tensor(values, dtype=dtype, device=self.device())
+
+    def linear_fn(
+        self,
+        weight: torch.Tensor,  # [out, in], as returned by prepare_linear_weight
+    ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+        """A faster way to compute ``F.linear(x, weight, bias)`` for this one weight, called
+        as ``fn(x [T, in], bias [out] | None) -> [T, out]`` with ``x`` of the weight's dtype,
+        or None (the default: the model calls ``F.linear``). Called once per weight at load
+        time, after :meth:`prepare_linear_weight`; the weight itself stays readable as it is
+        (training and weight tying read it), so a backend that repacks keeps its own copy
+        inside the callable (the cpu backend prepacks bf16 weights for oneDNN)."""
+        return None
+
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in]
         """The tensor ``F.linear`` should read for ``weight``: same values and shape, possibly
         another memory layout (the cpu backend stores fp32 weights column-major, which its

@@ -77,6 +77,13 @@ class CUDABackend(Backend):
         """Wait for all queued work on this backend's device."""
         torch.cuda.synchronize(self.device())
 
+    def host_tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:  # [n]
+        """Pinned host tensor, copied with ``non_blocking=True``: the copy is queued behind the
+        running graphs instead of waiting for them (PyTorch's pinned-memory cache keeps the
+        host buffer alive until the copy has run)."""
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return host.to(self.device(), non_blocking=True)
+
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device, from ``cudaMemGetInfo``."""
         free, total = torch.cuda.mem_get_info(self.device())

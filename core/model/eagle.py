@@ -19,6 +19,7 @@ from torch import nn
 
 from polyspec.backend import AttentionBackend, AttentionMetadata, KernelSet
 from polyspec.model.config import ModelConfig
+from polyspec.model.linear import linear
 from polyspec.model.llama import CausalLM, DecoderLayer, _param
 
 
@@ -119,13 +120,13 @@ class DraftHead(nn.Module):
         k, eps, layer = self.kernels, self.eps, self.layer
         embeds = F.embedding(input_ids, self.embed_weight)
         if self.algorithm == "eagle":
-            h = F.linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
+            h = linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
             a = layer.self_attn(h, positions, attn, metadata)
             x, residual = k.fused_add_rms_norm(a, h, layer.post_attention_layernorm, eps)
             out = layer.mlp(x) + residual
             return out, out
         if features.shape[-1] != self.config.hidden_size:
-            features = F.linear(features, self.fc)
+            features = linear(features, self.fc)
         e = k.rms_norm(embeds, layer.input_layernorm, eps)
         hn = k.rms_norm(features, self.hidden_norm, eps)
         a = layer.self_attn(torch.cat([e, hn], dim=-1), positions, attn, metadata)
@@ -135,7 +136,7 @@ class DraftHead(nn.Module):
 
     def compute_logits(self, logit_hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V_draft]
         """Logits over the head's vocabulary (fp32)."""
-        return F.linear(logit_hidden, self.lm_head_weight).float()
+        return linear(logit_hidden, self.lm_head_weight).float()
 
     def topk(self, logit_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the head's softmax, ids mapped to the target vocabulary:

@@ -20,6 +20,7 @@ from torch import nn
 from polyspec.backend import AttentionBackend, AttentionMetadata, KernelSet
 from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig
+from polyspec.model.linear import linear
 from polyspec.model.rope import cos_sin_cache
 
 Getter = Callable[[str], torch.Tensor]
@@ -84,7 +85,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         """q/k/v projection (+ Qwen3 q/k norm), RoPE, backend attention, o_proj."""
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -95,11 +96,11 @@ class DecoderLayer(nn.Module):
             k = rms(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view(k.shape)
         q, k = self.kernels.rotary_embedding(positions, q, k, self.cos_sin, True)
         o = attn.forward(q, k, v, self.layer_id, metadata)
-        return F.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        return linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """SwiGLU MLP with one fused gate/up matmul."""
-        return F.linear(self.kernels.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return linear(self.kernels.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
 
     def load_weights(self, get: Getter, prefix: str, skip_input_norm: bool = False) -> None:
         """Copy HF-named weights under ``prefix`` (e.g. ``model.layers.3.``), fusing q/k/v and
@@ -218,7 +219,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V] fp32
         """lm_head over final normed hidden states, returned in float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     def forward(
         self,

@@ -113,11 +113,27 @@ def apply_weight_layout(model: torch.nn.Module, backend: Backend) -> None:
                 if isinstance(w, torch.nn.Parameter) and w.dim() == 2:
                     new = backend.prepare_linear_weight(w.data)
                     if new is not w.data:
-                        setattr(module, name, torch.nn.Parameter(new, requires_grad=False))
+                        w = torch.nn.Parameter(new, requires_grad=False)
+                        setattr(module, name, w)
+                    attach_linear_fn(w, backend)
         if isinstance(model, CausalLM) and model.lm_head is None:
-            tied = backend.prepare_linear_weight(model.embed_tokens.data)
-            if tied is not model.embed_tokens.data:
+            embed = model.embed_tokens.data
+            tied = backend.prepare_linear_weight(embed)
+            fn = backend.linear_fn(tied)
+            if tied is not embed or fn is not None:
+                if tied is embed:
+                    tied = tied.clone()  # the embedding must not carry the lm_head's kernel
                 model.lm_head = torch.nn.Parameter(tied, requires_grad=False)
+                if fn is not None:
+                    model.lm_head.polyspec_linear = fn
+
+
+def attach_linear_fn(weight: torch.Tensor, backend: Backend) -> None:
+    """Store the backend's :meth:`Backend.linear_fn` for ``weight`` on it, where
+    :func:`polyspec.model.linear.linear` finds it."""
+    fn = backend.linear_fn(weight.data)
+    if fn is not None:
+        weight.polyspec_linear = fn
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

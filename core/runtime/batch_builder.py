@@ -23,10 +23,12 @@ class BatchBuilder:
         self.index_dtype = backend.index_dtype
 
     def index(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=self.index_dtype, device=self.device)
+        """Host ints -> device tensor in the backend's index dtype (no stream sync)."""
+        return self.backend.host_tensor(list(values), self.index_dtype)
 
     def long(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        """Host ints -> int64 device tensor (no stream sync)."""
+        return self.backend.host_tensor(list(values), torch.int64)
 
     def slots(self, rows: Sequence[int], start: Sequence[int], end: Sequence[int]) -> torch.Tensor:
         """Slots of positions ``[start[i], end[i])`` of each row, concatenated."""

@@ -46,6 +46,17 @@ class EagleWorker(WorkerBase):
         # A standalone LM has no target features: it reads token p at position p, so each
         # round starts with one draft forward over the root (bonus) token.
         self.root_forward = draft.algorithm == "standalone"
+        # The draft lanes' slots are taken once for the largest batch and reused every round:
+        # a per-round alloc / free would cost a device-to-host sync (free checks the slots)
+        # in the middle of the round. The scheduler already keeps scratch_kv out of its budget.
+        self.lane_scratch = None
+        if self.num_steps > 1:
+            self.lane_scratch = self.allocator.alloc(self.scratch_kv)
+            if self.lane_scratch is None:
+                raise OutOfKVSlots(
+                    f"out of KV slots for the draft lanes: needed {self.scratch_kv}, "
+                    f"{self.allocator.available} free; raise num_kv_slots"
+                )
 
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
@@ -53,7 +64,7 @@ class EagleWorker(WorkerBase):
         hidden, aux, starts, lens = self._target_extend(rids, ends)
         sts = [self.states[r] for r in rids]
         done = [i for i, s in enumerate(sts) if ends[i] == len(s.prompt)]
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        last = self.builder.long(lens).cumsum(0) - 1
         first: dict[int, int] = {}
         if done:
             tokens = self._sample_first([rids[i] for i in done], hidden[last[done]])
@@ -137,7 +148,7 @@ class EagleWorker(WorkerBase):
         accepted = accept_length.tolist()
         paths = accept_index.tolist()
         path_nodes = [p[: a + 1] for p, a in zip(paths, accepted)]  # global node ids
-        flat = torch.tensor([g for p in path_nodes for g in p], dtype=torch.int64, device=dev)
+        flat = self.builder.long([g for p in path_nodes for g in p])
         new_tokens_t = predicts[flat]
         self._compact(rows, seq_lens, path_nodes, N)
         new_lens = [n + a + 1 for n, a in zip(seq_lens, accepted)]
@@ -203,7 +214,7 @@ class EagleWorker(WorkerBase):
         if graphs is not None:
             # Fixed width S + 1 per request: the path, then its last node repeated (masked).
             padded = [p + [p[-1]] * (width - len(p)) for p in path_nodes]
-            index = torch.tensor([g for p in padded for g in p], device=self.device)
+            index = self.builder.long([g for p in padded for g in p])
             inputs = {
                 "input_ids": predicts[index],
                 "features": feats[index],
@@ -219,7 +230,7 @@ class EagleWorker(WorkerBase):
                 return
         batch = self.builder.build(ForwardMode.DRAFT_EXTEND, rows, seq_lens, ext, predicts[flat])
         logit_h, next_feat = self.draft_runner.forward_draft(batch, feats[flat])
-        last = torch.tensor(ext, device=self.device).cumsum(0) - 1
+        last = self.builder.long(ext).cumsum(0) - 1
         self._store_draft_view(sts, logit_h[last], next_feat[last])
 
     def _draft_extend_graph(self, s, bs: int, max_prefix: int):
@@ -267,9 +278,9 @@ class EagleWorker(WorkerBase):
         if not src_pos:  # chains (topk == 1) are always in place
             return
         table = self.req_pool.req_to_token
-        r = torch.tensor(src_rows, device=self.device)
-        src = table[r, torch.tensor(src_pos, device=self.device)]
-        dst = table[r, torch.tensor(dst_pos, device=self.device)]
+        r = self.builder.long(src_rows)
+        src = table[r, self.builder.long(src_pos)]
+        dst = table[r, self.builder.long(dst_pos)]
         self.target_runner.kv_pool.move(dst, src)
 
     # -- multi-step draft ---------------------------------------------------------------------
@@ -282,14 +293,8 @@ class EagleWorker(WorkerBase):
         topk_p = torch.stack([s.topk_p for s in sts])  # [bs, K]
         topk_index = torch.stack([s.topk_index for s in sts])  # [bs, K]
         hidden = torch.stack([s.draft_feature for s in sts])  # [bs, H]
-        scratch = None
         if S > 1:
-            scratch = self.allocator.alloc(bs * K * self.lane_width)
-            if scratch is None:
-                raise OutOfKVSlots(
-                    f"out of KV slots for the draft lanes: needed {bs * K * self.lane_width}, "
-                    f"{self.allocator.available} free; raise num_kv_slots"
-                )
+            scratch = self.lane_scratch[: bs * K * self.lane_width]
             lane_locs, tail_t, copy_src, copy_dst = self._assign_lanes(rows, seq_lens, scratch)
             tails = [n % ps for n in seq_lens] if ps > 1 else [0] * bs
             graphs = None if self.root_forward else self.graphed(bs, max(seq_lens))
@@ -305,7 +310,6 @@ class EagleWorker(WorkerBase):
                 }
                 out = graphs.run("draft", bs, max(seq_lens), inputs, self._draft_graph)
                 if out is not None:
-                    self.allocator.free(scratch)
                     return tuple(t[:bs] for t in out)
         scores = None
         tree_scores, tree_tokens, tree_parents = [], [], []
@@ -331,8 +335,6 @@ class EagleWorker(WorkerBase):
             batch.lane_lens_cpu = lane_lens
             logit_h, hidden = self.draft_runner.forward_draft(batch, hidden)
             topk_p, topk_index = self.draft.topk(logit_h, K)
-        if scratch is not None:
-            self.allocator.free(scratch)
         return kernels.organize_draft_results(
             tree_scores, tree_tokens, tree_parents, self.num_draft_tokens
         )

@@ -19,6 +19,7 @@ _CAPABILITY_FLAGS = (
     "tree_attention",
     "sampling_verify",
     "host_seq_lens",
+    "static_metadata",
 )
 
 

@@ -1,6 +1,6 @@
 """Sweep of speculative settings for the shipped head (docs/benchmarks.md).
 
-    python ci/sweep_settings.py [DTYPE]   # MT-bench questions 81, 91, ..., 151; 64 new tokens
+    python ci/sweep_settings.py [DTYPE] [--more]   # MT-bench 81, 91, ..., 151; 64 new tokens
 
 DTYPE float32 (default) or bfloat16; batch 1, 2 threads, greedy; prints a markdown table
 (acceptance, tokens/s, vs plain).
@@ -19,6 +19,8 @@ from polyspec.engine.defaults import shipped_head_path
 from polyspec.engine.llm import LLM
 
 SETTINGS = [(2, 1, 3), (3, 1, 4), (5, 1, 6), (3, 2, 6), (5, 2, 10), (5, 4, 16), (4, 8, 32)]
+MORE_SETTINGS = [(3, 2, 4), (4, 2, 8), (3, 3, 8), (4, 3, 10), (4, 4, 12), (6, 3, 12)]
+"""``--more``: moderate trees around the best of SETTINGS (bf16, where verify width is cheap)."""
 
 
 def tokens_per_s(llm: LLM, prompts: list[str], params: SamplingParams):
@@ -30,7 +32,9 @@ def tokens_per_s(llm: LLM, prompts: list[str], params: SamplingParams):
 
 def main() -> None:
     torch.set_num_threads(2)
-    dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
+    args = [a for a in sys.argv[1:] if a != "--more"]
+    dtype = args[0] if args else "float32"
+    settings = MORE_SETTINGS if "--more" in sys.argv else SETTINGS
     if dtype not in ("float32", "bfloat16"):
         raise SystemExit(f"sweep_settings.py: DTYPE must be float32 or bfloat16, got {dtype!r}")
     _, questions = load_dataset("mt_bench")
@@ -39,7 +43,7 @@ def main() -> None:
     _, base = tokens_per_s(LLM(dtype=dtype, max_batch_size=1), prompts, params)
     print("| setting | mean accept len | tokens/s | vs plain |\n|---|---|---|---|")
     print(f"| plain | - | {base:.1f} | 1.00x |")
-    for s, k, n in SETTINGS:
+    for s, k, n in settings:
         spec = SpeculativeConfig(algorithm="eagle3", num_steps=s, topk=k, num_draft_tokens=n)
         llm = LLM(draft=shipped_head_path(), speculative=spec, dtype=dtype, max_batch_size=1)
         outs, tps = tokens_per_s(llm, prompts, params)

@@ -144,9 +144,14 @@ class EagleWorker(WorkerBase):
                 coins[:, :N].contiguous(), coins[:, N].contiguous(),
                 predicts, accept_index, accept_length,
             )  # fmt: skip
-        # The one host sync of the round: the engine needs the tokens anyway.
-        accepted = accept_length.tolist()
-        paths = accept_index.tolist()
+        # The one host sync of the round (the engine needs the tokens anyway): lengths, paths
+        # and every node's predicted token in a single device-to-host copy.
+        host = torch.cat(
+            [accept_length.to(torch.int64), accept_index.to(torch.int64).flatten(), predicts]
+        ).tolist()
+        accepted = host[:bs]
+        paths = [host[bs + b * (S + 1) : bs + (b + 1) * (S + 1)] for b in range(bs)]
+        predicted = host[bs + bs * (S + 1) :]  # [bs * N]
         path_nodes = [p[: a + 1] for p, a in zip(paths, accepted)]  # global node ids
         flat = self.builder.long([g for p in path_nodes for g in p])
         new_tokens_t = predicts[flat]
@@ -162,11 +167,9 @@ class EagleWorker(WorkerBase):
             self._draft_extend(sts, rows, seq_lens, ext, path_nodes, predicts, feats, flat)
         self.timer.lap("draft_extend")
 
-        new_tokens = new_tokens_t.tolist()
-        out, pos = [], 0
-        for s, n_new, new_len in zip(sts, ext, new_lens):
-            toks = new_tokens[pos : pos + n_new]
-            pos += n_new
+        out = []
+        for s, path, new_len in zip(sts, path_nodes, new_lens):
+            toks = [predicted[g] for g in path]
             s.seq_len, s.last_token = new_len, toks[-1]
             out.append(toks)
         self.timer.lap("other")

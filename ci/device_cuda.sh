@@ -17,6 +17,11 @@
 #   kernels    tests/kernels compiled on the GPU (POLYSPEC_TRITON_DEVICE=cuda, no interpreter)
 #   conform    pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q
 #   bench      ci/bench_kernels.py -> $OUT/bench.json
+#   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
+#              and 16, per-phase times and the share of a round outside forwards
+#   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench
+#              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
+#              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
 # $OUT/summary.txt lists every step with its exit status; the script exits non-zero if any failed.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -124,6 +129,19 @@ run_step 02-backends 60 "$PY" -m polyspec backends
 run_step 03-kernels 240 env POLYSPEC_TRITON_DEVICE=cuda "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
 run_step 04-conformance 480 "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q -p no:cacheprovider
 run_step 05-bench 180 "$PY" ci/bench_kernels.py "$OUT/bench.json"
+run_step 06-size 420 "$PY" ci/bench_target_size.py --backend cuda --preset llama3-8b --out "$OUT"
+
+e2e() {
+  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs
+  for bs in 1 16; do
+    polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
+      --draft core/heads/smollm2-135m-eagle3 --num-steps 3 --topk 2 --num-draft-tokens 6 \
+      --dataset "$data" --max-new-tokens 128 --batch-size "$bs" \
+      --num-prompts "$([ "$bs" = 1 ] && echo 10 || echo 80)" --no-progress \
+      --json "$OUT/e2e-bs$bs.json" || return 1
+  done
+}
+run_step 07-e2e 420 e2e
 
 echo "--- summary"
 cat "$SUMMARY"

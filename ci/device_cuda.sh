@@ -142,6 +142,14 @@ e2e() {
   done
 }
 run_step 07-e2e 420 e2e
+# The same with the Triton paged attention instead of SDPA (opt-in until measured), and its
+# conformance on the GPU.
+run_step 08-triton-attention-conformance 300 env POLYSPEC_CUDA_TRITON_ATTENTION=1 \
+  "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q -p no:cacheprovider \
+  -k "attention or static or captured"
+triton_e2e() { OUT="$OUT/triton-attention" POLYSPEC_CUDA_TRITON_ATTENTION=1 e2e; }
+mkdir -p "$OUT/triton-attention"
+run_step 09-triton-attention-e2e 420 triton_e2e
 
 echo "--- summary"
 cat "$SUMMARY"

@@ -11,6 +11,7 @@ graphs (the engine builds it once per forward anyway).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -113,6 +114,12 @@ class CUDABackend(Backend):
                 f"cuda backend: make_attention needs a pool from make_kv_pool, got "
                 f"{type(kv_pool).__name__}"
             )
+        if os.environ.get("POLYSPEC_CUDA_TRITON_ATTENTION", "") == "1":
+            # Checked against the oracle under the Triton interpreter, not yet measured on a
+            # GPU: opt-in until a benchmark says it beats SDPA (docs/backends/cuda.md).
+            from polyspec.kernels.triton.attention import TritonAttention
+
+            return TritonAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
         return SDPAAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
 
     def make_graph_runner(self) -> CUDAGraphRunner:

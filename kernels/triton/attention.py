@@ -1,0 +1,187 @@
+"""Triton paged attention for every ForwardMode, over the cpu backend's SDPA metadata.
+
+:class:`TritonAttention` reuses :class:`polyspec.backends.cpu.attention.SDPAAttention`'s
+metadata (eager and captured): for request ``b`` the key columns are ``kv_index[b, :L]``, the
+first ``P = L - BW`` of them the cached prefix (visible where ``c < prefix_lens[b]``), the last
+``BW`` the mode's block (new tokens or draft lanes) with the bool mask row of the query. The
+kernel differs from SDPA in what it reads: the prefix loop stops at the request's own prefix
+length (a captured forward's metadata is as wide as its prefix bucket, and SDPA reads every
+column of it), keys and values come straight from the pool (no gathered copy), and GQA maps
+query head ``h`` to KV head ``h // G``. One program per (query token, query head); online
+softmax in fp32.
+
+Status: checked against SDPA under ``TRITON_INTERPRET=1`` (tests/kernels); not measured on a
+GPU yet, so the cuda backend uses it only with ``POLYSPEC_CUDA_TRITON_ATTENTION=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from polyspec.backend import ForwardBatch, ForwardMode
+from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
+from polyspec.backends.cpu.kv_pool import write_kv
+from polyspec.kernels.triton._util import next_pow2
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    out_ptr,  # [T, Hq, D] contiguous
+    kv_index_ptr,  # [B, L] slots
+    prefix_len_ptr,  # [B]
+    token_row_ptr,  # [T] padded query row (b * Qmax + q) of each token
+    mask_ptr,  # [B * Qmax, L] int8 (1 = visible); read for the block columns only
+    q_max,
+    kv_len,  # L
+    prefix_width,  # P
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    kvh = h // GROUP
+    row = tl.load(token_row_ptr + t).to(tl.int64)
+    b = row // q_max
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d).to(tl.float32) * scale
+    m_i = tl.full((), -1.0e30, tl.float32)
+    l_i = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)
+
+    plen = tl.load(prefix_len_ptr + b).to(tl.int64)
+    for start in range(0, plen, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < plen
+        slots = tl.load(kv_index_ptr + b * kv_len + n, mask=valid, other=0).to(tl.int64)
+        base = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.where(valid, tl.sum(k * q[None, :], axis=1), -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        p = tl.where(valid, tl.exp(s - m_new), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+    block = kv_len - prefix_width
+    j = tl.arange(0, BLOCK_W)
+    in_block = j < block
+    col = prefix_width + j
+    vis = tl.load(mask_ptr + row * kv_len + col, mask=in_block, other=0) != 0
+    slots = tl.load(kv_index_ptr + b * kv_len + col, mask=vis, other=0).to(tl.int64)
+    base = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+    k = tl.load(k_ptr + base, mask=vis[:, None], other=0.0).to(tl.float32)
+    s = tl.where(vis, tl.sum(k * q[None, :], axis=1), -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    p = tl.where(vis, tl.exp(s - m_new), 0.0)
+    alpha = tl.exp(m_i - m_new)
+    v = tl.load(v_ptr + base, mask=vis[:, None], other=0.0).to(tl.float32)
+    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)  # a query that sees nothing (padding) gets zeros
+    tl.store(out_ptr + t * HEAD_DIM * tl.num_programs(1) + h * HEAD_DIM + d, out)
+
+
+@dataclasses.dataclass
+class TritonMetadata:
+    """SDPA's metadata plus what the kernel reads per token and per request."""
+
+    sdpa: SDPAMetadata
+    prefix_lens: torch.Tensor  # [B] int64 prefix columns to read (all L when unmasked)
+    token_row: torch.Tensor  # [T] int64 padded query row of each token
+    mask: torch.Tensor  # [B * Qmax, L] int8
+    prefix_width: int  # P
+
+
+class TritonAttention(SDPAAttention):
+    """SDPA's metadata, the Triton kernel above for the attention itself."""
+
+    def build_metadata(self, batch: ForwardBatch) -> TritonMetadata:
+        """SDPA's eager metadata, extended for the kernel."""
+        return self._extend(batch, super().build_metadata(batch), static=False)
+
+    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> TritonMetadata:
+        """SDPA's captured-forward metadata, extended for the kernel (device ops only)."""
+        return self._extend(batch, super().build_static_metadata(batch, max_prefix_len), True)
+
+    def _kv_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The kernel reads the pool directly: no gathered copies.
+        empty = torch.empty(0, self.num_kv_heads, self.head_dim, device=self.kv_pool.device)
+        return empty, empty
+
+    def _extend(self, batch: ForwardBatch, m: SDPAMetadata, static: bool) -> TritonMetadata:
+        device = self.kv_pool.device
+        rows = m.batch_rows * m.max_queries
+        if m.mask is None:  # every column visible to every query (the decode hot path)
+            prefix_width = m.kv_len
+            prefix_lens = torch.full((m.batch_rows,), m.kv_len, dtype=torch.int64, device=device)
+            mask = torch.zeros(1, dtype=torch.int8, device=device)  # no block: never read
+        else:
+            mask = m.mask.reshape(rows, m.kv_len).to(torch.int8)
+            if static:
+                prefix_width = m.kv_len - _block_width(batch, m)
+            elif batch.prefix_lens_cpu is not None:
+                prefix_width = max(batch.prefix_lens_cpu)
+            else:
+                prefix_width = int(batch.prefix_lens.max())
+            prefix_lens = batch.prefix_lens.to(device=device, dtype=torch.int64)
+        if m.output_index is not None:
+            token_row = m.output_index.to(torch.int64)
+        else:
+            token_row = torch.arange(m.num_tokens, device=device, dtype=torch.int64)
+        return TritonMetadata(m, prefix_lens, token_row, mask, prefix_width)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        layer: int,
+        metadata: TritonMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Store ``k``/``v`` at ``out_cache_loc``, then the kernel over the pool."""
+        m = metadata.sdpa
+        if q.shape[0] != m.num_tokens:
+            raise ValueError(
+                f"attention: q has {q.shape[0]} tokens but the metadata was built for "
+                f"{m.num_tokens}; build_metadata must be called for this batch"
+            )
+        k_cache = self.kv_pool.k_cache(layer)
+        v_cache = self.kv_pool.v_cache(layer)
+        write_kv(k_cache, v_cache, m.out_cache_loc, k, v)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        block = m.kv_len - metadata.prefix_width
+        _paged_attention_kernel[(m.num_tokens, self.num_heads)](
+            q, k_cache, v_cache, out,
+            m.kv_index, metadata.prefix_lens, metadata.token_row, metadata.mask,
+            m.max_queries, m.kv_len, metadata.prefix_width,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), self.scale,
+            GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_N=64,
+            BLOCK_W=max(16, next_pow2(max(block, 1))),
+        )  # fmt: skip
+        return out.to(q.dtype)
+
+
+def _block_width(batch: ForwardBatch, m: SDPAMetadata) -> int:
+    """Columns of the mode's block in a captured forward's metadata (shape-derived)."""
+    if batch.mode is ForwardMode.DRAFT_DECODE and batch.lane_locs is not None:
+        return int(batch.lane_locs.shape[1] * batch.lane_locs.shape[2])
+    return m.max_queries

@@ -292,7 +292,6 @@ class EagleWorker(WorkerBase):
 
         Returns (parent_list [bs, K*(S-1)+1], top_scores_index [bs, N-1], draft_tokens [bs, N-1])."""
         bs, K, S, ps = len(sts), self.topk, self.num_steps, self.page_size
-        kernels = self.kernels
         topk_p = torch.stack([s.topk_p for s in sts])  # [bs, K]
         topk_index = torch.stack([s.topk_index for s in sts])  # [bs, K]
         hidden = torch.stack([s.draft_feature for s in sts])  # [bs, H]
@@ -314,17 +313,8 @@ class EagleWorker(WorkerBase):
                 out = graphs.run("draft", bs, max(seq_lens), inputs, self._draft_graph)
                 if out is not None:
                     return tuple(t[:bs] for t in out)
-        scores = None
-        tree_scores, tree_tokens, tree_parents = [], [], []
-        for i in range(S):
-            input_ids, hidden, scores, (t_s, t_t, t_p) = kernels.select_top_k(
-                i, topk_p, topk_index, hidden, scores, K
-            )
-            tree_scores.append(t_s)
-            tree_tokens.append(t_t)
-            tree_parents.append(t_p)
-            if i == S - 1:
-                break
+
+        def draft_step(i: int, input_ids: torch.Tensor, hidden: torch.Tensor):
             # Step i+1 drafts the tokens at depth i+1, stored at position seq_len + i.
             col = (tail_t + i).view(bs, 1, 1).expand(bs, K, 1)
             out_loc = lane_locs.gather(2, col).flatten()
@@ -336,34 +326,41 @@ class EagleWorker(WorkerBase):
                 lane_lens=self.builder.index(lane_lens), topk=K,
             )  # fmt: skip
             batch.lane_lens_cpu = lane_lens
-            logit_h, hidden = self.draft_runner.forward_draft(batch, hidden)
+            return self.draft_runner.forward_draft(batch, hidden)
+
+        return self._expand_tree(topk_p, topk_index, hidden, draft_step)
+
+    def _expand_tree(self, topk_p, topk_index, hidden, draft_step):
+        """S levels of top-K expansion (``select_top_k``), then ``organize_draft_results``.
+        ``draft_step(i, input_ids [bs*K], hidden [bs*K, F])`` runs the draft forward between
+        level i and i+1 and returns (logit hidden, next hidden)."""
+        K, S = self.topk, self.num_steps
+        scores = None
+        levels: tuple[list, list, list] = ([], [], [])
+        for i in range(S):
+            input_ids, hidden, scores, level = self.kernels.select_top_k(
+                i, topk_p, topk_index, hidden, scores, K
+            )
+            for acc, t in zip(levels, level):
+                acc.append(t)
+            if i == S - 1:
+                break
+            logit_h, hidden = draft_step(i, input_ids, hidden)
             topk_p, topk_index = self.draft.topk(logit_h, K)
-        return kernels.organize_draft_results(
-            tree_scores, tree_tokens, tree_parents, self.num_draft_tokens
-        )
+        return self.kernels.organize_draft_results(*levels, self.num_draft_tokens)
 
     def _draft_graph(self, s, bs: int, max_prefix: int):
         """The captured multi-step draft (S > 1): the loop of :meth:`_draft` over device
         tensors only."""
-        K, S = self.topk, self.num_steps
-        kernels, table = self.kernels, self.req_pool.req_to_token
+        K, table = self.topk, self.req_pool.req_to_token
         topk_p, topk_index, hidden = s["topk_p"], s["topk_index"], s["hidden"]
         seq_lens, tails, lane_locs = s["seq_lens"], s["tails"], s["lane_locs"]
         rows = s["rows"]
         idx = rows.dtype
         prefix = (seq_lens - tails).to(idx)
         extend = torch.full_like(rows, K)
-        scores = None
-        tree_scores, tree_tokens, tree_parents = [], [], []
-        for i in range(S):
-            input_ids, hidden, scores, (t_s, t_t, t_p) = kernels.select_top_k(
-                i, topk_p, topk_index, hidden, scores, K
-            )
-            tree_scores.append(t_s)
-            tree_tokens.append(t_t)
-            tree_parents.append(t_p)
-            if i == S - 1:
-                break
+
+        def draft_step(i: int, input_ids: torch.Tensor, hidden: torch.Tensor):
             col = (tails + i).view(bs, 1, 1).expand(bs, K, 1)
             batch = static_batch(
                 ForwardMode.DRAFT_DECODE, table, rows, prefix, extend, input_ids,
@@ -371,13 +368,9 @@ class EagleWorker(WorkerBase):
                 lane_locs.gather(2, col).flatten(),
                 lane_locs=lane_locs, lane_lens=(tails + i + 1).to(idx), topk=K,
             )  # fmt: skip
-            logit_h, hidden = self.draft_runner.forward_draft(
-                batch, hidden, static_prefix=max_prefix
-            )
-            topk_p, topk_index = self.draft.topk(logit_h, K)
-        return kernels.organize_draft_results(
-            tree_scores, tree_tokens, tree_parents, self.num_draft_tokens
-        )
+            return self.draft_runner.forward_draft(batch, hidden, static_prefix=max_prefix)
+
+        return self._expand_tree(topk_p, topk_index, hidden, draft_step)
 
     def _assign_lanes(self, rows, seq_lens, scratch):
         bs, K, ps, W = len(rows), self.topk, self.page_size, self.lane_width

@@ -29,6 +29,20 @@ from polyspec.kernels.triton._util import next_pow2
 
 
 @triton.jit
+def _attend(q, k_ptr, v_ptr, slots, visible, kvh, stride_kt, stride_kh, d, m_i, l_i, acc):
+    """One online-softmax step over the keys at ``slots`` where ``visible``: returns the new
+    (running max, running sum, weighted value accumulator)."""
+    base = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+    k = tl.load(k_ptr + base, mask=visible[:, None], other=0.0).to(tl.float32)
+    s = tl.where(visible, tl.sum(k * q[None, :], axis=1), -1.0e30)
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    p = tl.where(visible, tl.exp(s - m_new), 0.0)
+    alpha = tl.exp(m_i - m_new)
+    v = tl.load(v_ptr + base, mask=visible[:, None], other=0.0).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p[:, None] * v, axis=0)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [slots, Hkv, D]
@@ -67,16 +81,8 @@ def _paged_attention_kernel(
         n = start + tl.arange(0, BLOCK_N)
         valid = n < plen
         slots = tl.load(kv_index_ptr + b * kv_len + n, mask=valid, other=0).to(tl.int64)
-        base = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-        k = tl.load(k_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.where(valid, tl.sum(k * q[None, :], axis=1), -1.0e30)
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        p = tl.where(valid, tl.exp(s - m_new), 0.0)
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + base, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slots, valid, kvh, stride_kt, stride_kh, d,
+                                m_i, l_i, acc)  # fmt: skip
 
     block = kv_len - prefix_width
     j = tl.arange(0, BLOCK_W)
@@ -84,15 +90,8 @@ def _paged_attention_kernel(
     col = prefix_width + j
     vis = tl.load(mask_ptr + row * kv_len + col, mask=in_block, other=0) != 0
     slots = tl.load(kv_index_ptr + b * kv_len + col, mask=vis, other=0).to(tl.int64)
-    base = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-    k = tl.load(k_ptr + base, mask=vis[:, None], other=0.0).to(tl.float32)
-    s = tl.where(vis, tl.sum(k * q[None, :], axis=1), -1.0e30)
-    m_new = tl.maximum(m_i, tl.max(s, axis=0))
-    p = tl.where(vis, tl.exp(s - m_new), 0.0)
-    alpha = tl.exp(m_i - m_new)
-    v = tl.load(v_ptr + base, mask=vis[:, None], other=0.0).to(tl.float32)
-    acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slots, vis, kvh, stride_kt, stride_kh, d,
+                            m_i, l_i, acc)  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)  # a query that sees nothing (padding) gets zeros
     tl.store(out_ptr + t * HEAD_DIM * tl.num_programs(1) + h * HEAD_DIM + d, out)

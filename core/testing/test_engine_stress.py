@@ -53,3 +53,32 @@ def test_hundreds_of_mixed_requests_no_leak(backend, backend_name, tiny_models, 
         if g.finish_reason == "stop" and p.stop_token_ids and g.token_ids[-1] in p.stop_token_ids:
             # nothing after a stop token, even inside an accepted run
             assert not set(g.token_ids[:-1]) & set(p.stop_token_ids)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_captured_rounds_under_churn(backend, backend_name, tiny_models, page_size):
+    """The same churn through captured rounds (graphs = "on"): batches grow and shrink across
+    the buckets (1, 2, 4) and past the largest one (5 and 6 run eagerly), contexts cross the
+    prefix buckets; plain and EAGLE-3 outputs equal eager plain decoding, and no slot leaks."""
+    from polyspec.engine.llm import LLM
+
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    page_size = resolve_page_size(backend, page_size)
+    prompts, params = _mixed_requests(120, seed=11)
+    common = dict(
+        target=tiny_models["target"], backend=backend_name, dtype="float32", page_size=page_size,
+        max_batch_size=6, max_context=128, prefill_chunk_size=8, max_tokens_per_step=24,
+    )  # fmt: skip
+    want = LLM(**common, graphs="off").generate(prompt_token_ids=prompts, sampling_params=params)
+    spec = SpeculativeConfig(algorithm="eagle3", topk=2, num_steps=3, num_draft_tokens=6)
+    for llm in (
+        LLM(**common, graphs="on", max_graph_batch_size=4),
+        LLM(**common, graphs="on", max_graph_batch_size=4, draft=tiny_models["eagle3"],
+            speculative=spec),
+    ):  # fmt: skip
+        free = llm.kv_slots_free
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert llm.kv_slots_free == free
+        assert llm.worker.graphs is not None and llm.worker.graphs.num_captured > 0

@@ -100,3 +100,16 @@ def load_dataset(name: str, num_prompts: int | None = None) -> tuple[Path, list[
     path = find_mt_bench() if name == MT_BENCH else Path(name)
     prompts = read_prompts(path)
     return path, prompts if num_prompts is None else prompts[:num_prompts]
+
+
+def read_categories(path: str | Path) -> list[str | None]:
+    """The ``category`` of each prompt line of a dataset file (None where a line has none),
+    aligned with :func:`read_prompts` (MT-bench has writing, roleplay, reasoning, ...)."""
+    out: list[str | None] = []
+    with Path(path).open() as f:
+        for line in f:
+            if line.strip():
+                obj = json.loads(line)
+                cat = obj.get("category") if isinstance(obj, dict) else None
+                out.append(cat if isinstance(cat, str) and cat else None)
+    return out

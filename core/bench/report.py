@@ -82,8 +82,10 @@ def build_report(
     temperature: float,
     skipped: Mapping[str, str],
     sweep: Mapping[float, SystemResult] | None = None,
+    categories: Sequence[str | None] | None = None,
 ) -> dict[str, Any]:
-    """Everything ``--json`` writes. ``outputs_identical`` compares spec and plain token ids
+    """Everything ``--json`` writes. ``categories``: one per prompt (None where unknown);
+    the speculative system then also reports its mean acceptance length per category. ``outputs_identical`` compares spec and plain token ids
     per prompt; it is None (n/a) when sampling (temperature > 0) or when either is missing."""
     systems = {
         name: system_entry(results[name], num_steps if name == "spec" else None)
@@ -104,6 +106,14 @@ def build_report(
             "plain_over_transformers": metrics.speedup(tps.get("plain"), tps.get("transformers")),
         },
     }
+    if categories is not None and "spec" in results and any(c for c in categories):
+        by_cat: dict[str, list[int]] = {}
+        for cat, rounds in zip(categories, results["spec"].accepted_per_request, strict=True):
+            if cat:
+                by_cat.setdefault(cat, []).extend(rounds)
+        systems["spec"]["acceptance_by_category"] = {
+            cat: metrics.mean_acceptance_length(r) for cat, r in sorted(by_cat.items()) if r
+        }
     greedy = temperature == 0
     if greedy and "spec" in results and "plain" in results:
         differ = count_differing(results["spec"].outputs, results["plain"].outputs)
@@ -186,6 +196,11 @@ def _details(report: Mapping[str, Any]) -> list[str]:
         if "phase_fractions" in spec:
             ph = ", ".join(f"{k} {v:.0%}" for k, v in spec["phase_fractions"].items())
             lines.append(f"spec round time: {ph}")
+        if spec.get("acceptance_by_category"):
+            cats = sorted(spec["acceptance_by_category"].items(), key=lambda kv: -kv[1])
+            lines.append(
+                "mean acceptance length by category: " + ", ".join(f"{c} {a:.2f}" for c, a in cats)
+            )
     lines.append(f"spec and plain outputs identical: {_identity(report)}")
     if "transformers_outputs_differing_from_plain" in report:
         lines.append(

@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     """The benchmark proper, once the flags are checked and the threads set."""
     from polyspec.bench import hf_baseline, report, runner
-    from polyspec.bench.datasets import load_dataset
+    from polyspec.bench.datasets import load_dataset, read_categories
     from polyspec.bench.plot import write_plot
     from polyspec.engine.llm import LLM
 
@@ -299,6 +299,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         temperature=sampling.temperature,
         skipped=skipped,
         sweep=sweep or None,
+        categories=read_categories(dataset_file)[: len(ids)],
     )
     print(report.format_text(rep))
     if args.json:

@@ -22,8 +22,9 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bench")
     target = builders.build_tiny_target(root / "target", seed=0)
     data = root / "prompts.jsonl"
-    lines = [json.dumps({"turns": [PROMPTS[0], "second turn"]})]
-    lines += [json.dumps({"prompt": p}) for p in PROMPTS[1:]]
+    lines = [json.dumps({"turns": [PROMPTS[0], "second turn"], "category": "writing"})]
+    lines += [json.dumps({"prompt": PROMPTS[1], "category": "math"})]
+    lines += [json.dumps({"prompt": p}) for p in PROMPTS[2:]]
     data.write_text("\n".join(lines) + "\n")
     return {
         "target": target,
@@ -56,6 +57,9 @@ def test_bench_end_to_end_eagle3(tiny, tmp_path, capsys):
     assert sum(spec["acceptance_length_histogram"].values()) == spec["num_rounds"] > 0
     assert set(spec["phase_fractions"]) == {"draft", "verify", "draft_extend", "other"}
     assert sum(spec["phase_fractions"].values()) == pytest.approx(1.0)
+    # Per category where the dataset names one (the third prompt has none).
+    assert set(spec["acceptance_by_category"]) == {"writing", "math"}
+    assert all(a >= 1.0 for a in spec["acceptance_by_category"].values())
     assert rep["outputs_identical"] is True and rep["outputs_differing"] == 0
     # Same model, dtype and prompt ids: the fp32 transformers baseline agrees with plain.
     assert rep["transformers_outputs_differing_from_plain"] == 0
@@ -71,7 +75,9 @@ def test_bench_end_to_end_eagle3(tiny, tmp_path, capsys):
     assert rep["command"].startswith("polyspec bench") and "--num-steps 3" in rep["command"]
     text = md.read_text()
     assert rep["command"] in text and "| spec |" in text
-    assert "spec and plain outputs identical" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "spec and plain outputs identical" in printed
+    assert "mean acceptance length by category: " in printed
 
 
 def test_bench_standalone_self_draft_accepts_everything(tiny, tmp_path):

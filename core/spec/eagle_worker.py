@@ -100,6 +100,8 @@ class EagleWorker(WorkerBase):
 
         self.timer.start()
         self.kv.ensure(rows, [n + N for n in seq_lens])
+        # Uploaded once, read by the draft, the tree, the verify and the draft extend.
+        rows_t, seq_t = self.builder.index(rows), self.builder.index(seq_lens)
         if self.root_forward:
             batch = self.builder.build(
                 ForwardMode.DRAFT_EXTEND, rows, seq_lens, [1] * bs,
@@ -107,8 +109,14 @@ class EagleWorker(WorkerBase):
             )  # fmt: skip
             logit_h, next_feat = self.draft_runner.forward_draft(batch, None)
             self._store_draft_view(sts, logit_h, next_feat)
-        draft_prefix = [n + self.root_forward for n in seq_lens]
-        parent_list, top_scores_index, draft_tokens = self._draft(sts, rows, draft_prefix)
+        if self.root_forward:  # the standalone draft holds the root too
+            draft_prefix = [n + 1 for n in seq_lens]
+            draft_seq_t = self.builder.index(draft_prefix)
+        else:
+            draft_prefix, draft_seq_t = seq_lens, seq_t
+        parent_list, top_scores_index, draft_tokens = self._draft(
+            sts, rows, draft_prefix, rows_t, draft_seq_t
+        )
         self.timer.lap("draft")
 
         roots = self.builder.long([s.last_token for s in sts])
@@ -119,11 +127,13 @@ class EagleWorker(WorkerBase):
             torch.empty(bs, N, dtype=idx, device=dev) for _ in range(3)
         )
         self.kernels.build_tree(
-            parent_list, top_scores_index, self.builder.index(seq_lens), self.topk, S, N,
+            parent_list, top_scores_index, seq_t, self.topk, S, N,
             TreeMaskMode.TREE_ONLY, tree_mask, positions, retrive_index, next_token, next_sibling,
         )  # fmt: skip
 
-        logits, feats = self._verify(rows, seq_lens, candidates, positions, tree_mask)
+        logits, feats = self._verify(
+            rows, seq_lens, rows_t, seq_t, candidates, positions, tree_mask
+        )
         self.timer.lap("verify")
 
         predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
@@ -153,8 +163,6 @@ class EagleWorker(WorkerBase):
         paths = [host[bs + b * (S + 1) : bs + (b + 1) * (S + 1)] for b in range(bs)]
         predicted = host[bs + bs * (S + 1) :]  # [bs * N]
         path_nodes = [p[: a + 1] for p, a in zip(paths, accepted)]  # global node ids
-        flat = self.builder.long([g for p in path_nodes for g in p])
-        new_tokens_t = predicts[flat]
         self._compact(rows, seq_lens, path_nodes, N)
         new_lens = [n + a + 1 for n, a in zip(seq_lens, accepted)]
         self.kv.truncate(rows, new_lens)
@@ -162,9 +170,10 @@ class EagleWorker(WorkerBase):
 
         ext = [a + 1 for a in accepted]
         if self.root_forward:
+            new_tokens_t = predicts[self.builder.long([g for p in path_nodes for g in p])]
             self._standalone_extend(rows, seq_lens, accepted, new_tokens_t)
         else:
-            self._draft_extend(sts, rows, seq_lens, ext, path_nodes, predicts, feats, flat)
+            self._draft_extend(sts, rows, seq_lens, rows_t, seq_t, ext, path_nodes, predicts, feats)
         self.timer.lap("draft_extend")
 
         out = []
@@ -175,7 +184,7 @@ class EagleWorker(WorkerBase):
         self.timer.lap("other")
         return out
 
-    def _verify(self, rows, seq_lens, candidates, positions, tree_mask):
+    def _verify(self, rows, seq_lens, rows_t, seq_t, candidates, positions, tree_mask):
         """Target forward over the tree -> (logits [bs * N, V], draft features [bs * N, F])."""
         bs, N = candidates.shape
         graphs = self.graphed(bs, max(seq_lens))
@@ -184,9 +193,9 @@ class EagleWorker(WorkerBase):
                 "input_ids": candidates.flatten(),
                 "positions": positions,
                 "tree_mask": tree_mask,
-                "rows": self.builder.index(rows),
-                "seq_lens": self.builder.index(seq_lens),
-                "extend_lens": self.builder.index([N] * bs),
+                "rows": rows_t,
+                "seq_lens": seq_t,
+                "extend_lens": torch.full_like(rows_t, N),
             }
             out = graphs.run("verify", bs, max(seq_lens), inputs, self._verify_graph)
             if out is not None:
@@ -209,7 +218,9 @@ class EagleWorker(WorkerBase):
         hidden, aux = self.target_runner.forward_target(batch, static_prefix=max_prefix)
         return self.target.compute_logits(hidden), (aux if self.use_aux else hidden)
 
-    def _draft_extend(self, sts, rows, seq_lens, ext, path_nodes, predicts, feats, flat) -> None:
+    def _draft_extend(
+        self, sts, rows, seq_lens, rows_t, seq_t, ext, path_nodes, predicts, feats
+    ) -> None:
         """Draft extend over the accepted tokens: (target feature at node, next token) pairs;
         stores each request's draft view for the next round."""
         bs, width = len(rows), self.num_steps + 1
@@ -221,8 +232,8 @@ class EagleWorker(WorkerBase):
             inputs = {
                 "input_ids": predicts[index],
                 "features": feats[index],
-                "rows": self.builder.index(rows),
-                "seq_lens": self.builder.index(seq_lens),
+                "rows": rows_t,
+                "seq_lens": seq_t,
                 "extend_lens": self.builder.index(ext),
             }
             out = graphs.run("draft_extend", bs, max(seq_lens), inputs, self._draft_extend_graph)
@@ -231,6 +242,7 @@ class EagleWorker(WorkerBase):
                 for i, s in enumerate(sts):
                     s.topk_p, s.topk_index, s.draft_feature = topk_p[i], topk_index[i], next_feat[i]
                 return
+        flat = self.builder.long([g for p in path_nodes for g in p])
         batch = self.builder.build(ForwardMode.DRAFT_EXTEND, rows, seq_lens, ext, predicts[flat])
         logit_h, next_feat = self.draft_runner.forward_draft(batch, feats[flat])
         last = self.builder.long(ext).cumsum(0) - 1
@@ -287,7 +299,7 @@ class EagleWorker(WorkerBase):
         self.target_runner.kv_pool.move(dst, src)
 
     # -- multi-step draft ---------------------------------------------------------------------
-    def _draft(self, sts: list[SeqState], rows: list[int], seq_lens: list[int]):
+    def _draft(self, sts: list[SeqState], rows: list[int], seq_lens: list[int], rows_t, seq_t):
         """S levels of top-K expansion with S-1 draft forwards (DRAFT_DECODE).
 
         Returns (parent_list [bs, K*(S-1)+1], top_scores_index [bs, N-1], draft_tokens [bs, N-1])."""
@@ -297,7 +309,7 @@ class EagleWorker(WorkerBase):
         hidden = torch.stack([s.draft_feature for s in sts])  # [bs, H]
         if S > 1:
             scratch = self.lane_scratch[: bs * K * self.lane_width]
-            lane_locs, tail_t, copy_src, copy_dst = self._assign_lanes(rows, seq_lens, scratch)
+            lane_locs, tail_t, copy_src, copy_dst = self._assign_lanes(rows_t, seq_t, scratch)
             tails = [n % ps for n in seq_lens] if ps > 1 else [0] * bs
             graphs = None if self.root_forward else self.graphed(bs, max(seq_lens))
             if graphs is not None:
@@ -305,8 +317,8 @@ class EagleWorker(WorkerBase):
                     "topk_p": topk_p,
                     "topk_index": topk_index,
                     "hidden": hidden,
-                    "rows": self.builder.index(rows),
-                    "seq_lens": self.builder.long(seq_lens),
+                    "rows": rows_t,
+                    "seq_lens": seq_t,
                     "tails": tail_t,
                     "lane_locs": lane_locs,
                 }
@@ -318,7 +330,7 @@ class EagleWorker(WorkerBase):
             # Step i+1 drafts the tokens at depth i+1, stored at position seq_len + i.
             col = (tail_t + i).view(bs, 1, 1).expand(bs, K, 1)
             out_loc = lane_locs.gather(2, col).flatten()
-            positions = self.builder.long(seq_lens).add(i).repeat_interleave(K)
+            positions = seq_t.to(torch.int64).add(i).repeat_interleave(K)
             lane_lens = [t + i + 1 for t in tails]
             batch = self.builder.build(
                 ForwardMode.DRAFT_DECODE, rows, [n - t for n, t in zip(seq_lens, tails)], [K] * bs,
@@ -354,7 +366,7 @@ class EagleWorker(WorkerBase):
         tensors only."""
         K, table = self.topk, self.req_pool.req_to_token
         topk_p, topk_index, hidden = s["topk_p"], s["topk_index"], s["hidden"]
-        seq_lens, tails, lane_locs = s["seq_lens"], s["tails"], s["lane_locs"]
+        seq_lens, tails, lane_locs = s["seq_lens"].to(torch.int64), s["tails"], s["lane_locs"]
         rows = s["rows"]
         idx = rows.dtype
         prefix = (seq_lens - tails).to(idx)
@@ -372,16 +384,15 @@ class EagleWorker(WorkerBase):
 
         return self._expand_tree(topk_p, topk_index, hidden, draft_step)
 
-    def _assign_lanes(self, rows, seq_lens, scratch):
-        bs, K, ps, W = len(rows), self.topk, self.page_size, self.lane_width
+    def _assign_lanes(self, rows_t, seq_t, scratch):
+        bs, K, ps, W = rows_t.shape[0], self.topk, self.page_size, self.lane_width
         idx, dev = self.backend.index_dtype, self.device
         lane_locs = torch.empty(bs, K, W, dtype=idx, device=dev)
         tail = torch.empty(bs, dtype=idx, device=dev)
         copy_src = torch.empty(bs * K * (ps - 1), dtype=idx, device=dev)
         copy_dst = torch.empty(bs * K * (ps - 1), dtype=idx, device=dev)
         self.kernels.assign_draft_cache_locs(
-            self.builder.index(rows), self.req_pool.req_to_token, self.builder.index(seq_lens),
-            scratch, K, self.num_steps, ps, lane_locs, tail, copy_src, copy_dst,
+            rows_t, self.req_pool.req_to_token, seq_t, scratch, K, self.num_steps, ps, lane_locs, tail, copy_src, copy_dst,
         )  # fmt: skip
         if ps > 1:
             self.draft_runner.kv_pool.move(copy_dst, copy_src)

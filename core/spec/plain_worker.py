@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from polyspec.backend import ForwardMode
 from polyspec.runtime.graphs import block_slots, static_batch
 from polyspec.runtime.sampling import SamplingBatch
@@ -34,11 +36,12 @@ class PlainWorker(WorkerBase):
         logits = None
         graphs = self.graphed(bs, max(seq_lens))
         if graphs is not None:
+            rows_t = self.builder.index(rows)
             inputs = {
                 "input_ids": input_ids,
-                "rows": self.builder.index(rows),
+                "rows": rows_t,
                 "seq_lens": self.builder.index(seq_lens),
-                "extend_lens": self.builder.index([1] * bs),
+                "extend_lens": torch.ones_like(rows_t),  # padding rows get 0 from the runner
             }
             out = graphs.run("decode", bs, max(seq_lens), inputs, self._decode_graph)
             logits = None if out is None else out[:bs]

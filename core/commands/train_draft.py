@@ -25,9 +25,34 @@ def add_parser(subparsers) -> None:
         choices=["eagle3"],
         help="head kind (EAGLE-3 is the one trained here)",
     )
-    p.add_argument("--prompts", required=True, help="JSONL prompts ('prompt' or 'turns' per line)")
+    p.add_argument(
+        "--prompts",
+        help="JSONL prompts ('prompt' or 'turns' per line); optional with --self-prompts",
+    )
+    p.add_argument(
+        "--self-prompts",
+        type=int,
+        default=0,
+        dest="self_prompts",
+        help="also have the target write this many user prompts itself (Magpie: sampled from "
+        "the chat template's opening of a user turn), kept in OUT/self_prompts.jsonl",
+    )
+    p.add_argument(
+        "--self-prompt-temperature",
+        type=float,
+        default=1.0,
+        dest="self_prompt_temperature",
+        help="temperature of the self-written prompts (top-p 0.95)",
+    )
     p.add_argument("--out", required=True, help="output directory (head, log, checkpoint)")
     p.add_argument("--steps", type=int, default=1500)
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        dest="time_budget",
+        help="seconds of training: the timed first steps set the step count (at most --steps), "
+        "so the schedule still completes; the count used is logged",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -64,6 +89,20 @@ def add_parser(subparsers) -> None:
         dest="generate_only",
         help="stop after writing OUT/answers.jsonl (resume later to train on it)",
     )
+    p.add_argument(
+        "--max-answers",
+        type=int,
+        dest="max_answers",
+        help="use at most this many answers (the first in generation order: every prompt's "
+        "greedy answer, then the sampled ones), e.g. what a cut-short --generate-only wrote",
+    )
+    p.add_argument(
+        "--feature-batch-tokens",
+        type=int,
+        default=8192,
+        dest="feature_batch_tokens",
+        help="tokens per target forward while extracting training features",
+    )
     p.add_argument("--draft-vocab-size", type=int, default=8192, dest="draft_vocab_size")
     p.add_argument(
         "--ttt-steps", type=int, default=5, dest="ttt_steps", help="training-time-test unroll depth"
@@ -95,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.train.export import export_eagle3
     from polyspec.train.features import extract_features
     from polyspec.train.head import Eagle3Trainable
+    from polyspec.train.self_prompts import generate_self_prompts
     from polyspec.train.trainer import TrainConfig, train_head
     from polyspec.train.vocab import choose_draft_vocab
 
@@ -112,7 +152,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, ttt_steps=args.ttt_steps,
                       batch_tokens=args.batch_tokens)  # fmt: skip
     t_start = time.perf_counter()
-    prompts = read_prompts(args.prompts, args.num_prompts)
+    if args.prompts is None and args.self_prompts <= 0:
+        raise ConfigError(
+            "no training prompts: pass --prompts FILE.jsonl, --self-prompts N, or both"
+        )
+    if args.max_answers is not None and args.max_answers < 1:
+        raise ConfigError(f"--max-answers must be >= 1, got {args.max_answers}")
+    prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else []
     llm = LLM(target=args.target, backend=args.backend, dtype=args.dtype,
               max_batch_size=args.gen_batch_size, max_context=4096,
               max_graph_batch_size=args.gen_batch_size, graphs=args.graphs)  # fmt: skip
@@ -122,12 +168,28 @@ def run(args: argparse.Namespace) -> int:
          "target_path": str(llm.target_path), "backend_used": llm.backend.name,
          "train_config": cfg.__dict__}, indent=2, default=str))  # fmt: skip
 
+    num_file_prompts = len(prompts)
+    if args.self_prompts > 0:
+        with tqdm(total=args.self_prompts, desc="self prompts", unit="prompt") as bar:
+            prompts += generate_self_prompts(
+                llm, args.self_prompts, out / "self_prompts.jsonl", args.gen_batch_size,
+                temperature=args.self_prompt_temperature, seed=args.seed, progress=bar.update,
+            )  # fmt: skip
+    if not prompts:
+        raise ConfigError(
+            f"the target wrote no usable prompt in {args.self_prompts} tries (each must end its "
+            "turn within 96 tokens and have 3 words or more): raise --self-prompts, or add "
+            "--prompts FILE.jsonl"
+        )
     total = len(prompts) * args.samples_per_prompt
+    if args.max_answers is not None:
+        total = min(total, args.max_answers)
     with tqdm(total=total, desc="answers", unit="answer") as bar:
         seqs = generate_answers(llm, prompts, out / "answers.jsonl", args.max_new_tokens,
                                 args.gen_batch_size, progress=bar.update,
                                 samples_per_prompt=args.samples_per_prompt,
-                                temperature=args.sample_temperature, seed=args.seed)  # fmt: skip
+                                temperature=args.sample_temperature, seed=args.seed,
+                                max_answers=args.max_answers)  # fmt: skip
     t_gen = time.perf_counter()
     if args.generate_only:
         n_tokens = sum(len(s["answer_ids"]) for s in seqs)
@@ -139,8 +201,11 @@ def run(args: argparse.Namespace) -> int:
     )
     aux_layers = default_aux_layers(target.config.num_layers)
     sequences = [(s["prompt_ids"] + s["answer_ids"], len(s["prompt_ids"])) for s in seqs]
+    store = _feature_store(llm.backend, sum(len(x) for x, _ in sequences), target.config)
     with tqdm(total=len(sequences), desc="features", unit="seq") as bar:
-        feats = extract_features(target, llm.backend, sequences, aux_layers, progress=bar.update)
+        feats = extract_features(target, llm.backend, sequences, aux_layers,
+                                 token_budget=args.feature_batch_tokens, progress=bar.update,
+                                 store_device=store)  # fmt: skip
     t_feat = time.perf_counter()
     del llm  # free the generation KV pools before training
 
@@ -155,10 +220,13 @@ def run(args: argparse.Namespace) -> int:
             bar.set_postfix(loss=f"{loss:.3f}", accept_est=f"{est:.2f}")
             bar.refresh()
 
-        logs = train_head(head, target, feats, draft_ids, cfg, out, device, args.resume, progress)
+        logs = train_head(head, target, feats, draft_ids, cfg, out, device, args.resume, progress,
+                          time_budget_s=args.time_budget)  # fmt: skip
     export_eagle3(head, draft_ids, aux_layers, out)
     summary = {
         "prompts": len(prompts),
+        "file_prompts": num_file_prompts,
+        "self_prompts": len(prompts) - num_file_prompts,
         "answers": len(seqs),
         "answer_tokens": sum(len(s["answer_ids"]) for s in seqs),
         "draft_vocab_size": int(draft_ids.numel()),
@@ -171,3 +239,13 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     print(f"wrote the EAGLE-3 head to {out} (config.json, model.safetensors)")
     return 0
+
+
+def _feature_store(backend, num_tokens: int, config):
+    """Where the training features live: on the backend's device when they take under a third
+    of its free memory (no host copy per training step), else in host memory."""
+    import torch
+
+    per_token = 4 * config.hidden_size * 2 + 8  # aux (3H) + hidden (H) in bf16, greedy id
+    free, _ = backend.memory_info()
+    return backend.device() if free > 3 * num_tokens * per_token else torch.device("cpu")

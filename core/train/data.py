@@ -55,17 +55,20 @@ def generate_answers(
     samples_per_prompt: int = 1,
     temperature: float = 0.8,
     seed: int = 0,
+    max_answers: int | None = None,
 ) -> list[dict]:
     """Sequences ``{"prompt_ids", "answer_ids"}``: ``samples_per_prompt`` answers per prompt,
     the first greedy, the others sampled at ``temperature`` (seeded, so a rerun gives the same
     text). Finished ones are reused from ``out_file`` and new ones appended to it one batch at
-    a time (safe to interrupt)."""
+    a time (safe to interrupt). ``max_answers`` stops after that many answers in job order."""
     if samples_per_prompt < 1:
         raise ConfigError(f"--samples-per-prompt must be >= 1, got {samples_per_prompt}")
     # Job j is sample j // P of prompt j % P: every prompt's greedy answer comes first, so a
     # run cut short still covers all prompts, and a resume with fewer samples reuses it all.
     num_prompts = len(prompts)
     jobs = num_prompts * samples_per_prompt
+    if max_answers is not None:
+        jobs = min(jobs, max_answers)
     done: dict[int, dict] = {}
     if out_file.is_file():
         for line in out_file.read_text().splitlines():
@@ -74,14 +77,23 @@ def generate_answers(
             except json.JSONDecodeError:
                 break  # a line cut short by an interruption: regenerate from here
             done[rec["index"]] = rec
+    for j, rec in done.items():
+        if j < jobs and rec.get("prompt_ids") != _prompt_ids(llm, prompts[j % num_prompts]):
+            raise ConfigError(
+                f"{out_file} was written for other prompts (answer {j} does not answer prompt "
+                f"{j % num_prompts} of this run): pass the same --prompts / --num-prompts / "
+                "--self-prompts as the run that wrote it, or choose another --out"
+            )
     todo = [j for j in range(jobs) if j not in done]
     if progress:
         progress(jobs - len(todo))
     with out_file.open("a") as f:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start : start + batch_size]
-            convs = [[{"role": "user", "content": prompts[j % num_prompts]}] for j in chunk]
-            ids = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
+        # Several batches per generate call: the engine refills finished rows at once, so the
+        # batch does not drain to its longest answer before the next one starts.
+        chunk_size = 4 * batch_size
+        for start in range(0, len(todo), chunk_size):
+            chunk = todo[start : start + chunk_size]
+            ids = [_prompt_ids(llm, prompts[j % num_prompts]) for j in chunk]
             params = [
                 SamplingParams(max_new_tokens=max_new_tokens)
                 if j < num_prompts
@@ -99,3 +111,7 @@ def generate_answers(
             if progress:
                 progress(len(chunk))
     return [done[j] for j in range(jobs)]
+
+
+def _prompt_ids(llm, prompt: str) -> list[int]:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)

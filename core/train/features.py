@@ -39,8 +39,10 @@ def extract_features(
     token_budget: int = 4096,
     store_dtype: torch.dtype = torch.bfloat16,
     progress: Callable[[int], None] | None = None,
+    store_device: torch.device | str = "cpu",
 ) -> list[SequenceFeatures]:
-    """Features of each sequence, kept on the CPU in ``store_dtype``."""
+    """Features of each sequence, kept on ``store_device`` in ``store_dtype`` (on the
+    accelerator when they fit: the training loop then never waits on host copies)."""
     max_len = max(len(s) for s, _ in sequences)
     budget = max(token_budget, max_len)
     max_reqs = max(1, budget // 16)
@@ -73,11 +75,11 @@ def extract_features(
             sl = slice(pos, pos + n)
             out.append(
                 SequenceFeatures(
-                    ids=torch.tensor(seq, dtype=torch.int64),
+                    ids=torch.tensor(seq, dtype=torch.int64, device=store_device),
                     prompt_len=plen,
-                    aux=aux[sl].to("cpu", store_dtype),
-                    hidden=hidden[sl].to("cpu", store_dtype),
-                    greedy=greedy[sl].cpu(),
+                    aux=aux[sl].to(store_device, store_dtype),
+                    hidden=hidden[sl].to(store_device, store_dtype),
+                    greedy=greedy[sl].to(store_device),
                 )
             )
             pos += n

@@ -63,11 +63,11 @@ def make_tensors(batch, target, t2d_index, draft_ids, cfg: TrainConfig, device, 
     t = min(max(len(f.ids) for f in batch), cfg.max_len)
     b = len(batch)
     h = target.config.hidden_size
-    aux = torch.zeros(b, t, 3 * h)
-    hid = torch.zeros(b, t, h)
-    nxt = torch.zeros(b, t, dtype=torch.int64)
-    greedy = torch.full((b, t), -1, dtype=torch.int64)
-    valid = torch.zeros(b, t, dtype=torch.bool)
+    aux = torch.zeros(b, t, 3 * h, device=device)
+    hid = torch.zeros(b, t, h, device=device)
+    nxt = torch.zeros(b, t, dtype=torch.int64, device=device)
+    greedy = torch.full((b, t), -1, dtype=torch.int64, device=device)
+    valid = torch.zeros(b, t, dtype=torch.bool, device=device)
     for i, f in enumerate(batch):
         n = min(len(f.ids), t)
         aux[i, :n] = f.aux[:n].float()
@@ -77,10 +77,9 @@ def make_tensors(batch, target, t2d_index, draft_ids, cfg: TrainConfig, device, 
         # position p predicts token p + 2: train where that token is part of the answer
         lo = max(f.prompt_len - 2, 0)
         valid[i, lo : n - 1] = True
-    aux, hid, nxt, greedy, valid = (x.to(device) for x in (aux, hid, nxt, greedy, valid))
     if cfg.noise > 0:
         scale = aux.pow(2).mean(-1, keepdim=True).sqrt() * cfg.noise
-        aux = aux + (torch.rand(aux.shape, generator=gen, device="cpu").to(device) * 2 - 1) * scale
+        aux = aux + (torch.rand(aux.shape, generator=gen, device=device) * 2 - 1) * scale
     with torch.no_grad():
         embeds = target.embed(nxt).float()
         lm_rows = target.lm_head_weight[draft_ids].float()
@@ -129,18 +128,25 @@ def train_head(
     device: torch.device,
     resume: bool = False,
     progress=None,
+    time_budget_s: float | None = None,
 ) -> list[dict]:
     """Train ``head`` in place; logs to ``out_dir/train_log.jsonl``; checkpoints to
-    ``out_dir/checkpoint.pt`` (resumed with ``resume=True``)."""
+    ``out_dir/checkpoint.pt`` (resumed with ``resume=True``).
+
+    ``time_budget_s`` caps the run's length in steps, not by cutting it off: the time of the
+    first ``_TIMED_STEPS`` steps (still in warm-up) sets the total, ``min(cfg.steps, budget /
+    step time)``, so the learning-rate schedule still decays to its floor. The total is logged
+    and checkpointed (pass it as ``steps`` to repeat the run)."""
     torch.manual_seed(cfg.seed)
     head.to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    total = [cfg.steps]  # a cell: the time budget may lower it during warm-up
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
         lambda s: (
             min(1.0, (s + 1) / cfg.warmup)
-            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total[0]) / total[0])))
         ),
     )
     vocab = target.config.vocab_size
@@ -156,14 +162,21 @@ def train_head(
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start = int(state["step"])
+        total[0] = int(state.get("total_steps", cfg.steps))
+        time_budget_s = None  # the total was fixed by the run that wrote the checkpoint
     elif log_file.exists():
         log_file.unlink()
     batches = Batches(feats, cfg, cfg.seed + start)
-    gen = torch.Generator().manual_seed(cfg.seed + start)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + start)
     logs = []
     t0 = time.perf_counter()
     run_loss, run_acc, n_run = 0.0, None, 0
-    for step in range(start, cfg.steps):
+    step = start
+    while step < total[0]:
+        if time_budget_s is not None and step == start + _TIMED_STEPS:
+            per_step = (time.perf_counter() - t0) / _TIMED_STEPS
+            total[0] = max(step + 1, min(cfg.steps, int(time_budget_s / per_step)))
+            print(f"time budget {time_budget_s:.0f} s at {per_step:.3f} s/step: {total[0]} steps")
         batch = batches.next()
         aux, embeds, tp, greedy_d, valid = make_tensors(
             batch, target, t2d_index, draft_ids_d, cfg, device, gen
@@ -180,9 +193,10 @@ def train_head(
         n_run += 1
         if progress is not None:
             progress(step + 1, float(loss.detach()), acceptance_estimate(accs))
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total[0]:
             rec = {
                 "step": step + 1,
+                "total_steps": total[0],
                 "loss": run_loss / n_run,
                 "acc_per_step": [a / n_run for a in run_acc],
                 "acceptance_estimate": acceptance_estimate([a / n_run for a in run_acc]),
@@ -193,9 +207,14 @@ def train_head(
             with log_file.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             run_loss, run_acc, n_run = 0.0, None, 0
-        if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+        if (step + 1) % cfg.ckpt_every == 0 and step + 1 < total[0]:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(),
-                        "sched": sched.state_dict(), "step": step + 1}, tmp)  # fmt: skip
+                        "sched": sched.state_dict(), "step": step + 1,
+                        "total_steps": total[0]}, tmp)  # fmt: skip
             tmp.replace(ckpt)  # atomic: an interruption never leaves a half-written checkpoint
+        step += 1
     return logs
+
+
+_TIMED_STEPS = 20

@@ -143,3 +143,58 @@ def test_train_draft_sampled_answers_generate_only(setup, tmp_path):
     assert main(argv[:-3] + short + ["--out", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "answers.jsonl").read_text() == text  # nothing regenerated
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["answers"] == 8
+
+
+def test_self_prompts_prefix_and_generation(setup, tmp_path):
+    """--self-prompts: the target writes user turns from the chat template's opening of one
+    (seeded: a rerun writes the same file); the kept ones are answered after the file prompts,
+    and an answers file written for other prompts is refused, not silently mixed in."""
+    from polyspec.cli import main
+    from polyspec.model.loader import load_tokenizer
+    from polyspec.train.self_prompts import user_turn_prefix
+
+    _, _, _, target_path, *_ = setup
+    tok = load_tokenizer(target_path)
+    prefix = user_turn_prefix(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=True)
+    assert len(prefix) > 0 and full[: len(prefix)] == prefix
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))
+    argv = ["train-draft", "--target", str(target_path), "--prompts", str(prompts),
+            "--self-prompts", "10", "--max-new-tokens", "6", "--gen-batch-size", "4",
+            "--generate-only"]  # fmt: skip
+    for name in ("a", "b"):
+        assert main(argv + ["--out", str(tmp_path / name)]) == 0
+    written = (tmp_path / "a" / "self_prompts.jsonl").read_text()
+    assert written == (tmp_path / "b" / "self_prompts.jsonl").read_text()
+    recs = [json.loads(x) for x in written.splitlines()]
+    assert sorted(r["index"] for r in recs) == list(range(10))
+    kept = {
+        r["prompt"] for r in recs if r["finish_reason"] == "stop" and len(r["prompt"].split()) >= 3
+    }
+    answers = (tmp_path / "a" / "answers.jsonl").read_text().splitlines()
+    assert len(answers) == 3 + len(kept)
+    # the same answers file with another prompt file: refused
+    prompts.write_text("".join(json.dumps({"prompt": f"other {i}"}) + "\n" for i in range(3)))
+    assert main(argv + ["--out", str(tmp_path / "a")]) == 2
+    assert (tmp_path / "a" / "answers.jsonl").read_text().splitlines() == answers
+
+
+def test_train_time_budget_sets_the_step_count(setup, tmp_path):
+    """--time-budget: the first timed steps fix the total (never below them, never above
+    --steps), the schedule runs to that total, and --max-answers caps the answers used."""
+    from polyspec.cli import main
+
+    _, _, _, target_path, *_ = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
+    out = tmp_path / "head"
+    argv = ["train-draft", "--target", str(target_path), "--prompts", str(prompts), "--out",
+            str(out), "--steps", "40", "--max-new-tokens", "6", "--draft-vocab-size", "64",
+            "--batch-tokens", "128", "--ttt-steps", "2", "--time-budget", "0.001",
+            "--max-answers", "4"]  # fmt: skip
+    assert main(argv) == 0
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == log[-1]["total_steps"] == 21
+    assert json.loads((out / "summary.json").read_text())["answers"] == 4
+    assert len((out / "answers.jsonl").read_text().splitlines()) == 4

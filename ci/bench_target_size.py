@@ -94,6 +94,26 @@ PRESETS: dict[str, Preset] = {
         ).validate(),
         draft_vocab_size=32000,
     ),
+    # SmolLM2-135M's shape and the shipped head's draft vocabulary: the overhead fraction of
+    # the default model's rounds, which the end-to-end bench cannot split off the forwards.
+    "smollm2-135m": Preset(
+        ModelConfig(
+            architecture="llama",
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_layers=30,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            rms_norm_eps=1e-5,
+            rope_theta=100000.0,
+            max_position_embeddings=8192,
+            eos_token_ids=(2,),
+            tie_word_embeddings=True,
+        ).validate(),
+        draft_vocab_size=8192,
+    ),
     # The same structure at a few MB (about 4.7M parameters), for checking the script on a CPU.
     "tiny": Preset(
         ModelConfig(

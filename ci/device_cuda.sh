@@ -3,6 +3,7 @@
 #
 #   bash ci/device_cuda.sh                 # every step; logs under $OUT (or /tmp/out)
 #   bash ci/device_cuda.sh kernels bench   # env + install, then only the steps named
+#                                          # (a step's name without its NN- number)
 #
 # The device tool allows 10 minutes a command: the step timeouts below add up to more, so split
 # the run (e.g. "kernels bench", then "conformance") when the first run times out.
@@ -15,10 +16,11 @@
 #              dist-info so plugin discovery and the pytest11 plugin still work)
 #   backends   polyspec backends (cuda must be available)
 #   kernels    tests/kernels compiled on the GPU (POLYSPEC_TRITON_DEVICE=cuda, no interpreter)
-#   conform    pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q
+#   conformance  pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q
 #   bench      ci/bench_kernels.py -> $OUT/bench.json
 #   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
 #              and 16, per-phase times and the share of a round outside forwards
+#   size-smollm2  the same at SmolLM2-135M's shape with the shipped tree (S=3 K=2 N=6)
 #   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
@@ -36,10 +38,10 @@ export PYTHONDONTWRITEBYTECODE=1
 
 WANTED=("$@")
 
-wanted() {  # wanted NAME: true when no step was named or NAME contains a named one
+wanted() {  # wanted NN-NAME: true when no step was named or NAME is one of those named
   [ "${#WANTED[@]}" -eq 0 ] && return 0
   local w
-  for w in "${WANTED[@]}"; do case "$1" in *"$w"*) return 0 ;; esac; done
+  for w in "${WANTED[@]}"; do [ "${1#*-}" = "$w" ] && return 0; done
   return 1
 }
 
@@ -127,9 +129,14 @@ run_step 00-env 60 env_info
 run_step 01-install 180 install
 run_step 02-backends 60 "$PY" -m polyspec backends
 run_step 03-kernels 240 env POLYSPEC_TRITON_DEVICE=cuda "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
-run_step 04-conformance 480 "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q -p no:cacheprovider
+run_step 04-conformance "${CONFORMANCE_TIMEOUT:-480}" "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda --maxfail=5 -q -p no:cacheprovider --durations=10
 run_step 05-bench 180 "$PY" ci/bench_kernels.py "$OUT/bench.json"
-run_step 06-size 420 "$PY" ci/bench_target_size.py --backend cuda --preset llama3-8b --out "$OUT"
+run_step 06-size "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda --preset llama3-8b \
+  --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-llama3-8b"
+# SmolLM2's own shape with the shipped tree (S=3 K=2 N=6): the share of a round outside forwards
+run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda \
+  --preset smollm2-135m --num-steps 3 --topk 2 --num-draft-tokens 6 \
+  --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2"
 
 e2e() {
   local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs
@@ -144,7 +151,7 @@ e2e() {
 run_step 07-e2e 420 e2e
 # The same with the Triton paged attention instead of SDPA (opt-in until measured), and its
 # conformance on the GPU.
-run_step 08-triton-attention-conformance 300 env POLYSPEC_CUDA_TRITON_ATTENTION=1 \
+run_step 08-triton-attention-conformance "${TRITON_ATTENTION_TIMEOUT:-300}" env POLYSPEC_CUDA_TRITON_ATTENTION=1 \
   "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q -p no:cacheprovider \
   -k "attention or static or captured"
 triton_e2e() { OUT="$OUT/triton-attention" POLYSPEC_CUDA_TRITON_ATTENTION=1 e2e; }

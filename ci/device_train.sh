@@ -1,45 +1,55 @@
 #!/usr/bin/env bash
 # Train the shipped SmolLM2 EAGLE-3 head on the H200 (run by the lead through the device tool).
 #
-#   bash ci/device_train.sh gen     # answers: 1400 prompts x 5 answers (greedy + 4 sampled)
-#   bash ci/device_train.sh train   # features + training on whatever answers are complete
+#   bash ci/device_train.sh gen     # prompts written by the target + answers (10-minute call)
+#   bash ci/device_train.sh train   # features + training on the answers written, then the
+#                                   # end-to-end bench of the new head (another call)
 #
-# Expects the model at $MODEL (default /root/m/model.gguf) and the prompt file at $PROMPTS
-# (default /root/train.jsonl: ../shared/data/prompts/train.jsonl, carried over). Writes to
-# $HEAD_DIR (default /root/head) and copies logs and the head to $OUT. The device tool limits a
-# command to 10 minutes, hence two calls; gen writes each prompt's greedy answer before any
-# sampled one, so a cut-short gen still trains on every prompt (train passes the number of
-# complete sample rounds as --samples-per-prompt).
+# Expects the model at $MODEL (default /root/m/model.gguf), the prompt file at $PROMPTS
+# (default /root/train.jsonl: ../shared/data/prompts/train.jsonl, carried over) and MT-bench at
+# $MT_BENCH (default /root/mt_bench.jsonl). Writes to $HEAD_DIR (default /root/head) and copies
+# logs and the head to $OUT. The device tool limits a command to 10 minutes, hence two calls.
+# gen writes every prompt's greedy answer before any sampled one and stops at $GEN_TIMEOUT;
+# train then uses exactly the answers written (--max-answers), and sets its step count from
+# $TIME_BUDGET seconds of training (--time-budget; the count used is in train_log.jsonl).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/out}"
 MODEL="${MODEL:-/root/m/model.gguf}"
 PROMPTS="${PROMPTS:-/root/train.jsonl}"
+MT_BENCH="${MT_BENCH:-/root/mt_bench.jsonl}"
 HEAD_DIR="${HEAD_DIR:-/root/head}"
-NUM_PROMPTS="${NUM_PROMPTS:-1400}"
-SAMPLES="${SAMPLES:-5}"
 mkdir -p "$OUT" "$HEAD_DIR"
-COMMON=(--target "$MODEL" --prompts "$PROMPTS" --out "$HEAD_DIR" --backend cuda
-        --dtype bfloat16 --num-prompts "$NUM_PROMPTS" --max-new-tokens 384 --seed 0
-        --graphs "${GRAPHS:-auto}")
+python3 -c 'import polyspec.backends.cuda.plugin' 2>/dev/null ||
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+BACKEND="${BACKEND:-cuda}"
+COMMON=(--target "$MODEL" --prompts "$PROMPTS" --out "$HEAD_DIR" --backend "$BACKEND"
+        --dtype bfloat16 --num-prompts "${NUM_PROMPTS:-1400}" --self-prompts "${SELF_PROMPTS:-12000}"
+        --samples-per-prompt "${SAMPLES:-2}" --sample-temperature 0.8 --max-new-tokens "${MAX_NEW_TOKENS:-384}"
+        --gen-batch-size "${GEN_BATCH:-256}" --seed 0 --graphs "${GRAPHS:-auto}")
+quiet() { tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tail -n "$1"; }
 case "${1:-}" in
   gen)
-    timeout "${GEN_TIMEOUT:-480}" polyspec train-draft "${COMMON[@]}" --samples-per-prompt "$SAMPLES" \
-      --sample-temperature 0.8 --gen-batch-size 128 --generate-only 2>&1 | tr '\r' '\n' | grep -v "^answers: .*it/s\]$" | tail -n 20
-    echo "answers: $(wc -l < "$HEAD_DIR/answers.jsonl")"
+    timeout "${GEN_TIMEOUT:-500}" polyspec train-draft "${COMMON[@]}" --generate-only 2>&1 | quiet 20
+    echo "self prompts: $(wc -l < "$HEAD_DIR/self_prompts.jsonl"), answers: $(wc -l < "$HEAD_DIR/answers.jsonl")"
     ;;
   train)
-    lines=$(wc -l < "$HEAD_DIR/answers.jsonl")
-    done_rounds=$(( lines / NUM_PROMPTS ))
-    [ "$done_rounds" -gt "$SAMPLES" ] && done_rounds=$SAMPLES
-    echo "answers $lines -> samples-per-prompt $done_rounds"
-    timeout "${TRAIN_TIMEOUT:-540}" polyspec train-draft "${COMMON[@]}" --samples-per-prompt "$done_rounds" \
-      --steps "${STEPS:-1200}" --batch-tokens 16384 --ttt-steps 6 --draft-vocab-size 8192 \
-      --lr 1e-3 --resume 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -n 40
+    answers=$(wc -l < "$HEAD_DIR/answers.jsonl")
+    echo "training on $answers answers"
+    timeout "${TRAIN_TIMEOUT:-480}" polyspec train-draft "${COMMON[@]}" --max-answers "$answers" \
+      --steps "${STEPS:-6000}" --time-budget "${TIME_BUDGET:-280}" --batch-tokens 16384 \
+      --ttt-steps 6 --draft-vocab-size 8192 --lr 1e-3 --feature-batch-tokens 32768 --resume 2>&1 | quiet 40
     cp "$HEAD_DIR"/{config.json,train_args.json,train_log.jsonl,summary.json} "$OUT/" 2>/dev/null
     if [ -f "$HEAD_DIR/model.safetensors" ]; then
       split -b 12000000 "$HEAD_DIR/model.safetensors" "$OUT/model.safetensors.part_"
       sha256sum "$HEAD_DIR/model.safetensors" > "$OUT/model.sha256"
+      for bs in 1 16; do
+        timeout 150 polyspec bench --backend "$BACKEND" --dtype bfloat16 --target "$MODEL" \
+          --algorithm eagle3 --draft "$HEAD_DIR" --num-steps 3 --topk 2 --num-draft-tokens 6 \
+          --dataset "$MT_BENCH" --max-new-tokens "${BENCH_TOKENS:-128}" --batch-size "$bs" \
+          --num-prompts "$([ "$bs" = 1 ] && echo "${BENCH_PROMPTS_1:-10}" || echo "${BENCH_PROMPTS_16:-80}")" --no-progress \
+          --json "$OUT/e2e-bs$bs.json" 2>&1 | tail -n 30
+      done
     fi
     ;;
   *) echo "usage: $0 gen|train"; exit 2 ;;

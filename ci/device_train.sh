@@ -3,7 +3,10 @@
 #
 #   bash ci/device_train.sh gen     # prompts written by the target + answers (10-minute call)
 #   bash ci/device_train.sh train   # features + training on the answers written, then the
-#                                   # end-to-end bench of the new head (another call)
+#                                   # end-to-end bench of the new head (another call;
+#                                   # BENCH=0 skips the bench)
+#   bash ci/device_train.sh bench   # the bench alone: batch 1 and 16 for each S-K-N in
+#                                   # $BENCH_SETTINGS (default "3-2-6 5-4-16")
 #
 # Expects the model at $MODEL (default /root/m/model.gguf), the prompt file at $PROMPTS
 # (default /root/train.jsonl: ../shared/data/prompts/train.jsonl, carried over) and MT-bench at
@@ -27,13 +30,40 @@ COMMON=(--target "$MODEL" --prompts "$PROMPTS" --out "$HEAD_DIR" --backend "$BAC
         --dtype bfloat16 --num-prompts "${NUM_PROMPTS:-1400}" --self-prompts "${SELF_PROMPTS:-12000}"
         --samples-per-prompt "${SAMPLES:-2}" --sample-temperature 0.8 --max-new-tokens "${MAX_NEW_TOKENS:-384}"
         --gen-batch-size "${GEN_BATCH:-256}" --seed 0 --graphs "${GRAPHS:-auto}")
+bench_head() {  # bench_head S-K-N ...: batch 1 and 16 for each setting, JSON into $OUT
+  for skn in "$@"; do
+    IFS=- read -r s k n <<< "$skn"
+    for bs in 1 16; do
+      timeout 150 polyspec bench --backend "$BACKEND" --dtype bfloat16 --target "$MODEL" \
+        --algorithm eagle3 --draft "$HEAD_DIR" --num-steps "$s" --topk "$k" --num-draft-tokens "$n" \
+        --dataset "$MT_BENCH" --max-new-tokens "${BENCH_TOKENS:-128}" --batch-size "$bs" \
+        --num-prompts "$([ "$bs" = 1 ] && echo "${BENCH_PROMPTS_1:-10}" || echo "${BENCH_PROMPTS_16:-80}")" --no-progress \
+        --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" 2>&1 | tail -n 14
+    done
+  done
+}
 quiet() { tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tail -n "$1"; }
 case "${1:-}" in
   gen)
+    start=$SECONDS
     timeout "${GEN_TIMEOUT:-500}" polyspec train-draft "${COMMON[@]}" --generate-only 2>&1 | quiet 20
+    rc=${PIPESTATUS[0]}
+    left=$(( ${GEN_TIMEOUT:-500} - (SECONDS - start) ))
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$left" -gt 60 ]; then
+      echo "gen failed (rc $rc); resuming at batch 128 for the ${left} s left"
+      timeout "$left" polyspec train-draft "${COMMON[@]}" --gen-batch-size 128 --generate-only --resume 2>&1 | quiet 20
+    fi
     echo "self prompts: $(wc -l < "$HEAD_DIR/self_prompts.jsonl"), answers: $(wc -l < "$HEAD_DIR/answers.jsonl")"
+    # The machine is handed back ~30 s after a call: bring the answers home too, so a lost
+    # machine costs a carry (ANSWERS_FROM=dir-of-parts on the train call), not a regeneration.
+    split -b 12000000 "$HEAD_DIR/answers.jsonl" "$OUT/answers.jsonl.part_"
+    cp "$HEAD_DIR/self_prompts.jsonl" "$OUT/" 2>/dev/null
     ;;
   train)
+    if [ ! -f "$HEAD_DIR/answers.jsonl" ] && [ -n "${ANSWERS_FROM:-}" ]; then
+      cat "$ANSWERS_FROM"/answers.jsonl.part_* > "$HEAD_DIR/answers.jsonl"
+      cp "$ANSWERS_FROM/self_prompts.jsonl" "$HEAD_DIR/" 2>/dev/null
+    fi
     answers=$(wc -l < "$HEAD_DIR/answers.jsonl")
     echo "training on $answers answers"
     timeout "${TRAIN_TIMEOUT:-480}" polyspec train-draft "${COMMON[@]}" --max-answers "$answers" \
@@ -43,14 +73,12 @@ case "${1:-}" in
     if [ -f "$HEAD_DIR/model.safetensors" ]; then
       split -b 12000000 "$HEAD_DIR/model.safetensors" "$OUT/model.safetensors.part_"
       sha256sum "$HEAD_DIR/model.safetensors" > "$OUT/model.sha256"
-      for bs in 1 16; do
-        timeout 150 polyspec bench --backend "$BACKEND" --dtype bfloat16 --target "$MODEL" \
-          --algorithm eagle3 --draft "$HEAD_DIR" --num-steps 3 --topk 2 --num-draft-tokens 6 \
-          --dataset "$MT_BENCH" --max-new-tokens "${BENCH_TOKENS:-128}" --batch-size "$bs" \
-          --num-prompts "$([ "$bs" = 1 ] && echo "${BENCH_PROMPTS_1:-10}" || echo "${BENCH_PROMPTS_16:-80}")" --no-progress \
-          --json "$OUT/e2e-bs$bs.json" 2>&1 | tail -n 30
-      done
+      [ "${BENCH:-1}" = 1 ] && bench_head 3-2-6
     fi
     ;;
-  *) echo "usage: $0 gen|train"; exit 2 ;;
+  bench)
+    # shellcheck disable=SC2086
+    bench_head ${BENCH_SETTINGS:-3-2-6 5-4-16}
+    ;;
+  *) echo "usage: $0 gen|train|bench"; exit 2 ;;
 esac

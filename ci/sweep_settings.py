@@ -1,6 +1,7 @@
 """Sweep of speculative settings for the shipped head (docs/benchmarks.md).
 
-    python ci/sweep_settings.py [DTYPE] [--more]   # MT-bench 81, 91, ..., 151; 64 new tokens
+    python ci/sweep_settings.py [DTYPE] [--more | --only S-K-N,S-K-N,...]
+                                       # MT-bench 81, 91, ..., 151; 64 new tokens
 
 DTYPE float32 (default) or bfloat16; batch 1, 2 threads, greedy; prints a markdown table
 (acceptance, tokens/s, vs plain).
@@ -32,9 +33,22 @@ def tokens_per_s(llm: LLM, prompts: list[str], params: SamplingParams):
 
 def main() -> None:
     torch.set_num_threads(2)
-    args = [a for a in sys.argv[1:] if a != "--more"]
+    args = sys.argv[1:]
+    settings = SETTINGS
+    if "--more" in args:
+        args.remove("--more")
+        settings = MORE_SETTINGS
+    if "--only" in args:
+        i = args.index("--only")
+        try:
+            settings = [tuple(int(x) for x in t.split("-")) for t in args[i + 1].split(",")]
+            assert all(len(t) == 3 for t in settings)
+        except (IndexError, ValueError, AssertionError):
+            raise SystemExit(
+                "sweep_settings.py: --only takes S-K-N,S-K-N,... (e.g. 3-2-6,4-4-12)"
+            ) from None
+        del args[i : i + 2]
     dtype = args[0] if args else "float32"
-    settings = MORE_SETTINGS if "--more" in sys.argv else SETTINGS
     if dtype not in ("float32", "bfloat16"):
         raise SystemExit(f"sweep_settings.py: DTYPE must be float32 or bfloat16, got {dtype!r}")
     _, questions = load_dataset("mt_bench")

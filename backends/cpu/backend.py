@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from polyspec.backend import Backend, BackendCapabilities, KernelSet, TreeMaskMode
 
@@ -62,18 +63,45 @@ class CPUBackend(Backend):
         return weight.t().contiguous().t()
 
     def linear_fn(self, weight: torch.Tensor):  # weight [out, in]
-        """bf16 weights prepacked for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``):
-        on the AVX-512-BF16 / AMX CPU of docs/benchmarks.md the packed kernel streams a
-        decode step's weights about 1.5x faster than ``F.linear`` and gives bit-identical
-        results. None for other dtypes, or where oneDNN has no bf16 support."""
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not _onednn_bf16():
+        """Weights prepacked for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``).
+
+        bf16 on a CPU with native oneDNN bf16 (AVX-512-BF16 / AMX): a packed bf16 copy,
+        bit-identical to ``F.linear`` and about 1.5x faster at streaming a decode step's
+        weights. fp32: a packed fp32 copy for every row count (one kernel, so a row's result
+        does not depend on how many rows came with it, which keeps speculative and plain fp32
+        greedy decoding token-identical). bf16 elsewhere (AVX2): ``F.linear`` in bf16 costs a
+        pass over the weight per input row, so a 6-row verify cost 5.5x a 1-row decode; such
+        inputs go to a packed fp32 copy (computed in fp32, rounded to bf16: 1.2x the 1-row
+        cost at 6 rows), and single rows stay on ``F.linear``, 1.3-1.6x faster there
+        (docs/benchmarks.md). None where oneDNN is missing, or for other dtypes."""
+        if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32):
             return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        if not torch.backends.mkldnn.is_available():
+            return None
+        if weight.dtype == torch.bfloat16 and _onednn_bf16():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
-        def packed_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+            def packed_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(
+                    x.contiguous(), packed, bias, "none", [], ""
+                )
 
-        return packed_linear
+            return packed_linear
+
+        packed32 = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous())
+        out_dtype = weight.dtype
+        one_row_f_linear = weight.dtype == torch.bfloat16
+
+        def packed_fp32_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if one_row_f_linear and x.numel() == x.shape[-1]:
+                return F.linear(x, weight, bias)
+            b32 = None if bias is None else bias.float()
+            out = torch.ops.mkldnn._linear_pointwise(
+                x.float().contiguous(), packed32, b32, "none", [], ""
+            )
+            return out.to(out_dtype)
+
+        return packed_fp32_linear
 
     def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
         """A token-slot (``page_size == 1``) or paged allocator over ``num_slots`` slots."""

@@ -92,6 +92,10 @@ class BackendCapabilities:
     static_metadata: bool = False
     """:meth:`AttentionBackend.build_static_metadata` is implemented, so forwards can be
     captured into graphs (the engine captures only when ``graph_capture`` is True as well)."""
+    async_execution: bool = False
+    """Kernels run asynchronously to the host and ``synchronize`` waits for them. Timing
+    phases then costs speed (each boundary sync stops the host from running ahead of the
+    device), so benchmarks time phases in a run of their own."""
 
     def supports_page_size(self, page_size: int) -> bool:
         return page_size >= 1 and (self.page_sizes is None or page_size in self.page_sizes)

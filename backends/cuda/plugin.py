@@ -20,6 +20,7 @@ CAPABILITIES = BackendCapabilities(
     index_dtype="int64",
     dtypes=("float32", "bfloat16", "float16"),
     sampling_verify=True,
+    async_execution=True,
 )
 """The capabilities of :class:`polyspec.backends.cuda.backend.CUDABackend`, declared statically
 (a test checks that they match the backend's)."""

@@ -29,6 +29,7 @@ CAPABILITIES = BackendCapabilities(
     sampling_verify=True,
     host_seq_lens=True,
     tree_mask_mode=TreeMaskMode.TREE_ONLY,
+    async_execution=True,
 )
 """Ascend: graphs need host lengths before each replay (and are few: each holds streams and
 memory), int32 indices, 128-slot pages, host-side sequence lengths. float32 models run the

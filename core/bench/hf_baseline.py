@@ -24,8 +24,8 @@ def transformers_missing_reason() -> str | None:
 
 
 def load_hf_model(target: str | Path, dtype: torch.dtype, device: torch.device):
-    """``AutoModelForCausalLM`` for a Hugging Face directory or a .gguf file (dequantised by
-    transformers, which needs the ``gguf`` package), in ``dtype`` on ``device``."""
+    """``AutoModelForCausalLM`` for a Hugging Face directory or a .gguf file (dequantised to
+    dense ``dtype`` weights by transformers, which needs the ``gguf`` package) on ``device``."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -37,6 +37,12 @@ def load_hf_model(target: str | Path, dtype: torch.dtype, device: torch.device):
         if path.suffix == ".gguf":
             kw["gguf_file"] = path.name
             path_arg = str(path.parent)
+            # Newer transformers keep GGUF blocks packed and matmul through fp32 kernels
+            # (when the `kernels` package is installed): another model and dtype than
+            # polyspec's. Unpack to dense weights in ``dtype``, as older releases always did.
+            gguf_config = getattr(transformers, "GgufConfig", None)
+            if gguf_config is not None:
+                kw["quantization_config"] = gguf_config(gguf_file=path.name, dequantize=True)
         else:
             path_arg = str(path)
         model = AutoModelForCausalLM.from_pretrained(path_arg, **kw)

@@ -62,8 +62,11 @@ def run_polyspec(
     (untimed; one batch, so that every batch-size-dependent path is built before timing), then
     time ``llm.generate`` over all prompts at once (the engine batches up to max_batch_size).
 
-    ``phase_times`` turns the worker's :class:`PhaseTimer` on for the timed run; it
-    synchronises the device at each phase boundary (free on CPU, a small cost on GPUs)."""
+    ``phase_times`` turns the worker's :class:`PhaseTimer` on, which synchronises the device
+    at each phase boundary. That is free where kernels run synchronously (the CPU), so the
+    timed run times its phases too; on a backend with ``async_execution`` the syncs would slow
+    the run being measured, so the phases come from a second, separate run of the same prompts
+    and the tokens/s from a run without them."""
     if warmup_prompts > 0:
         warm = [list(p) for p in prompt_ids[:warmup_prompts]]
         llm.generate(prompt_token_ids=warm, sampling_params=sampling)
@@ -71,6 +74,26 @@ def run_polyspec(
         if graphs is not None:  # capture every bucket the timed run can reach, untimed
             longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
             graphs.capture_all(llm.config.max_batch_size, longest + 16)
+    separate = phase_times and llm.backend.capabilities.async_execution
+    wall, outs, phases = _timed_generate(
+        llm, name, prompt_ids, sampling, progress, phase_times and not separate
+    )
+    if separate:
+        _, _, phases = _timed_generate(
+            llm, f"{name} (phases)", prompt_ids, sampling, progress, True
+        )
+    return SystemResult(
+        name=name,
+        num_tokens=sum(len(o.token_ids) for o in outs),
+        wall_s=wall,
+        outputs=[list(o.token_ids) for o in outs],
+        accepted_per_request=[list(o.stats.accepted_per_round) for o in outs],
+        phase_seconds=phases,
+    )
+
+
+def _timed_generate(llm, name, prompt_ids, sampling, progress: bool, phase_times: bool):
+    """One timed ``llm.generate`` over all prompts -> (wall s, outputs, phase seconds)."""
     timer = llm.worker.timer
     timer.seconds.clear()
     timer.enabled = phase_times
@@ -93,11 +116,4 @@ def run_polyspec(
     finally:
         timer.enabled = False
         bar.close()
-    return SystemResult(
-        name=name,
-        num_tokens=sum(len(o.token_ids) for o in outs),
-        wall_s=wall,
-        outputs=[list(o.token_ids) for o in outs],
-        accepted_per_request=[list(o.stats.accepted_per_round) for o in outs],
-        phase_seconds=dict(timer.seconds),
-    )
+    return wall, outs, dict(timer.seconds) if phase_times else {}

@@ -193,3 +193,37 @@ def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
         write_plot(_report_for_plot(True), tmp_path / "p.png")
     argv = ["bench", "--dataset", "x.jsonl", "--plot", str(tmp_path / "p.png")]
     assert main(argv) == 2  # refused before any model loads
+
+
+@pytest.mark.parametrize("async_execution", [False, True])
+def test_phase_times_run_apart_on_async_backends(tiny, async_execution):
+    """Where the phase timer's syncs would slow the device (``async_execution``), the timed
+    run goes without them and the phases come from a second run; on the CPU, one run."""
+    import dataclasses
+
+    from polyspec.bench.runner import run_polyspec
+    from polyspec.config import SamplingParams, SpeculativeConfig
+    from polyspec.engine.llm import LLM
+
+    llm = LLM(
+        target=str(tiny["target"]), draft=str(tiny["eagle3"]), backend="cpu", dtype="float32",
+        speculative=SpeculativeConfig(algorithm="eagle3", num_steps=3), max_context=128,
+    )  # fmt: skip
+    llm.backend.capabilities = dataclasses.replace(
+        llm.backend.capabilities, async_execution=async_execution
+    )
+    timed_with: list[bool] = []
+    generate = llm.generate
+
+    def recording_generate(*args, **kwargs):
+        timed_with.append(llm.worker.timer.enabled)
+        return generate(*args, **kwargs)
+
+    llm.generate = recording_generate
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    res = run_polyspec(llm, "spec", ids, SamplingParams(max_new_tokens=6), progress=False)
+    # warm-up (untimed, timer off), then the timed run, then (async only) the phase run
+    assert timed_with == ([False, False, True] if async_execution else [False, True])
+    assert set(res.phase_seconds) == {"draft", "verify", "accept", "draft_extend", "other"}
+    assert all(res.phase_seconds[k] > 0 for k in ("draft", "verify", "draft_extend"))
+    assert res.num_tokens == sum(len(o) for o in res.outputs) > 0

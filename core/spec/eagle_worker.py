@@ -114,54 +114,48 @@ class EagleWorker(WorkerBase):
             draft_seq_t = self.builder.index(draft_prefix)
         else:
             draft_prefix, draft_seq_t = seq_lens, seq_t
-        parent_list, top_scores_index, draft_tokens = self._draft(
-            sts, rows, draft_prefix, rows_t, draft_seq_t
-        )
+        roots = self.builder.long([s.last_token for s in sts])
+        tree = self._draft(sts, rows, draft_prefix, rows_t, draft_seq_t, roots, seq_t)
+        candidates, tree_mask, positions, retrive_index, next_token, next_sibling = tree
         self.timer.lap("draft")
 
-        roots = self.builder.long([s.last_token for s in sts])
-        candidates = torch.cat([roots[:, None], draft_tokens], dim=1)  # [bs, N]
-        tree_mask = torch.empty(bs, N, N, dtype=torch.bool, device=dev)
-        positions = torch.empty(bs * N, dtype=torch.int64, device=dev)
-        retrive_index, next_token, next_sibling = (
-            torch.empty(bs, N, dtype=idx, device=dev) for _ in range(3)
-        )
-        self.kernels.build_tree(
-            parent_list, top_scores_index, seq_t, self.topk, S, N,
-            TreeMaskMode.TREE_ONLY, tree_mask, positions, retrive_index, next_token, next_sibling,
-        )  # fmt: skip
-
-        logits, feats = self._verify(
-            rows, seq_lens, rows_t, seq_t, candidates, positions, tree_mask
-        )
-        self.timer.lap("verify")
-
-        predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
-        accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
-        accept_length = torch.empty(bs, dtype=idx, device=dev)
         sb = SamplingBatch([s.sampler for s in sts], N, dev)
+        verified = None
         if sb.all_greedy:
-            target_predict = logits.argmax(-1).view(bs, N)
-            self.kernels.verify_tree_greedy(
-                candidates, retrive_index, next_token, next_sibling, target_predict,
-                predicts, accept_index, accept_length,
-            )  # fmt: skip
+            verified = self._verify_greedy_graphed(rows_t, seq_t, max(seq_lens), tree)
+        if verified is not None:
+            predicts, feats, packed, b = verified
+            self.timer.lap("verify")
         else:
-            probs = sb.probs(logits, self.kernels).view(bs, N, -1)
-            coins = sb.uniform(N + 1)
-            self.kernels.verify_tree_sampling(
-                candidates, retrive_index, next_token, next_sibling, probs, None,
-                coins[:, :N].contiguous(), coins[:, N].contiguous(),
-                predicts, accept_index, accept_length,
-            )  # fmt: skip
+            logits, feats = self._verify(
+                rows, seq_lens, rows_t, seq_t, candidates, positions, tree_mask
+            )
+            self.timer.lap("verify")
+            predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
+            accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
+            accept_length = torch.empty(bs, dtype=idx, device=dev)
+            if sb.all_greedy:
+                target_predict = logits.argmax(-1).view(bs, N)
+                self.kernels.verify_tree_greedy(
+                    candidates, retrive_index, next_token, next_sibling, target_predict,
+                    predicts, accept_index, accept_length,
+                )  # fmt: skip
+            else:
+                probs = sb.probs(logits, self.kernels).view(bs, N, -1)
+                coins = sb.uniform(N + 1)
+                self.kernels.verify_tree_sampling(
+                    candidates, retrive_index, next_token, next_sibling, probs, None,
+                    coins[:, :N].contiguous(), coins[:, N].contiguous(),
+                    predicts, accept_index, accept_length,
+                )  # fmt: skip
+            packed, b = _pack_verified(accept_length, accept_index, predicts), bs
         # The one host sync of the round (the engine needs the tokens anyway): lengths, paths
-        # and every node's predicted token in a single device-to-host copy.
-        host = torch.cat(
-            [accept_length.to(torch.int64), accept_index.to(torch.int64).flatten(), predicts]
-        ).tolist()
+        # and every node's predicted token in a single device-to-host copy. ``b`` rows each:
+        # the batch, or the captured bucket it was padded to.
+        host = packed.tolist()
         accepted = host[:bs]
-        paths = [host[bs + b * (S + 1) : bs + (b + 1) * (S + 1)] for b in range(bs)]
-        predicted = host[bs + bs * (S + 1) :]  # [bs * N]
+        paths = [host[b + r * (S + 1) : b + (r + 1) * (S + 1)] for r in range(bs)]
+        predicted = host[b + b * (S + 1) : b + b * (S + 1) + bs * N]  # [bs * N]
         path_nodes = [p[: a + 1] for p, a in zip(paths, accepted)]  # global node ids
         self._compact(rows, seq_lens, path_nodes, N)
         new_lens = [n + a + 1 for n, a in zip(seq_lens, accepted)]
@@ -217,6 +211,47 @@ class EagleWorker(WorkerBase):
         )  # fmt: skip
         hidden, aux = self.target_runner.forward_target(batch, static_prefix=max_prefix)
         return self.target.compute_logits(hidden), (aux if self.use_aux else hidden)
+
+    def _verify_greedy_graphed(self, rows_t, seq_t, max_prefix: int, tree):
+        """Target verify and greedy acceptance in one replay -> (predicts [b * N], features
+        [b * N, F], packed host vector, bucket b), or None when this batch runs eagerly."""
+        bs, N = tree[0].shape
+        graphs = self.graphed(bs, max_prefix)
+        if graphs is None:
+            return None
+        candidates, tree_mask, positions, _, next_token, next_sibling = tree
+        inputs = {
+            "input_ids": candidates.flatten(),
+            "positions": positions,
+            "tree_mask": tree_mask,
+            "next_token": next_token,
+            "next_sibling": next_sibling,
+            "rows": rows_t,
+            "seq_lens": seq_t,
+            "extend_lens": torch.full_like(rows_t, N),
+        }
+        out = graphs.run("verify_greedy", bs, max_prefix, inputs, self._verify_greedy_graph)
+        if out is None:
+            return None
+        predicts, feats, packed = out
+        return predicts, feats, packed, graphs.buckets.batch_bucket(bs)
+
+    def _verify_greedy_graph(self, s, bs: int, max_prefix: int):
+        logits, feats = self._verify_graph(s, bs, max_prefix)
+        N, S, idx = self.num_draft_tokens, self.num_steps, s["rows"].dtype
+        dev = logits.device
+        candidates = s["input_ids"].view(bs, N)
+        # build_tree's retrive_index is b * N + j; rebuilt here because the padding rows of
+        # an input buffer are zeroed, which would point them at request 0's nodes.
+        retrive_index = torch.arange(bs * N, device=dev).view(bs, N).to(idx)
+        predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
+        accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
+        accept_length = torch.empty(bs, dtype=idx, device=dev)
+        self.kernels.verify_tree_greedy(
+            candidates, retrive_index, s["next_token"], s["next_sibling"],
+            logits.argmax(-1).view(bs, N), predicts, accept_index, accept_length,
+        )  # fmt: skip
+        return predicts, feats, _pack_verified(accept_length, accept_index, predicts)
 
     def _draft_extend(
         self, sts, rows, seq_lens, rows_t, seq_t, ext, path_nodes, predicts, feats
@@ -299,18 +334,17 @@ class EagleWorker(WorkerBase):
         self.target_runner.kv_pool.move(dst, src)
 
     # -- multi-step draft ---------------------------------------------------------------------
-    def _draft(self, sts: list[SeqState], rows: list[int], seq_lens: list[int], rows_t, seq_t):
-        """S levels of top-K expansion with S-1 draft forwards (DRAFT_DECODE).
+    def _draft(self, sts, rows, seq_lens, rows_t, seq_t, roots, target_seq_t):
+        """S levels of top-K expansion with S-1 draft forwards (DRAFT_DECODE), then the tree.
 
-        Returns (parent_list [bs, K*(S-1)+1], top_scores_index [bs, N-1], draft_tokens [bs, N-1])."""
+        ``seq_lens`` / ``seq_t``: the draft's prefix lengths; ``roots`` [bs]: each request's
+        last token; ``target_seq_t`` [bs]: the target's prefix lengths (the tree's positions).
+        Returns :meth:`_build_tree`'s tensors."""
         bs, K, S, ps = len(sts), self.topk, self.num_steps, self.page_size
         topk_p = torch.stack([s.topk_p for s in sts])  # [bs, K]
         topk_index = torch.stack([s.topk_index for s in sts])  # [bs, K]
         hidden = torch.stack([s.draft_feature for s in sts])  # [bs, H]
         if S > 1:
-            scratch = self.lane_scratch[: bs * K * self.lane_width]
-            lane_locs, tail_t, copy_src, copy_dst = self._assign_lanes(rows_t, seq_t, scratch)
-            tails = [n % ps for n in seq_lens] if ps > 1 else [0] * bs
             graphs = None if self.root_forward else self.graphed(bs, max(seq_lens))
             if graphs is not None:
                 inputs = {
@@ -319,12 +353,16 @@ class EagleWorker(WorkerBase):
                     "hidden": hidden,
                     "rows": rows_t,
                     "seq_lens": seq_t,
-                    "tails": tail_t,
-                    "lane_locs": lane_locs,
+                    "roots": roots,
                 }
                 out = graphs.run("draft", bs, max(seq_lens), inputs, self._draft_graph)
                 if out is not None:
-                    return tuple(t[:bs] for t in out)
+                    candidates, tree_mask, positions, *links = out
+                    return (candidates[:bs], tree_mask[:bs], positions[: bs * self.num_draft_tokens],
+                            *(t[:bs] for t in links))  # fmt: skip
+            scratch = self.lane_scratch[: bs * K * self.lane_width]
+            lane_locs, tail_t = self._assign_lanes(rows_t, seq_t, scratch)
+            tails = [n % ps for n in seq_lens] if ps > 1 else [0] * bs
 
         def draft_step(i: int, input_ids: torch.Tensor, hidden: torch.Tensor):
             # Step i+1 drafts the tokens at depth i+1, stored at position seq_len + i.
@@ -340,7 +378,25 @@ class EagleWorker(WorkerBase):
             batch.lane_lens_cpu = lane_lens
             return self.draft_runner.forward_draft(batch, hidden)
 
-        return self._expand_tree(topk_p, topk_index, hidden, draft_step)
+        return self._build_tree(
+            *self._expand_tree(topk_p, topk_index, hidden, draft_step), roots, target_seq_t
+        )
+
+    def _build_tree(self, parent_list, top_scores_index, draft_tokens, roots, seq_lens):
+        """``build_tree`` over the drafted levels -> (candidates [bs, N] (root first),
+        tree_mask [bs, N, N], positions [bs * N], retrive_index, next_token, next_sibling
+        [bs, N] each)."""
+        bs, N = roots.shape[0], self.num_draft_tokens
+        idx, dev = seq_lens.dtype, roots.device
+        candidates = torch.cat([roots[:, None], draft_tokens], dim=1)
+        tree_mask = torch.empty(bs, N, N, dtype=torch.bool, device=dev)
+        positions = torch.empty(bs * N, dtype=torch.int64, device=dev)
+        links = [torch.empty(bs, N, dtype=idx, device=dev) for _ in range(3)]
+        self.kernels.build_tree(
+            parent_list, top_scores_index, seq_lens, self.topk, self.num_steps, N,
+            TreeMaskMode.TREE_ONLY, tree_mask, positions, *links,
+        )  # fmt: skip
+        return candidates, tree_mask, positions, *links
 
     def _expand_tree(self, topk_p, topk_index, hidden, draft_step):
         """S levels of top-K expansion (``select_top_k``), then ``organize_draft_results``.
@@ -362,12 +418,16 @@ class EagleWorker(WorkerBase):
         return self.kernels.organize_draft_results(*levels, self.num_draft_tokens)
 
     def _draft_graph(self, s, bs: int, max_prefix: int):
-        """The captured multi-step draft (S > 1): the loop of :meth:`_draft` over device
-        tensors only."""
+        """The captured multi-step draft (S > 1): lane slots, the loop of :meth:`_draft` and
+        the tree, over device tensors only."""
         K, table = self.topk, self.req_pool.req_to_token
         topk_p, topk_index, hidden = s["topk_p"], s["topk_index"], s["hidden"]
-        seq_lens, tails, lane_locs = s["seq_lens"].to(torch.int64), s["tails"], s["lane_locs"]
         rows = s["rows"]
+        # Padding requests (row 0, length 0) get lanes too: the scratch holds the whole bucket.
+        # Only EAGLE heads are captured, whose prefix is the target's: seq_lens serves both.
+        scratch = self.lane_scratch[: bs * K * self.lane_width]
+        lane_locs, tails = self._assign_lanes(rows, s["seq_lens"], scratch)
+        seq_lens = s["seq_lens"].to(torch.int64)
         idx = rows.dtype
         prefix = (seq_lens - tails).to(idx)
         extend = torch.full_like(rows, K)
@@ -382,7 +442,8 @@ class EagleWorker(WorkerBase):
             )  # fmt: skip
             return self.draft_runner.forward_draft(batch, hidden, static_prefix=max_prefix)
 
-        return self._expand_tree(topk_p, topk_index, hidden, draft_step)
+        levels = self._expand_tree(topk_p, topk_index, hidden, draft_step)
+        return self._build_tree(*levels, s["roots"], s["seq_lens"])
 
     def _assign_lanes(self, rows_t, seq_t, scratch):
         bs, K, ps, W = rows_t.shape[0], self.topk, self.page_size, self.lane_width
@@ -396,4 +457,11 @@ class EagleWorker(WorkerBase):
         )  # fmt: skip
         if ps > 1:
             self.draft_runner.kv_pool.move(copy_dst, copy_src)
-        return lane_locs, tail.to(torch.int64), copy_src, copy_dst
+        return lane_locs, tail.to(torch.int64)
+
+
+def _pack_verified(accept_length, accept_index, predicts) -> torch.Tensor:
+    """[bs] + [bs, S+1] + [bs * N] -> one int64 vector, for a single device-to-host copy."""
+    return torch.cat(
+        [accept_length.to(torch.int64), accept_index.to(torch.int64).flatten(), predicts]
+    )

@@ -105,6 +105,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--draft-vocab-size", type=int, default=8192, dest="draft_vocab_size")
     p.add_argument(
+        "--init-from",
+        dest="init_from",
+        help="start from this trained EAGLE-3 head (its weights and draft vocabulary; "
+        "--draft-vocab-size is then unused) instead of the target's layers",
+    )
+    p.add_argument(
         "--ttt-steps", type=int, default=5, dest="ttt_steps", help="training-time-test unroll depth"
     )
     p.add_argument("--batch-tokens", type=int, default=4096, dest="batch_tokens")
@@ -136,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.train.head import Eagle3Trainable
     from polyspec.train.self_prompts import generate_self_prompts
     from polyspec.train.trainer import TrainConfig, train_head
-    from polyspec.train.vocab import choose_draft_vocab
+    from polyspec.train.vocab import choose_draft_vocab, vocab_coverage
+    from polyspec.train.warm_start import load_trained_head
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -163,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
               max_batch_size=args.gen_batch_size, max_context=4096,
               max_graph_batch_size=args.gen_batch_size, graphs=args.graphs)  # fmt: skip
     target = llm.target
+    aux_layers = default_aux_layers(target.config.num_layers)
+    warm = None
+    if args.init_from:  # checked before the long generation
+        warm, draft_ids = load_trained_head(args.init_from, target.config, aux_layers)
     (out / "train_args.json").write_text(json.dumps(
         {"argv": sys.argv, **{k: v for k, v in vars(args).items() if k != "func"},
          "target_path": str(llm.target_path), "backend_used": llm.backend.name,
@@ -196,10 +207,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {len(seqs)} answers ({n_tokens} tokens) to {out / 'answers.jsonl'} in "
               f"{t_gen - t_start:.0f} s; rerun with --resume to train")  # fmt: skip
         return 0
-    draft_ids, coverage = choose_draft_vocab(
-        (s["answer_ids"] for s in seqs), target.config.vocab_size, args.draft_vocab_size
-    )
-    aux_layers = default_aux_layers(target.config.num_layers)
+    if warm is not None:
+        coverage = vocab_coverage((s["answer_ids"] for s in seqs), draft_ids)
+    else:
+        draft_ids, coverage = choose_draft_vocab(
+            (s["answer_ids"] for s in seqs), target.config.vocab_size, args.draft_vocab_size
+        )
     sequences = [(s["prompt_ids"] + s["answer_ids"], len(s["prompt_ids"])) for s in seqs]
     store = _feature_store(llm.backend, sum(len(x) for x, _ in sequences), target.config)
     with tqdm(total=len(sequences), desc="features", unit="seq") as bar:
@@ -212,7 +225,16 @@ def run(args: argparse.Namespace) -> int:
     device = next(target.parameters()).device
     max_pos = max(len(s) for s, _ in sequences) + 1
     head = Eagle3Trainable(target.config, int(draft_ids.numel()), max_pos)
-    head.init_from_target(target, draft_ids)
+    if warm is None:
+        head.init_from_target(target, draft_ids)
+    else:
+        try:
+            head.load_state_dict(warm)
+        except RuntimeError as exc:
+            raise ConfigError(
+                f"--init-from {args.init_from}: its tensors do not fit an EAGLE-3 head for this "
+                f"target ({exc})"
+            ) from exc
     with tqdm(total=cfg.steps, desc="train", unit="step") as bar:
 
         def progress(step, loss, est):

@@ -33,3 +33,13 @@ def d2t_t2d(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, tor
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[draft_ids] = True
     return d2t, t2d
+
+
+def vocab_coverage(answers: Iterable[list[int]], draft_ids: torch.Tensor) -> float:
+    """Fraction of answer tokens that ``draft_ids`` (a given draft vocabulary) covers."""
+    chosen = set(draft_ids.tolist())
+    total = covered = 0
+    for ids in answers:
+        total += len(ids)
+        covered += sum(t in chosen for t in ids)
+    return covered / (total or 1)

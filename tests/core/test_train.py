@@ -198,3 +198,47 @@ def test_train_time_budget_sets_the_step_count(setup, tmp_path):
     assert log[-1]["step"] == log[-1]["total_steps"] == 21
     assert json.loads((out / "summary.json").read_text())["answers"] == 4
     assert len((out / "answers.jsonl").read_text().splitlines()) == 4
+
+
+def test_train_draft_init_from_a_trained_head(setup, tmp_path):
+    """--init-from: training starts from the given head's weights and keeps its vocabulary;
+    a head for another target, or a missing one, is refused before any generation."""
+    from safetensors.torch import load_file
+
+    from polyspec.cli import main
+    from polyspec.errors import ConfigError
+    from polyspec.train.warm_start import load_trained_head
+
+    root, _, target, target_path, head, _, draft_ids = setup
+    aux_layers = default_aux_layers(target.config.num_layers)
+    state, ids = load_trained_head(root / "head", target.config, aux_layers)
+    assert torch.equal(ids, draft_ids)
+    for k, v in head.state_dict().items():
+        torch.testing.assert_close(state[k], v.float())
+    with pytest.raises(ConfigError, match="reads layer outputs"):
+        load_trained_head(root / "head", target.config, (1, 2, 3))
+    with pytest.raises(ConfigError, match="config.json and model.safetensors"):
+        load_trained_head(tmp_path / "nowhere", target.config, aux_layers)
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
+    out = tmp_path / "warm"
+    argv = ["train-draft", "--target", str(target_path), "--prompts", str(prompts), "--out",
+            str(out), "--steps", "2", "--lr", "1e-9", "--max-new-tokens", "8",
+            "--batch-tokens", "256", "--ttt-steps", "2", "--init-from", str(root / "head")]  # fmt: skip
+    assert main(argv) == 0
+    new = load_file(str(out / "model.safetensors"))
+    old = load_file(str(root / "head" / "model.safetensors"))
+    assert torch.equal(new["t2d"], old["t2d"]) and torch.equal(new["d2t"], old["d2t"])
+    # two steps at lr 1e-9 leave the warm-started weights where they were (bf16 export)
+    for k in ("fc.weight", "lm_head.weight", "midlayer.self_attn.q_proj.weight"):
+        torch.testing.assert_close(new[k].float(), old[k].float(), rtol=1e-2, atol=1e-2)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((root / "head" / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_size": cfg["hidden_size"] + 1}))
+    (bad / "model.safetensors").write_bytes((root / "head" / "model.safetensors").read_bytes())
+    argv[argv.index(str(root / "head"))] = str(bad)
+    argv[argv.index(str(out))] = str(tmp_path / "warm2")
+    assert main(argv) == 2
+    assert not (tmp_path / "warm2" / "answers.jsonl").exists()

@@ -15,6 +15,8 @@
 # gen writes every prompt's greedy answer before any sampled one and stops at $GEN_TIMEOUT;
 # train then uses exactly the answers written (--max-answers), and sets its step count from
 # $TIME_BUDGET seconds of training (--time-budget; the count used is in train_log.jsonl).
+# INIT_FROM=HEAD_DIR warm-starts from a trained head (e.g. core/heads/smollm2-135m-eagle3) to go
+# on training it over new answers; LR sets the peak learning rate (default 1e-3).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/out}"
@@ -68,7 +70,8 @@ case "${1:-}" in
     echo "training on $answers answers"
     timeout "${TRAIN_TIMEOUT:-480}" polyspec train-draft "${COMMON[@]}" --max-answers "$answers" \
       --steps "${STEPS:-6000}" --time-budget "${TIME_BUDGET:-280}" --batch-tokens 16384 \
-      --ttt-steps 6 --draft-vocab-size 8192 --lr 1e-3 --feature-batch-tokens 32768 --resume 2>&1 | quiet 40
+      --ttt-steps 6 --draft-vocab-size 8192 --lr "${LR:-1e-3}" --feature-batch-tokens 32768 \
+      ${INIT_FROM:+--init-from "$INIT_FROM"} --resume 2>&1 | quiet 40
     cp "$HEAD_DIR"/{config.json,train_args.json,train_log.jsonl,summary.json} "$OUT/" 2>/dev/null
     if [ -f "$HEAD_DIR/model.safetensors" ]; then
       split -b 12000000 "$HEAD_DIR/model.safetensors" "$OUT/model.safetensors.part_"

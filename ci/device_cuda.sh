@@ -21,7 +21,8 @@
 #   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
 #              and 16, per-phase times and the share of a round outside forwards
 #   size-smollm2  the same at SmolLM2-135M's shape with the shipped tree (S=3 K=2 N=6)
-#   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench
+#   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench, for each
+#              S-K-N in $E2E_SETTINGS (default "3-2-6")
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
 # $OUT/summary.txt lists every step with its exit status; the script exits non-zero if any failed.
@@ -138,14 +139,17 @@ run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --
   --preset smollm2-135m --num-steps 3 --topk 2 --num-draft-tokens 6 \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2"
 
-e2e() {
-  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs
-  for bs in 1 16; do
-    polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
-      --draft core/heads/smollm2-135m-eagle3 --num-steps 3 --topk 2 --num-draft-tokens 6 \
-      --dataset "$data" --max-new-tokens 128 --batch-size "$bs" \
-      --num-prompts "$([ "$bs" = 1 ] && echo 10 || echo 80)" --no-progress \
-      --json "$OUT/e2e-bs$bs.json" || return 1
+e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the shipped 3-2-6)
+  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs skn s k n
+  for skn in ${E2E_SETTINGS:-3-2-6}; do
+    IFS=- read -r s k n <<< "$skn"
+    for bs in 1 16; do
+      polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
+        --draft core/heads/smollm2-135m-eagle3 --num-steps "$s" --topk "$k" --num-draft-tokens "$n" \
+        --dataset "$data" --max-new-tokens 128 --batch-size "$bs" \
+        --num-prompts "$([ "$bs" = 1 ] && echo 10 || echo 80)" --no-progress \
+        --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" || return 1
+    done
   done
 }
 run_step 07-e2e 420 e2e

@@ -74,7 +74,7 @@ def run_polyspec(
         if graphs is not None:  # capture every bucket the timed run can reach, untimed
             longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
             graphs.capture_all(llm.config.max_batch_size, longest + 16)
-    separate = phase_times and llm.backend.capabilities.async_execution
+    separate = phase_run(llm.backend, phase_times) == "separate run"
     wall, outs, phases = _timed_generate(
         llm, name, prompt_ids, sampling, progress, phase_times and not separate
     )
@@ -90,6 +90,14 @@ def run_polyspec(
         accepted_per_request=[list(o.stats.accepted_per_round) for o in outs],
         phase_seconds=phases,
     )
+
+
+def phase_run(backend, phase_times: bool) -> str:
+    """Where :func:`run_polyspec` times phases on ``backend``: "off", "timed run" (syncs are
+    free: kernels run synchronously) or "separate run" (``async_execution``)."""
+    if not phase_times:
+        return "off"
+    return "separate run" if backend.capabilities.async_execution else "timed run"
 
 
 def _timed_generate(llm, name, prompt_ids, sampling, progress: bool, phase_times: bool):

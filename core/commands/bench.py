@@ -201,7 +201,7 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "resolved_dtype": None,
         "page_size": plain_cfg.page_size,
         "graphs": plain_cfg.graphs,
-        "phase_timer": "off" if args.no_phase_times else None,  # filled in with the backend
+        "phase_timer": None,  # filled in once the backend is known
     }
 
 
@@ -245,9 +245,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     backend, target = llm.backend, llm.target_path
     settings = _settings(args, dataset_file, len(ids), plain_cfg, spec_cfg, sampling, target)
     settings.update(backend=backend.name, resolved_dtype=str(dtype).removeprefix("torch."))
-    if phase_times:  # what run_polyspec does with the phase timer on this backend
-        separate = backend.capabilities.async_execution
-        settings["phase_timer"] = "separate run" if separate else "timed run"
+    settings["phase_timer"] = runner.phase_run(backend, phase_times)
     print(f"polyspec bench: {len(ids)} prompts from {dataset_file}, target {target}, "
           f"backend {backend.name}, {settings['resolved_dtype']}", file=sys.stderr)  # fmt: skip
     warm = min(plain_cfg.max_batch_size, len(ids))  # one prompt at batch 1, else one batch

@@ -10,9 +10,6 @@ import torch
 
 from polyspec.errors import ConfigError
 
-_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "vocab_size")  # fmt: skip
-
 
 def load_trained_head(
     head_dir: str | Path, target_config, aux_capture_layers: tuple[int, ...]
@@ -35,10 +32,10 @@ def load_trained_head(
     want = {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
             "head_dim": c.head_dim, "vocab_size": c.vocab_size}  # fmt: skip
-    for key in _SHAPE_KEYS:
-        if key in cfg and cfg[key] != want[key]:
+    for key, value in want.items():
+        if key in cfg and cfg[key] != value:
             raise ConfigError(
-                f"--init-from {d}: the head's {key} is {cfg[key]}, the target's {want[key]}; "
+                f"--init-from {d}: the head's {key} is {cfg[key]}, the target's {value}; "
                 "warm-start from a head trained for this target"
             )
     aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")

@@ -20,5 +20,8 @@ for pkg, folder in ROOTS.items():
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"polyspec": ["heads/*/*.json", "heads/*/*.safetensors", "heads/*/*.md"]},
+    package_data={
+        "polyspec": ["heads/*/*.json", "heads/*/*.safetensors", "heads/*/*.md"],
+        "polyspec.backends": ["cpu/*.cpp"],
+    },
 )

@@ -21,11 +21,21 @@ otherwise SDPA's ``enable_gqa`` maps query head ``h`` to kv head ``h // G``.
 
 The gathered K/V live in two buffers allocated once per forward and reused by every layer:
 fresh per-layer allocations of that size cost more in page faults than the gather itself.
+
+Row-invariant mode (``exact_attention`` given, bf16 pools): the same layout and mask are turned
+once per forward into one ordered key list per token (CSR: ``kv_indptr``, ``kv_indices``), and
+every layer calls that kernel instead of SDPA. A token's list is its visible columns in column
+order: the prefix in position order, then the block's visible tokens in token order, which for
+a verify row is its ancestors root first (a tree node's parent always precedes it). So a draft
+token verified at depth d attends to exactly the keys, in exactly the order, that a plain
+decode step at the same position would, and the kernel's fixed-order arithmetic makes the two
+results bitwise equal. Padded query rows get no list.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,16 +61,26 @@ class SDPAMetadata(AttentionMetadata):
     output_index: torch.Tensor | None  # [T] padded row of each token; None = view
     k_buffer: torch.Tensor  # [B * Lmax, Hkv, D] scratch for the gathered keys (every layer)
     v_buffer: torch.Tensor  # [B * Lmax, Hkv, D] scratch for the gathered values
+    kv_indptr: torch.Tensor | None = None  # [T + 1] row-invariant mode: offsets into kv_indices
+    kv_indices: torch.Tensor | None = None  # [nnz] slots each token attends to, in order
 
 
 class SDPAAttention(AttentionBackend):
     """Attention over a :class:`TensorKVPool` with ``torch.nn.functional.scaled_dot_product_attention``."""
 
     def __init__(
-        self, kv_pool: TensorKVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self,
+        kv_pool: TensorKVPool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        exact_attention: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         """``num_heads`` must be a multiple of ``num_kv_heads``; the pool must match the KV
-        head count and head dim."""
+        head count and head dim. ``exact_attention(q, k_cache, v_cache, kv_indptr, kv_indices,
+        scale)`` (``polyspec.backends.cpu.rowinv.attention``) replaces SDPA for every mode
+        (see the module doc)."""
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"attention: num_heads ({num_heads}) must be a positive multiple of "
@@ -78,11 +98,15 @@ class SDPAAttention(AttentionBackend):
         self.head_dim = head_dim
         self.scale = float(scale)
         self.group = num_heads // num_kv_heads
+        self.exact_attention = exact_attention
 
     # ------------------------------------------------------------------ metadata
 
     def build_metadata(self, batch: ForwardBatch) -> SDPAMetadata:
         """Index tensors and the bool mask of ``batch`` (host-side lengths read once here)."""
+        return self._with_key_lists(self._build_metadata(batch))
+
+    def _build_metadata(self, batch: ForwardBatch) -> SDPAMetadata:
         device = self.kv_pool.device
         bs = batch.batch_size
         if bs < 1:
@@ -185,7 +209,11 @@ class SDPAAttention(AttentionBackend):
     def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> SDPAMetadata:
         """Fixed-shape metadata from device tensors only (see the contract): ``max_prefix_len``
         prefix columns per request, always a mask, no padding of queries (the layout is
-        uniform), no host sync."""
+        uniform), no host sync (except for the key lists of row-invariant mode: the cpu graph
+        runner is eager)."""
+        return self._with_key_lists(self._build_static_metadata(batch, max_prefix_len))
+
+    def _build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> SDPAMetadata:
         device = self.kv_pool.device
         bs, num_tokens = batch.batch_size, batch.num_tokens
         if bs < 1 or num_tokens % bs:
@@ -242,6 +270,26 @@ class SDPAAttention(AttentionBackend):
             None,
             *self._kv_buffers(kv_index.numel()),
         )
+
+    def _with_key_lists(self, m: SDPAMetadata) -> SDPAMetadata:
+        """Fill ``kv_indptr`` / ``kv_indices`` in row-invariant mode (see the module doc)."""
+        if self.exact_attention is None or self.kv_pool.dtype != torch.bfloat16:
+            return m
+        kv = m.kv_index.view(m.batch_rows, m.kv_len)  # [B, Lmax]
+        # Padded query row of each token, in token order (all rows when nothing is padded).
+        if m.output_index is None:
+            rows = torch.arange(m.batch_rows * m.max_queries, device=kv.device)  # [T]
+        else:
+            rows = m.output_index  # [T]
+        if m.mask is None:
+            visible = torch.ones(rows.numel(), m.kv_len, dtype=torch.bool, device=kv.device)
+        else:
+            visible = m.mask.reshape(m.batch_rows * m.max_queries, m.kv_len).index_select(0, rows)
+        token, col = visible.nonzero(as_tuple=True)  # row-major: token order, then column order
+        m.kv_indices = kv[rows.div(m.max_queries, rounding_mode="floor")[token], col]
+        m.kv_indptr = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=kv.device)
+        torch.cumsum(visible.sum(1), 0, out=m.kv_indptr[1:])
+        return m
 
     def _kv_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scratch for one layer's gathered K and V ([rows, Hkv, D] each)."""
@@ -342,6 +390,10 @@ class SDPAAttention(AttentionBackend):
         k_cache = self.kv_pool.k_cache(layer)  # [slots, Hkv, D]
         v_cache = self.kv_pool.v_cache(layer)
         write_kv(k_cache, v_cache, m.out_cache_loc, k, v)
+        if m.kv_indices is not None and self.exact_attention is not None:
+            return self.exact_attention(
+                q.contiguous(), k_cache, v_cache, m.kv_indptr, m.kv_indices, self.scale
+            )  # [T, Hq, D]
 
         bsz, q_max, hkv, d = m.batch_rows, m.max_queries, self.num_kv_heads, self.head_dim
         torch.index_select(k_cache, 0, m.kv_index, out=m.k_buffer)

@@ -2,6 +2,13 @@
 
 It is the oracle the conformance suite compares every other backend with, and also the
 backend that runs real models on CPU, so its attention precomputes all indices once per forward.
+
+bf16 models run on two small C++ kernels (``rowinv.cpp``: linear and attention, AVX2 + FMA,
+built on first use) whose result for a token does not depend on the tokens computed with it, so
+a verify forward over N tokens gives bitwise the logits of N one-token decode steps and bf16
+speculative decoding emits exactly plain decoding's tokens. Where they cannot be built (no
+AVX2, no compiler) or with ``POLYSPEC_CPU_KERNELS=torch``, bf16 runs on stock PyTorch
+(``F.linear``, oneDNN, SDPA), where a near-tie can resolve differently in the two paths.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from polyspec.backend import Backend, BackendCapabilities, KernelSet, TreeMaskMode
+from polyspec.errors import ConfigError
 
+from . import rowinv
 from .allocator import PagedAllocator
 from .attention import SDPAAttention
 from .graph import EagerGraphRunner
@@ -46,6 +55,20 @@ class CPUBackend(Backend):
         incomplete)."""
         self.capabilities = CPU_CAPABILITIES
         self.kernels = KernelSet.reference()
+        self.kernel_choice = os.environ.get("POLYSPEC_CPU_KERNELS", "auto").strip() or "auto"
+        if self.kernel_choice not in ("auto", "torch"):
+            raise ConfigError(
+                f"POLYSPEC_CPU_KERNELS={self.kernel_choice!r}: use 'auto' (the row-invariant "
+                "C++ kernels for bf16 where they build, the default) or 'torch' (stock PyTorch "
+                "only)"
+            )
+
+    def row_invariant_kernels(self):
+        """The built ``rowinv`` extension for bf16 models, or None (``POLYSPEC_CPU_KERNELS=torch``,
+        or it cannot be built here: :func:`rowinv.unavailable_reason` says why)."""
+        if self.kernel_choice == "torch":
+            return None
+        return rowinv.load()
 
     def memory_info(self) -> tuple[int, int]:
         """(available, total) bytes of host memory, or (0, 0) where the OS does not say."""
@@ -63,7 +86,8 @@ class CPUBackend(Backend):
         return weight.t().contiguous().t()
 
     def linear_fn(self, weight: torch.Tensor):  # weight [out, in]
-        """Weights prepacked for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``).
+        """bf16: the row-invariant kernel (module doc) where it is built. Otherwise weights
+        prepacked for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``).
 
         bf16 on a CPU with native oneDNN bf16 (AVX-512-BF16 / AMX): a packed bf16 copy,
         bit-identical to ``F.linear`` and about 1.5x faster at streaming a decode step's
@@ -76,6 +100,13 @@ class CPUBackend(Backend):
         (docs/benchmarks.md). None where oneDNN is missing, or for other dtypes."""
         if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32):
             return None
+        if weight.dtype == torch.bfloat16 and self.row_invariant_kernels() is not None:
+            w = weight.contiguous()
+
+            def row_invariant_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                return rowinv.linear(x, w, bias)
+
+            return row_invariant_linear
         if not torch.backends.mkldnn.is_available():
             return None
         if weight.dtype == torch.bfloat16 and _onednn_bf16():
@@ -120,13 +151,17 @@ class CPUBackend(Backend):
     def make_attention(
         self, kv_pool: TensorKVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
     ) -> SDPAAttention:
-        """SDPA attention over ``kv_pool`` (a pool made by :meth:`make_kv_pool`)."""
+        """SDPA attention over ``kv_pool`` (a pool made by :meth:`make_kv_pool`); for bf16
+        pools, the row-invariant kernel in its place where it is built (module doc)."""
         if not isinstance(kv_pool, TensorKVPool):
             raise TypeError(
                 f"cpu backend: make_attention needs a pool from make_kv_pool, got "
                 f"{type(kv_pool).__name__}"
             )
-        return SDPAAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
+        exact = None
+        if kv_pool.dtype == torch.bfloat16 and self.row_invariant_kernels() is not None:
+            exact = rowinv.attention
+        return SDPAAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale, exact)
 
     def make_graph_runner(self) -> EagerGraphRunner:
         """An eager runner that enforces the capture / replay rules."""

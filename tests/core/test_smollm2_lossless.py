@@ -1,5 +1,5 @@
 """The real default model: speculative decoding with the shipped EAGLE-3 head emits exactly
-the tokens plain greedy decoding emits (fp32, cpu), for a chain and a tree."""
+the tokens plain greedy decoding emits (fp32, cpu), for a chain and a tree, and in bf16."""
 
 from __future__ import annotations
 
@@ -50,3 +50,34 @@ def test_shipped_head_is_lossless_on_smollm2(plain_tokens, topk, num_steps):
     # a trained head is accepted more than a random one (which is accepted ~never)
     rounds = [r for o in outs for r in o.stats.accepted_per_round]
     assert sum(rounds) / len(rounds) > 1.3
+
+
+BF16_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how vaccines work to a ten-year-old.",
+    "Give me three tips for writing a good cover letter.",
+    "Describe the water cycle in a few sentences.",
+    "What are the pros and cons of remote work?",
+    "Write a limerick about a cat and a computer.",
+]
+
+
+def test_bf16_speculative_equals_plain_on_smollm2():
+    """With the cpu backend's row-invariant kernels, bf16 verify rows round exactly like decode
+    steps, so the texts are identical too. Stock PyTorch kernels (POLYSPEC_CPU_KERNELS=torch)
+    part on two of these six prompts (third and fourth) at 48 tokens, which is why they are here."""
+    from polyspec.backends.cpu import rowinv
+    from polyspec.engine.llm import LLM
+
+    if rowinv.load() is None:
+        pytest.skip(f"row-invariant cpu kernels unavailable: {rowinv.unavailable_reason()}")
+    sp = SamplingParams(max_new_tokens=48)
+    kw = dict(backend="cpu", dtype="bfloat16", max_batch_size=2, max_context=512)
+    plain = [o.token_ids for o in LLM(**kw).chat(BF16_PROMPTS, sp)]
+    spec_llm = LLM(
+        draft=shipped_head_path(),
+        speculative=SpeculativeConfig(algorithm="eagle3", topk=2, num_steps=3, num_draft_tokens=6),
+        **kw,
+    )
+    outs = spec_llm.chat(BF16_PROMPTS, sp)
+    assert [o.token_ids for o in outs] == plain

@@ -1,0 +1,474 @@
+// Row-invariant CPU kernels for AVX2 + FMA: a bf16-weight linear and a CSR (paged) attention.
+//
+// "Row-invariant" means the bits of output row m depend only on row m's inputs: not on M, on the
+// other rows, on m's position, on the thread count or on which micro-kernel happened to compute
+// it. The recipe is the same in both kernels: every output element is produced by one fixed
+// sequence of fp32 operations; blocking and threading only decide how many such sequences run
+// side by side, never how a single sequence is ordered.
+//
+// Build with -O3 -mavx2 -mfma -ffp-contract=off and without -ffast-math: the compiler must not
+// reassociate, and must not fuse our scalar a*b+c into an FMA in one inlined copy but not another.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// 16 bf16 in one 256-bit load are 8 32-bit words; word j holds element 2j in its low half and
+// 2j+1 in its high half. A shift and a mask turn them into fp32 with no shuffle, giving the even
+// elements and the odd elements as two vectors. The linear kernel keeps this "even/odd" order.
+struct EvenOdd {
+  __m256 e, o;
+};
+inline EvenOdd load_bf16x16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+
+// 8 bf16 -> 8 fp32 in natural order (attention, where D need only be a multiple of 8).
+inline __m256 load_bf16x8(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// The one horizontal sum used everywhere: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {  // max is exact, so any order gives the same bits (NaN aside)
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Round-to-nearest-even, same as c10::BFloat16's conversion (NaN stays a quiet NaN).
+inline uint16_t bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// ============================================================================================
+// Kernel 1: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w in bf16, fp32 accumulation.
+//
+// Fixed order for every (m, n): one 8-lane accumulator; for each 16-wide K block b (the last one
+// zero-padded when K % 16 != 0): acc = fma(x_even_b, w_even_b, acc); acc = fma(x_odd_b, w_odd_b,
+// acc); then hsum8, then + bias, then (bf16 output) one rounding. x is pre-packed to fp32 in that
+// even/odd order and zero-padded, so bf16 and fp32 inputs share one code path.
+// ============================================================================================
+
+constexpr int64_t kColGroup = 8;          // columns whose weights all row blocks reuse from L1
+constexpr int64_t kPrefetchBytes = 8192;  // ~1-2 column groups ahead; hardware prefetch alone lags
+constexpr int64_t kSmallM = 16;           // up to here all rows always form one chunk
+constexpr int64_t kXChunkBytes = 192 * 1024;  // otherwise chunks of packed x rows that stay in L2
+
+// R rows x C columns of output. R*C independent FMA chains hide the 4-cycle FMA latency, and each
+// weight vector loaded and converted serves R rows: that is what lets M = 4..8 cost little more
+// than M = 1 when the weights stream from DRAM.
+// w: C weight rows, K apart. pf: if set, points kPrefetchBytes past this tile's weights (at what a
+// later tile will read); C/2 lines per K block is the rate at which this tile consumes its own.
+template <int R, int C>
+inline void tile(const float* xp, int64_t ldx, const uint16_t* w, int64_t K, float* out, const char* pf) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  // One K block: weights at wb (column stride ws), x at offset xo. Each weight vector is consumed
+  // right after it is made (even half for all rows, then odd half), so only the accumulators and
+  // one weight vector need registers.
+  auto step = [&](const uint16_t* wb, int64_t ws, int64_t xo) {
+    for (int c = 0; c < C; ++c) {
+      const EvenOdd wv = load_bf16x16(wb + c * ws);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + r * ldx + xo), wv.e, acc[r][c]);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + r * ldx + xo + 8), wv.o, acc[r][c]);
+    }
+  };
+  const int64_t nfull = K / 16;
+  for (int64_t b = 0; b < nfull; ++b) {
+    if (pf)
+      for (int j = 0; j < (C + 1) / 2; ++j) _mm_prefetch(pf + b * 32 * C + 64 * j, _MM_HINT_T0);
+    step(w + b * 16, K, b * 16);
+  }
+  if (K % 16) {  // a 16-wide load would run past the row (maybe past the allocation): copy, zero-pad
+    alignas(32) uint16_t buf[C][16] = {};
+    for (int c = 0; c < C; ++c) std::memcpy(buf[c], w + c * K + nfull * 16, (K % 16) * 2);
+    step(&buf[0][0], 16, nfull * 16);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * C + c] = hsum8(acc[r][c]);
+}
+
+struct LinearArgs {
+  const float* xp;    // [M, Kp] x as fp32, even/odd order within each 16-block, zero-padded
+  int64_t M, K, Kp, N;
+  const uint16_t* w;  // [N, K] bf16
+  const float* bias;  // [N] or nullptr
+  void* y;            // [M, N] fp32 or bf16
+  bool y_bf16;
+};
+
+// Rows [m0, m0+R) x columns [n0, n1): C columns per tile, leftover columns one at a time.
+template <int R, int C>
+void row_block(const LinearArgs& a, int64_t m0, int64_t n0, int64_t n1, bool prefetch) {
+  const char* w_end = reinterpret_cast<const char*>(a.w + a.N * a.K);
+  auto run = [&](auto cols, int64_t n) {
+    constexpr int CC = decltype(cols)::value;
+    const uint16_t* w = a.w + n * a.K;
+    const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
+    if (!prefetch || pf + CC * a.K * 2 > w_end) pf = nullptr;
+    float out[R * CC];
+    tile<R, CC>(a.xp + m0 * a.Kp, a.Kp, w, a.K, out, pf);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CC; ++c) {
+        float v = out[r * CC + c];
+        if (a.bias) v += a.bias[n + c];
+        const int64_t at = (m0 + r) * a.N + n + c;
+        if (a.y_bf16) static_cast<uint16_t*>(a.y)[at] = bf16_rne(v);
+        else static_cast<float*>(a.y)[at] = v;
+      }
+  };
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) run(std::integral_constant<int, C>{}, n);
+  for (; n < n1; ++n) run(std::integral_constant<int, 1>{}, n);
+}
+
+// Rows [m0, m1) x columns [n0, n1): blocks of 3 rows x 4 columns (12 chains), the remainder as
+// 2x4 blocks (8 chains) or, for a lone row, 1x4: that case is DRAM-bound, where 4 chains keep up
+// and 4 weight streams prefetch better than 8 (measured: full step 13-14 ms vs 15.5-16.5 ms).
+// Only the first row block streams the weights from memory, so only it prefetches; the other
+// blocks find the group's weights in L1/L2.
+void row_blocks(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t rows = m1 - m0;
+  const int64_t rest = (rows % 3 == 1 && rows > 1) ? 4 : rows % 3;  // 4 -> two 2-row blocks
+  int64_t m = m0;
+  for (; m + 3 <= m1 - rest; m += 3) row_block<3, 4>(a, m, n0, n1, m == m0);
+  for (; m + 2 <= m1; m += 2) row_block<2, 4>(a, m, n0, n1, m == m0);
+  if (m < m1) row_block<1, 4>(a, m, n0, n1, m == m0);
+}
+
+// One thread's columns. Small M: one chunk of rows per column group, so each weight is read from
+// memory exactly once. Large M: rows in chunks whose packed x fits in L2, re-reading the (L3-
+// resident) weights once per chunk instead of re-reading all of x per column group.
+void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1) {
+  const int64_t chunk = std::max<int64_t>(kSmallM, kXChunkBytes / (std::max<int64_t>(a.Kp, 16) * 4) / 3 * 3);
+  for (int64_t m0 = 0; m0 < a.M; m0 += chunk)
+    for (int64_t g = n0; g < n1; g += kColGroup)
+      row_blocks(a, m0, std::min(m0 + chunk, a.M), g, std::min(g + kColGroup, n1));
+}
+
+// x [M, K] (bf16 or fp32) -> [M, Kp] fp32 in the even/odd order the weights take in registers.
+void pack_x(const at::Tensor& x, int64_t Kp, float* dst) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      float* d = dst + m * Kp;
+      for (int64_t b = 0; b < Kp / 16; ++b) {
+        const int64_t n = std::min<int64_t>(16, K - b * 16);
+        if (bf16) {
+          alignas(32) uint16_t buf[16] = {};
+          const uint16_t* s = xb + m * K + b * 16;
+          if (n < 16) s = static_cast<const uint16_t*>(std::memcpy(buf, s, n * 2));
+          const EvenOdd v = load_bf16x16(s);
+          _mm256_storeu_ps(d + b * 16, v.e);
+          _mm256_storeu_ps(d + b * 16 + 8, v.o);
+        } else {
+          const float* s = xf + m * K + b * 16;
+          for (int64_t i = 0; i < 16; ++i) d[b * 16 + (i % 2) * 8 + i / 2] = i < n ? s[i] : 0.0f;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias_opt) {
+  TORCH_CHECK(x_in.dim() == 2, "rowinv.linear: x must be 2-D [M, K], got ", x_in.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
+              "rowinv.linear: x must be bfloat16 or float32, got ", x_in.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "rowinv.linear: w must be a 2-D bfloat16 tensor [N, K], got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.is_contiguous(), "rowinv.linear: w must be contiguous (a per-call copy would be slow)");
+  TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu(), "rowinv.linear: CPU tensors only");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "rowinv.linear: x is [", M, ", ", K, "] but w is ", w.sizes());
+  at::Tensor bias;
+  if (bias_opt.has_value() && bias_opt->defined()) {
+    TORCH_CHECK(bias_opt->dim() == 1 && bias_opt->size(0) == N, "rowinv.linear: bias must be [N=", N,
+                "], got ", bias_opt->sizes());
+    TORCH_CHECK(bias_opt->scalar_type() == at::kBFloat16 || bias_opt->scalar_type() == at::kFloat,
+                "rowinv.linear: bias must be bfloat16 or float32, got ", bias_opt->scalar_type());
+    bias = bias_opt->to(at::kFloat).contiguous();  // exact widening
+  }
+  at::Tensor y = at::empty({M, N}, x_in.options());
+  if (M == 0 || N == 0) return y;
+
+  const int64_t Kp = round_up(K, 16);
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor xp = at::empty({M, Kp}, x.options().dtype(at::kFloat));
+  pack_x(x, Kp, xp.data_ptr<float>());
+  const LinearArgs a{xp.data_ptr<float>(), M, K, Kp, N,
+                     reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                     bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr(),
+                     y.scalar_type() == at::kBFloat16};
+
+  // Threads split whole column groups; an (m, n) is computed the same way whichever thread owns
+  // it. The grain keeps tiny problems, where a fork/join costs more than the work, on one thread.
+  const int64_t units = (N + kColGroup - 1) / kColGroup;
+  const int64_t unit_work = kColGroup * std::max<int64_t>(K, 16) * std::min<int64_t>(M, 8);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / unit_work);
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    linear_columns(a, u0 * kColGroup, std::min(u1 * kColGroup, N));
+  });
+  return y;
+}
+
+// ============================================================================================
+// Kernel 2: attention over a slot pool, one CSR list of slots per query row.
+// For (t, h): s_j = scale * dot(q, k_j) (one 8-lane FMA chain over D, then hsum8);
+// m = max s; p_j = exp(s_j - m) with the vector exp on every element; l = sum_j p_j in order j;
+// o = sum_j p_j v_j in order j (lanes over D); out = bf16(o / l).
+// ============================================================================================
+
+// exp(x) on [-87.33, 88]: x = n ln2 + r (Cody-Waite, |r| <= ln2/2), degree-6 polynomial
+// (Cephes expf coefficients, ~1 ulp), times 2^n built in the exponent field. Below -87.33 the
+// result would be subnormal: return 0 exactly. Callers only pass s - max <= 0. exp(0) == 1.
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));  // operand order keeps NaN
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // n*C1 exact: C1 has 9 bits
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// Key/value rows are gathered from anywhere in the pool, which the hardware prefetcher cannot
+// predict; fetch the row kAhead keys ahead so the gather does not wait on L3/DRAM latency.
+constexpr int64_t kAhead = 16;  // measured: 16 beats 0 and 32 with cold (DRAM) caches
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);  // rows need not start on a cache line
+}
+
+// Head vectors use the same even/odd order as the linear kernel (one load + shift + mask per 16
+// bf16) for every full 16-block; a trailing 8 (D % 16 == 8) stays in natural order.
+inline int64_t packed_pos(int64_t d, int64_t D) {
+  const int64_t full = D / 16 * 16;
+  return d < full ? d / 16 * 16 + (d % 2) * 8 + (d % 16) / 2 : d;
+}
+
+// s[j] = scale * dot(q, k_j) for NK keys: NK independent chains, each the same op sequence as
+// NK = 1 (acc = fma(q_even, k_even, acc); acc = fma(q_odd, k_odd, acc) per block; tail; hsum8).
+template <int NK>
+inline void scores(const float* qp, int64_t D, const uint16_t* const* k, float scale, float* s) {
+  __m256 acc[NK];
+  for (int j = 0; j < NK; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const __m256 qe = _mm256_loadu_ps(qp + d), qo = _mm256_loadu_ps(qp + d + 8);
+    for (int j = 0; j < NK; ++j) {
+      const EvenOdd kv = load_bf16x16(k[j] + d);
+      acc[j] = _mm256_fmadd_ps(qe, kv.e, acc[j]);
+      acc[j] = _mm256_fmadd_ps(qo, kv.o, acc[j]);
+    }
+  }
+  if (d < D) {
+    const __m256 qt = _mm256_loadu_ps(qp + d);
+    for (int j = 0; j < NK; ++j) acc[j] = _mm256_fmadd_ps(qt, load_bf16x8(k[j] + d), acc[j]);
+  }
+  for (int j = 0; j < NK; ++j) s[j] = scale * hsum8(acc[j]);
+}
+
+// o[d0 : d0 + 8*NV] (packed order) = sum_j p_j v_j, in order j, NV accumulators in registers.
+// If l is given, also l = sum_j p_j in the same order (a free scalar chain beside the FMAs).
+template <int NV>
+inline void weighted_sum(const float* p, int64_t L, const uint16_t* v, const int64_t* slots, int64_t vstride,
+                         int64_t d0, float* o, float* l) {
+  __m256 acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
+  float sum = 0.0f;
+  for (int64_t j = 0; j < L; ++j) {
+    if (j + kAhead < L) prefetch_bytes(v + slots[j + kAhead] * vstride + d0, NV * 16);
+    const uint16_t* row = v + slots[j] * vstride + d0;
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int i = 0; i + 1 < NV; i += 2) {
+      const EvenOdd vv = load_bf16x16(row + 8 * i);
+      acc[i] = _mm256_fmadd_ps(pj, vv.e, acc[i]);
+      acc[i + 1] = _mm256_fmadd_ps(pj, vv.o, acc[i + 1]);
+    }
+    if (NV % 2) acc[NV - 1] = _mm256_fmadd_ps(pj, load_bf16x8(row + 8 * (NV - 1)), acc[NV - 1]);
+    sum += p[j];
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+  if (l) *l = sum;
+}
+
+constexpr int64_t kMaxD = 512;
+
+void check_cache(const at::Tensor& c, const char* name, int64_t D) {
+  TORCH_CHECK(c.dim() == 3 && c.scalar_type() == at::kBFloat16, "rowinv.attention: ", name,
+              " must be a 3-D bfloat16 tensor [S, Hkv, D], got ", c.scalar_type(), " ", c.sizes());
+  TORCH_CHECK(c.size(2) == D, "rowinv.attention: ", name, " has D=", c.size(2), " but q has D=", D);
+  TORCH_CHECK(c.stride(2) == 1 && c.stride(1) == D, "rowinv.attention: ", name,
+              " must have contiguous [Hkv, D] rows (slot stride may be anything), got strides ", c.strides());
+}
+
+// out_fp32 returns o / l unrounded: the bf16 rounding hides most 1-ulp differences, so the
+// invariance tests use it; the model path uses bf16.
+at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& kv_indptr_in, const at::Tensor& kv_indices_in, double scale_d,
+                     bool out_fp32) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kBFloat16,
+              "rowinv.attention: q must be a 3-D bfloat16 tensor [T, Hq, D], got ", q_in.scalar_type(), " ",
+              q_in.sizes());
+  TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "rowinv.attention: CPU tensors only");
+  const int64_t T = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2);
+  TORCH_CHECK(D > 0 && D % 8 == 0 && D <= kMaxD,
+              "rowinv.attention: head_dim must be a positive multiple of 8, at most ", kMaxD, "; got ", D);
+  check_cache(k_cache, "k_cache", D);
+  check_cache(v_cache, "v_cache", D);
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1),
+              "rowinv.attention: k_cache ", k_cache.sizes(), " and v_cache ", v_cache.sizes(), " differ");
+  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "rowinv.attention: Hq=", Hq, " is not a multiple of Hkv=", Hkv);
+  TORCH_CHECK(kv_indptr_in.scalar_type() == at::kLong && kv_indptr_in.dim() == 1 && kv_indptr_in.numel() == T + 1,
+              "rowinv.attention: kv_indptr must be int64 of shape [T+1=", T + 1, "], got ",
+              kv_indptr_in.scalar_type(), " ", kv_indptr_in.sizes());
+  TORCH_CHECK(kv_indices_in.scalar_type() == at::kLong && kv_indices_in.dim() == 1,
+              "rowinv.attention: kv_indices must be a 1-D int64 tensor, got ", kv_indices_in.scalar_type(), " ",
+              kv_indices_in.sizes());
+  const at::Tensor q = q_in.contiguous(), indptr_t = kv_indptr_in.contiguous(), idx_t = kv_indices_in.contiguous();
+  const int64_t* indptr = indptr_t.data_ptr<int64_t>();
+  const int64_t* idx = idx_t.data_ptr<int64_t>();
+  const int64_t nnz = idx_t.numel();
+
+  // Validate everything before any thread starts, so errors are clear and never half-written.
+  int64_t max_len = 0;
+  TORCH_CHECK(indptr[0] >= 0, "rowinv.attention: kv_indptr[0]=", indptr[0], " is negative");
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(indptr[t + 1] > indptr[t], "rowinv.attention: query row ", t, " has an empty (or negative) key list: ",
+                "kv_indptr[", t, "]=", indptr[t], ", kv_indptr[", t + 1, "]=", indptr[t + 1],
+                "; every row must attend to at least one slot");
+    max_len = std::max(max_len, indptr[t + 1] - indptr[t]);
+  }
+  TORCH_CHECK(indptr[T] <= nnz, "rowinv.attention: kv_indptr[T]=", indptr[T], " exceeds kv_indices.numel()=", nnz);
+  for (int64_t i = (T > 0 ? indptr[0] : 0); i < (T > 0 ? indptr[T] : 0); ++i)
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < S, "rowinv.attention: kv_indices[", i, "]=", idx[i],
+                " is out of range for a cache of ", S, " slots");
+
+  at::Tensor out = at::empty({T, Hq, D}, q.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (T == 0 || Hq == 0) return out;
+  const float scale = static_cast<float>(scale_d);
+  const int64_t group = Hq / Hkv, slot_k = k_cache.stride(0), slot_v = v_cache.stride(0);
+  const auto* qb = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* kb = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* vb = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  auto* ob = out_fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  float* of = out_fp32 ? out.data_ptr<float>() : nullptr;
+
+  // One (t, h) per work item: its result never depends on who computes it or what comes next.
+  at::parallel_for(0, T * Hq, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sbuf(static_cast<size_t>(round_up(max_len, 8)));
+    alignas(32) float qp[kMaxD];
+    alignas(32) float o[kMaxD];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / Hq, g = (i % Hq) / group;
+      const int64_t* slots = idx + indptr[t];
+      const int64_t L = indptr[t + 1] - indptr[t], Lp = round_up(L, 8);
+      for (int64_t d = 0; d < D; ++d) qp[packed_pos(d, D)] = bf16_to_f32(qb[i * D + d]);
+      const uint16_t* kg = kb + g * D;
+      float* s = sbuf.data();
+      int64_t j = 0;
+      for (; j + 8 <= L; j += 8) {
+        const uint16_t* rows[8];
+        for (int a = 0; a < 8; ++a) {
+          rows[a] = kg + slots[j + a] * slot_k;
+          if (j + a + kAhead < L) prefetch_bytes(kg + slots[j + a + kAhead] * slot_k, D * 2);
+        }
+        scores<8>(qp, D, rows, scale, s + j);
+      }
+      for (; j < L; ++j) {
+        const uint16_t* row = kg + slots[j] * slot_k;
+        scores<1>(qp, D, &row, scale, s + j);
+      }
+      for (j = L; j < Lp; ++j) s[j] = -INFINITY;  // padding: exp(-inf - m) = 0, never the max
+      __m256 mv = _mm256_set1_ps(-INFINITY);
+      for (j = 0; j < Lp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+      const __m256 m = _mm256_set1_ps(hmax8(mv));
+      for (j = 0; j < Lp; j += 8) _mm256_storeu_ps(s + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), m)));
+      float l = 0.0f;
+      const uint16_t* vg = vb + g * D;
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators per pass; D = 128 takes two
+        float* lp = d0 == 0 ? &l : nullptr;
+        switch (std::min<int64_t>(8, (D - d0) / 8)) {
+          case 8: weighted_sum<8>(s, L, vg, slots, slot_v, d0, o, lp); break;
+          case 7: weighted_sum<7>(s, L, vg, slots, slot_v, d0, o, lp); break;
+          case 6: weighted_sum<6>(s, L, vg, slots, slot_v, d0, o, lp); break;
+          case 5: weighted_sum<5>(s, L, vg, slots, slot_v, d0, o, lp); break;
+          case 4: weighted_sum<4>(s, L, vg, slots, slot_v, d0, o, lp); break;
+          case 3: weighted_sum<3>(s, L, vg, slots, slot_v, d0, o, lp); break;
+          case 2: weighted_sum<2>(s, L, vg, slots, slot_v, d0, o, lp); break;
+          default: weighted_sum<1>(s, L, vg, slots, slot_v, d0, o, lp); break;
+        }
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const float r = o[packed_pos(d, D)] / l;
+        if (of) of[i * D + d] = r;
+        else ob[i * D + d] = bf16_rne(r);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// The GIL is released while the kernels run (arguments are converted before, the result after),
+// so a Python thread (e.g. a drafter) is not blocked by a long prefill.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("linear", &linear, "Row-invariant y = x @ w.T (+ bias); w bf16 [N, K], x bf16/fp32 [M, K]", py::arg("x"),
+        py::arg("w"), py::arg("bias") = py::none(), release_gil());
+  m.def("attention", &attention, "Row-invariant CSR attention over a bf16 slot pool", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"),
+        py::arg("out_fp32") = false, release_gil());
+}

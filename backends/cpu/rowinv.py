@@ -1,0 +1,128 @@
+"""Row-invariant CPU kernels (AVX2 + FMA) for bf16 speculative decoding.
+
+The result for one row of `linear` or one query row of `attention` is bitwise the same whatever
+other rows come with it, whatever its position, and whatever the thread count, so that verifying
+N draft tokens in one forward gives exactly the greedy tokens of N one-token forwards.
+
+The extension is JIT-built on first use (`load()`); on machines that cannot build or run it,
+`load()` returns None and `unavailable_reason()` says why, so callers can fall back to stock ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from types import ModuleType
+
+import torch
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rowinv.cpp")
+
+# -ffp-contract=off: GCC contracts a*b+c into an FMA by default when -mfma is on; doing so in some
+# inlined copies but not others would make a row's bits depend on the code path.
+# No -ffast-math: it would let the compiler reassociate the fixed accumulation order.
+# -fopenmp: at::parallel_for is a header template that only runs in parallel when the including
+# translation unit is compiled with OpenMP; without it every call silently runs on one thread.
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch already loaded (same soname)
+
+
+def _missing_cpu_flags() -> list[str]:
+    """AVX2/FMA flags absent from /proc/cpuinfo; [] where that file does not exist (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [flag for flag in ("avx2", "fma") if flag not in flags]
+    except OSError:
+        pass
+    return []
+
+
+@functools.cache
+def _build() -> tuple[ModuleType | None, str]:
+    """Build once per process; returns (module, "") or (None, reason)."""
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+        # ATen reports AVX2 only when the CPU has both AVX2 and FMA3, which is what we need.
+        if cap not in ("AVX2", "AVX512"):
+            return None, f"CPU capability is {cap!r}; the kernels need AVX2 + FMA"
+        missing = _missing_cpu_flags()
+        if missing:  # ATEN_CPU_CAPABILITY can claim AVX2 on a CPU without it
+            return None, f"CPU lacks {', '.join(missing)} (per /proc/cpuinfo)"
+        from torch.utils import cpp_extension
+
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None:
+            return None, f"no C++ compiler found ({cxx!r} is not on PATH)"
+        if not cpp_extension.is_ninja_available():
+            return None, "ninja is not available (torch.utils.cpp_extension.load needs it)"
+        module = cpp_extension.load(
+            name="polyspec_cpu_rowinv",
+            sources=[_SOURCE],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            verbose=False,
+        )
+        return module, ""
+    except Exception as exc:  # never raise: the caller falls back to stock PyTorch
+        return None, f"build or load failed: {type(exc).__name__}: {exc}"
+
+
+def load() -> ModuleType | None:
+    """Return the compiled extension, building it on first call; None if unavailable."""
+    return _build()[0]
+
+
+def unavailable_reason() -> str:
+    """Why `load()` returns None ("" when the extension is available). Triggers the build."""
+    return _build()[1]
+
+
+def _module() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError(f"rowinv extension unavailable: {unavailable_reason()}")
+    return module
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-invariant y = x @ w.T + bias with fp32 accumulation.
+
+    x:    [..., K] bfloat16 or float32
+    w:    [N, K]   bfloat16, contiguous
+    bias: [N]      bfloat16 / float32, or None
+    returns [..., N] in x's dtype (bf16 output is round-to-nearest-even of the fp32 sum).
+    """
+    lead = x.shape[:-1]
+    # lead.numel() rather than -1: reshape(-1, 0) is ambiguous when K == 0
+    y = _module().linear(x.reshape(lead.numel(), x.shape[-1]), w, bias)  # [M, N]
+    return y.reshape(*lead, w.shape[0])
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Row-invariant attention of each query row over its own ordered list of cache slots.
+
+    q:          [T, Hq, D]   bfloat16 (D a multiple of 8, at most 512)
+    k_cache:    [S, Hkv, D]  bfloat16 slot pool (Hq % Hkv == 0; head h reads kv head h // (Hq // Hkv))
+    v_cache:    [S, Hkv, D]  bfloat16
+    kv_indptr:  [T + 1]      int64 CSR offsets; every row must have at least one slot
+    kv_indices: [nnz]        int64 slot ids, attended in the listed order
+    returns     [T, Hq, D]   bfloat16 (or float32 with out_dtype=torch.float32: the same fp32
+                             values before the final rounding, which makes 1-ulp differences visible)
+    """
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    return _module().attention(
+        q, k_cache, v_cache, kv_indptr, kv_indices, float(scale), out_dtype == torch.float32
+    )

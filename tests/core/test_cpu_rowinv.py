@@ -1,0 +1,371 @@
+"""The cpu backend's row-invariant bf16 kernels (backends/cpu/rowinv.cpp): exact against a
+reference, and a row's bits independent of the other rows, its position and the thread count.
+The first run builds the extension (~40 s)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polyspec.backends.cpu import rowinv
+
+
+@pytest.fixture(scope="session", autouse=True)
+def built() -> None:
+    if rowinv.load() is None:
+        pytest.skip(f"rowinv unavailable: {rowinv.unavailable_reason()}")
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def bf16_rand(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).bfloat16()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (also for NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+# ------------------------------------------------------------------------------------- linear
+
+LINEAR_CASES = [  # (M, N, K)
+    (1, 576, 576),
+    (6, 192, 576),
+    (7, 100, 1536),
+    (16, 64, 576),
+    (3, 37, 40),
+    (5, 9, 37),
+    (2, 8, 1),
+    (4, 24, 15),
+    (9, 16, 17),
+    (130, 40, 64),
+]
+
+
+@pytest.mark.parametrize("m,n,k", LINEAR_CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_fp32_matches_reference(m: int, n: int, k: int, with_bias: bool) -> None:
+    x, w = bf16_rand(m, k, seed=1), bf16_rand(n, k, seed=2)
+    b = bf16_rand(n, seed=3) if with_bias else None
+    y = rowinv.linear(x.float(), w, b)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    ref32 = F.linear(x.float(), w.float(), None if b is None else b.float())
+    ref64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # fp32 accumulation error is bounded by ~K * eps * sum|x*w|; typical error is far smaller.
+    mag = F.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs())
+    assert ((y.double() - ref64).abs() <= 1e-6 * mag + 1e-30).all()
+    torch.testing.assert_close(y, ref32, rtol=1e-5, atol=1e-5 * float(mag.max()))
+
+
+@pytest.mark.parametrize("m,n,k", LINEAR_CASES)
+def test_linear_bf16_within_one_ulp(m: int, n: int, k: int) -> None:
+    x, w, b = bf16_rand(m, k, seed=4), bf16_rand(n, k, seed=5), bf16_rand(n, seed=6)
+    y = rowinv.linear(x, w, b)
+    assert y.dtype == torch.bfloat16
+    ref = F.linear(x.double(), w.double(), b.double())
+    # bf16 has 8 significant bits: one ulp at |ref| is 2^(floor(log2|ref|) - 7).
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+    assert ((y.double() - ref).abs() <= ulp).all()
+    # The bf16 output is exactly the RNE rounding of the fp32-path result.
+    assert same(y, rowinv.linear(x.float(), w, b).bfloat16())
+
+
+# Invariance tests run on fp32 x as well: fp32 output has no final rounding to hide a 1-ulp
+# difference in the accumulation order (bf16 output would mask almost all of them).
+@pytest.mark.parametrize("k", [576, 1536, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_row_invariance(k: int, dtype: torch.dtype) -> None:
+    x, w, b = bf16_rand(7, k, seed=7).to(dtype), bf16_rand(72, k, seed=8), bf16_rand(72, seed=9)
+    y = rowinv.linear(x, w, b)
+    for i in range(7):
+        assert same(rowinv.linear(x[i : i + 1], w, b), y[i : i + 1]), f"row {i} alone differs"
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    inv = torch.argsort(perm)
+    assert same(rowinv.linear(x[perm], w, b)[inv], y)
+    for m in range(1, 8):  # every row-block plan (1x8, 2x4, 3x4 and mixes) sees the same rows
+        assert same(rowinv.linear(x[:m], w, b), y[:m]), f"prefix M={m} differs"
+    for pos in range(5):  # row 0 surrounded by unrelated rows, at each position
+        others = bf16_rand(4, k, seed=100 + pos).to(dtype)
+        xx = torch.cat([others[:pos], x[:1], others[pos:]])
+        assert same(rowinv.linear(xx, w, b)[pos], y[0])
+
+
+def test_linear_row_invariance_large_m() -> None:
+    # M = 300 with K = 1536 runs in several row chunks; every row must still match M = 1.
+    x, w = bf16_rand(300, 1536, seed=10).float(), bf16_rand(24, 1536, seed=11)
+    y = rowinv.linear(x, w)
+    singles = torch.cat([rowinv.linear(x[i : i + 1], w) for i in range(300)])
+    assert same(y, singles)
+    assert same(rowinv.linear(x[:137], w), y[:137])
+
+
+def test_linear_column_path_invariance() -> None:
+    # N = 13: groups of 8 and 5 columns, so 4-wide tiles and a 1-wide leftover; each column must
+    # match the same column computed alone (always a 1-wide tile).
+    x, w = bf16_rand(5, 64, seed=12).float(), bf16_rand(13, 64, seed=13)
+    for m in (1, 2, 3, 5):
+        y = rowinv.linear(x[:m], w)
+        for j in range(13):
+            assert same(rowinv.linear(x[:m], w[j : j + 1].contiguous()), y[:, j : j + 1])
+
+
+@pytest.mark.parametrize("m", [1, 6, 200])
+def test_linear_thread_count_invariance(m: int) -> None:
+    x, w, b = (
+        bf16_rand(m, 576, seed=14).float(),
+        bf16_rand(1000, 576, seed=15),
+        bf16_rand(1000, seed=16),
+    )
+    with num_threads(1):
+        y1 = rowinv.linear(x, w, b)
+    with num_threads(2):
+        y2 = rowinv.linear(x, w, b)
+    assert same(y1, y2)
+
+
+def test_linear_leading_dims_and_empty() -> None:
+    x, w = bf16_rand(2, 3, 40, seed=17), bf16_rand(8, 40, seed=18)
+    y = rowinv.linear(x, w)
+    assert y.shape == (2, 3, 8)
+    assert same(y.reshape(6, 8), rowinv.linear(x.reshape(6, 40), w))
+    empty = rowinv.linear(torch.empty(0, 40, dtype=torch.bfloat16), w)
+    assert empty.shape == (0, 8)
+    b = bf16_rand(8, seed=19)  # K = 0: an empty sum, so just the bias
+    assert same(
+        rowinv.linear(
+            torch.empty(3, 0, dtype=torch.bfloat16), torch.empty(8, 0, dtype=torch.bfloat16), b
+        ),
+        b.expand(3, 8).contiguous(),
+    )
+
+
+def test_linear_errors() -> None:
+    x, w = bf16_rand(2, 16, seed=20), bf16_rand(4, 16, seed=21)
+    mod = rowinv.load()
+    with pytest.raises(RuntimeError, match="w must be a 2-D bfloat16"):
+        rowinv.linear(x, w.float())
+    with pytest.raises(RuntimeError, match="x must be bfloat16 or float32"):
+        rowinv.linear(x.double(), w)
+    with pytest.raises(RuntimeError, match="but w is"):
+        rowinv.linear(bf16_rand(2, 15, seed=22), w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        rowinv.linear(x, bf16_rand(16, 4, seed=23).t())
+    with pytest.raises(RuntimeError, match="bias must be"):
+        rowinv.linear(x, w, bf16_rand(5, seed=24))
+    with pytest.raises(RuntimeError, match="2-D"):
+        mod.linear(x.reshape(1, 2, 16), w, None)
+
+
+# ---------------------------------------------------------------------------------- attention
+
+
+def make_attention(lens: list[int], hq: int, hkv: int, d: int, seed: int, slots: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    s = slots or sum(lens) + 7
+    q = torch.randn(len(lens), hq, d, generator=g).bfloat16()
+    k = torch.randn(s, hkv, d, generator=g).bfloat16()
+    v = torch.randn(s, hkv, d, generator=g).bfloat16()
+    indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
+    indices = torch.randint(0, s, (sum(lens),), generator=g, dtype=torch.int64)
+    return q, k, v, indptr, indices
+
+
+def attention_reference(q, k, v, indptr, indices, scale) -> torch.Tensor:
+    t_rows, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = torch.empty(t_rows, hq, d, dtype=torch.float64)
+    for t in range(t_rows):
+        idx = indices[indptr[t] : indptr[t + 1]]
+        for h in range(hq):
+            kk = k[idx, h // group].double()  # [L, D]
+            vv = v[idx, h // group].double()
+            p = torch.softmax(scale * (kk @ q[t, h].double()), dim=0)
+            out[t, h] = p @ vv
+    return out
+
+
+def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.bfloat16
+    # One bf16 rounding of an fp32 result: within ~1 ulp (2^-8 relative) plus fp32 noise.
+    assert ((out.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-4).all()
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (6, 1, 8), (2, 2, 72)])
+def test_attention_matches_reference(hq: int, hkv: int, d: int) -> None:
+    lens = [1, 5, 8, 9, 33, 400]
+    q, k, v, indptr, indices = make_attention(lens, hq, hkv, d, seed=30)
+    scale = d**-0.5
+    ref = attention_reference(q, k, v, indptr, indices, scale)
+    out = rowinv.attention(q, k, v, indptr, indices, scale)
+    assert out.shape == q.shape
+    assert_close_bf16(out, ref)
+    out32 = rowinv.attention(q, k, v, indptr, indices, scale, out_dtype=torch.float32)
+    assert out32.dtype == torch.float32
+    assert ((out32.double() - ref).abs() <= 1e-5 * ref.abs() + 2e-6).all()  # fp32-level agreement
+    assert same(out, out32.bfloat16())  # bf16 output is exactly the RNE rounding of the fp32 one
+
+
+def test_attention_extreme_scores() -> None:
+    # Score gaps of hundreds: exp must underflow to exactly 0 without NaN, the max must dominate.
+    q, k, v, indptr, indices = make_attention([3, 50], 3, 3, 64, seed=31)
+    scale = 8.0
+    out = rowinv.attention(q, k, v, indptr, indices, scale)
+    assert torch.isfinite(out.float()).all()
+    assert_close_bf16(out, attention_reference(q, k, v, indptr, indices, scale))
+
+
+F32 = torch.float32
+SCALE = 0.1  # not a power of two, so where the scale is applied matters to the bits
+
+
+def test_attention_row_invariance() -> None:
+    lens = [7, 1, 300, 16, 45, 2]
+    q, k, v, indptr, indices = make_attention(lens, 9, 3, 64, seed=32)
+    out = rowinv.attention(q, k, v, indptr, indices, SCALE, out_dtype=F32)
+    for t, n in enumerate(lens):
+        lo = int(indptr[t])
+        alone = rowinv.attention(
+            q[t : t + 1],
+            k,
+            v,
+            torch.tensor([0, n]),
+            indices[lo : lo + n].clone(),
+            SCALE,
+            out_dtype=F32,
+        )
+        assert same(alone, out[t : t + 1]), f"row {t} alone differs"
+    order = [3, 0, 5, 1, 4, 2]  # same rows, other neighbours and positions
+    idx2 = torch.cat([indices[int(indptr[t]) : int(indptr[t + 1])] for t in order])
+    ptr2 = torch.tensor([0] + torch.tensor([lens[t] for t in order]).cumsum(0).tolist())
+    assert same(rowinv.attention(q[order], k, v, ptr2, idx2, SCALE, out_dtype=F32), out[order])
+    # A verify-style batch: row t sees the first n + t slots of one sequence; each row must match
+    # the same row computed alone (as plain decoding would).
+    seq = indices[:64]
+    ptr3 = torch.tensor([0] + torch.tensor([40 + t for t in range(6)]).cumsum(0).tolist())
+    idx3 = torch.cat([seq[: 40 + t] for t in range(6)])
+    batch = rowinv.attention(q[:6], k, v, ptr3, idx3, SCALE, out_dtype=F32)
+    for t in range(6):
+        alone = rowinv.attention(
+            q[t : t + 1],
+            k,
+            v,
+            torch.tensor([0, 40 + t]),
+            seq[: 40 + t].clone(),
+            SCALE,
+            out_dtype=F32,
+        )
+        assert same(alone, batch[t : t + 1])
+
+
+def test_attention_gqa_mapping() -> None:
+    # v of kv head g is the constant 2^g: the softmax average is then exactly 2^g (power-of-two
+    # scaling commutes with rounding), so head h must read kv head h // (Hq // Hkv).
+    q, k, v, indptr, indices = make_attention([4, 19], 9, 3, 64, seed=33)
+    v = torch.stack([torch.full_like(v[:, 0], 2.0**g) for g in range(3)], dim=1)
+    out = rowinv.attention(q, k, v, indptr, indices, SCALE, out_dtype=F32)
+    for h in range(9):
+        assert (out[:, h] == 2.0 ** (h // 3)).all(), f"head {h}"
+
+
+def test_attention_thread_invariance_and_strided_pool() -> None:
+    lens = [33, 2, 129, 64, 1, 77, 400, 5]
+    q, k, v, indptr, indices = make_attention(lens, 9, 3, 64, seed=34)
+    with num_threads(1):
+        o1 = rowinv.attention(q, k, v, indptr, indices, SCALE, out_dtype=F32)
+    with num_threads(2):
+        o2 = rowinv.attention(q, k, v, indptr, indices, SCALE, out_dtype=F32)
+    assert same(o1, o2)
+    pool = torch.stack([k, v], dim=1)  # [S, 2, Hkv, D]: k and v share a slot, non-contiguous views
+    assert same(
+        rowinv.attention(q, pool[:, 0], pool[:, 1], indptr, indices, SCALE, out_dtype=F32), o2
+    )
+
+
+def test_attention_errors() -> None:
+    q, k, v, indptr, indices = make_attention([3, 4], 9, 3, 64, seed=35)
+    with pytest.raises(RuntimeError, match="empty"):
+        rowinv.attention(q, k, v, torch.tensor([0, 3, 3]), indices, 0.125)
+    bad = indices.clone()
+    bad[5] = k.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        rowinv.attention(q, k, v, indptr, bad, 0.125)
+    bad[5] = -1
+    with pytest.raises(RuntimeError, match="out of range"):
+        rowinv.attention(q, k, v, indptr, bad, 0.125)
+    with pytest.raises(RuntimeError, match="exceeds"):
+        rowinv.attention(q, k, v, torch.tensor([0, 3, 9]), indices, 0.125)
+    with pytest.raises(RuntimeError, match="kv_indptr must be int64"):
+        rowinv.attention(q, k, v, indptr[:2], indices, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of Hkv"):
+        rowinv.attention(q[:, :8], k, v, indptr, indices, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        rowinv.attention(
+            q[..., :12].contiguous(),
+            k[..., :12].contiguous(),
+            v[..., :12].contiguous(),
+            indptr,
+            indices,
+            0.125,
+        )
+    with pytest.raises(RuntimeError, match="q must be"):
+        rowinv.attention(q.float(), k, v, indptr, indices, 0.125)
+    with pytest.raises(RuntimeError, match="k_cache must be"):
+        rowinv.attention(q, k.float(), v, indptr, indices, 0.125)
+
+
+# ------------------------------------------------------------------------------------- loader
+
+
+def test_load_reports_instead_of_raising(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert rowinv.unavailable_reason() == ""
+    build = rowinv._build.__wrapped__  # bypass the per-process cache
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    module, reason = build()
+    assert module is None and "AVX2" in reason
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    module, reason = build()
+    assert module is None and "compiler" in reason
+
+
+def test_cpu_backend_kernel_choice(monkeypatch):
+    """bf16 linears and attention of the cpu backend use these kernels unless
+    POLYSPEC_CPU_KERNELS=torch; a wrong value is an error that names the choices."""
+    from polyspec.backends.cpu.attention import SDPAAttention
+    from polyspec.backends.cpu.backend import CPUBackend
+    from polyspec.errors import ConfigError
+
+    w = torch.randn(24, 40).bfloat16()
+    x = torch.randn(5, 40).bfloat16()
+    backend = CPUBackend()
+    pool = backend.make_kv_pool(16, 1, 2, 8, torch.bfloat16)
+    attn = backend.make_attention(pool, 4, 2, 8, 0.35)
+    assert isinstance(attn, SDPAAttention) and attn.exact_attention is rowinv.attention
+    assert same(backend.linear_fn(w)(x, None), rowinv.linear(x, w))
+    fp32_pool = backend.make_kv_pool(16, 1, 2, 8, torch.float32)
+    assert backend.make_attention(fp32_pool, 4, 2, 8, 0.35).exact_attention is None
+
+    monkeypatch.setenv("POLYSPEC_CPU_KERNELS", "torch")
+    stock = CPUBackend()
+    assert stock.row_invariant_kernels() is None
+    assert stock.make_attention(pool, 4, 2, 8, 0.35).exact_attention is None
+    monkeypatch.setenv("POLYSPEC_CPU_KERNELS", "fast")
+    with pytest.raises(ConfigError, match="POLYSPEC_CPU_KERNELS='fast'.*'auto'.*'torch'"):
+        CPUBackend()

@@ -14,6 +14,7 @@ AVX2, no compiler) or with ``POLYSPEC_CPU_KERNELS=torch``, bf16 runs on stock Py
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,15 @@ class CPUBackend(Backend):
         or it cannot be built here: :func:`rowinv.unavailable_reason` says why)."""
         if self.kernel_choice == "torch":
             return None
-        return rowinv.load()
+        module = rowinv.load()
+        if module is None:
+            warnings.warn(
+                f"cpu backend: row-invariant bf16 kernels unavailable ({rowinv.unavailable_reason()});"
+                " bf16 runs on stock PyTorch, slower at several rows, and its speculative output "
+                "can part from plain output after a near-tie",
+                stacklevel=2,
+            )
+        return module
 
     def memory_info(self) -> tuple[int, int]:
         """(available, total) bytes of host memory, or (0, 0) where the OS does not say."""

@@ -13,6 +13,7 @@ AVX2, no compiler) or with ``POLYSPEC_CPU_KERNELS=torch``, bf16 runs on stock Py
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -55,7 +56,8 @@ class CPUBackend(Backend):
         """Load the reference kernel set (fails loudly if ``polyspec.kernels.reference`` is
         incomplete)."""
         self.capabilities = CPU_CAPABILITIES
-        self.kernels = KernelSet.reference()
+        reference = KernelSet.reference()
+        self.kernels = reference
         self.kernel_choice = os.environ.get("POLYSPEC_CPU_KERNELS", "auto").strip() or "auto"
         if self.kernel_choice not in ("auto", "torch"):
             raise ConfigError(
@@ -63,6 +65,8 @@ class CPUBackend(Backend):
                 "C++ kernels for bf16 where they build, the default) or 'torch' (stock PyTorch "
                 "only)"
             )
+        if self.kernel_choice == "auto":
+            self.kernels = dataclasses.replace(reference, **_bf16_layer_ops(self, reference))
 
     def row_invariant_kernels(self):
         """The built ``rowinv`` extension for bf16 models, or None (``POLYSPEC_CPU_KERNELS=torch``,
@@ -185,3 +189,38 @@ def _onednn_bf16() -> bool:
         )
     except (AttributeError, RuntimeError):
         return False
+
+
+def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
+    """The decoder-layer kernels (norms, rotary, SiLU-and-mul): the C++ ones for bf16 inputs
+    once the extension is built, the reference for every other dtype. The extension is only
+    built when a bf16 input first arrives, so fp32 runs never wait for the compiler."""
+
+    def pick(name: str, is_bf16):
+        ref = getattr(reference, name)
+        native = getattr(rowinv, name)
+
+        def kernel(*args, **kwargs):
+            if is_bf16(*args) and backend.row_invariant_kernels() is not None:
+                return native(*args, **kwargs)
+            return ref(*args, **kwargs)
+
+        kernel.__name__ = kernel.__qualname__ = name
+        kernel.__doc__ = ref.__doc__
+        return kernel
+
+    bf16 = torch.bfloat16
+    return {
+        "rms_norm": pick("rms_norm", lambda x, w, *_: x.dtype == bf16 and w.dtype == bf16),
+        "fused_add_rms_norm": pick(
+            "fused_add_rms_norm",
+            lambda x, r, w, *_: x.dtype == bf16 and r.dtype == bf16 and w.dtype == bf16,
+        ),
+        "silu_and_mul": pick("silu_and_mul", lambda x, *_: x.dtype == bf16),
+        "rotary_embedding": pick(
+            "rotary_embedding",
+            lambda pos, q, k, cache, *_: (
+                q.dtype == bf16 and k.dtype == bf16 and cache.dtype == torch.float32
+            ),
+        ),
+    }

@@ -1,4 +1,5 @@
-// Row-invariant CPU kernels for AVX2 + FMA: a bf16-weight linear and a CSR (paged) attention.
+// Row-invariant CPU kernels for AVX2 + FMA: a bf16-weight linear, a CSR (paged) attention and
+// the per-token ops of a decoder layer.
 //
 // "Row-invariant" means the bits of output row m depend only on row m's inputs: not on M, on the
 // other rows, on m's position, on the thread count or on which micro-kernel happened to compute
@@ -460,6 +461,146 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
   return out;
 }
 
+
+// ============================================================================================
+// Per-token ops of a decoder layer (RMSNorm, residual add + RMSNorm, rotary, SiLU-and-mul) in
+// bf16 with fp32 math, one call each. In stock PyTorch each is 5-15 small ops, and at one token
+// per step their dispatch costs as much as the layer's matrix work. The arithmetic follows
+// polyspec.kernels.reference step by step (same roundings to bf16); reductions run in one
+// fixed sequential order per row, so they are row-invariant as well.
+// ============================================================================================
+
+constexpr int64_t kRowGrain = 16;  // rows per task: below this, threading costs more than it saves
+
+void check_bf16_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), name,
+              " must be a contiguous 2-D bfloat16 tensor [T, H], got ", x.scalar_type(), " ", x.sizes());
+}
+
+// out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)), as LlamaRMSNorm.
+void rms_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t T, int64_t H, double eps) {
+  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* xr = x + t * H;
+      float ss = 0.0f;
+      for (int64_t h = 0; h < H; ++h) {
+        const float v = bf16_to_f32(xr[h]);
+        ss += v * v;
+      }
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
+      uint16_t* o = out + t * H;
+      for (int64_t h = 0; h < H; ++h) {
+        const float normed = bf16_to_f32(bf16_rne(bf16_to_f32(xr[h]) * r));
+        o[h] = bf16_rne(bf16_to_f32(w[h]) * normed);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_bf16_rows(x, "rms_norm: x");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
+              "rms_norm: weight must be contiguous bfloat16 [H] with H = ", x.size(1));
+  at::Tensor out = at::empty_like(x);
+  rms_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+           reinterpret_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), eps);
+  return out;
+}
+
+std::vector<at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
+                                           double eps) {
+  check_bf16_rows(x, "fused_add_rms_norm: x");
+  check_bf16_rows(residual, "fused_add_rms_norm: residual");
+  TORCH_CHECK(residual.sizes() == x.sizes(), "fused_add_rms_norm: residual ", residual.sizes(),
+              " must have x's shape ", x.sizes());
+  at::Tensor total = at::empty_like(x);
+  const int64_t n = x.numel();
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* b = reinterpret_cast<const uint16_t*>(residual.data_ptr());
+  uint16_t* s = reinterpret_cast<uint16_t*>(total.data_ptr());
+  for (int64_t i = 0; i < n; ++i) s[i] = bf16_rne(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+  return {rms_norm(total, w, eps), total};
+}
+
+// out[t, :I] = bf16(silu(x[t, :I]) * x[t, I:]), silu(v) = v / (1 + exp(-v)).
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_bf16_rows(x, "silu_and_mul: x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dim must be even, got ", x.size(1));
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    alignas(32) float e[8];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* g = xp + t * 2 * I;
+      const uint16_t* u = g + I;
+      uint16_t* o = op + t * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {  // element i always takes this path for a given I
+        const __m256 gv = load_bf16x8(g + i);
+        _mm256_store_ps(e, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        for (int j = 0; j < 8; ++j) {
+          const float gf = bf16_to_f32(g[i + j]);
+          o[i + j] = bf16_rne(gf / (1.0f + e[j]) * bf16_to_f32(u[i + j]));
+        }
+      }
+      for (; i < I; ++i) {
+        const float gf = bf16_to_f32(g[i]);
+        o[i] = bf16_rne(gf / (1.0f + std::exp(-gf)) * bf16_to_f32(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+// Rotary embedding of q and k, fp32 math, new bf16 tensors. neox: pairs (i, i + D/2);
+// otherwise interleaved pairs (2i, 2i + 1). cache[pos] = D/2 cos values then D/2 sin values.
+void rotate_heads(const uint16_t* x, uint16_t* out, int64_t T, int64_t H, int64_t D, const int64_t* pos,
+                  const float* cache, int64_t max_pos, bool neox) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = pos[t];
+      TORCH_CHECK(p >= 0 && p < max_pos, "rotary_embedding: position ", p, " outside the cos/sin cache [0, ",
+                  max_pos, ")");
+      const float* c = cache + p * D;
+      const float* s = c + half;
+      for (int64_t h = 0; h < H; ++h) {
+        const uint16_t* xr = x + (t * H + h) * D;
+        uint16_t* o = out + (t * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t i1 = neox ? i : 2 * i, i2 = neox ? i + half : 2 * i + 1;
+          const float x1 = bf16_to_f32(xr[i1]), x2 = bf16_to_f32(xr[i2]);
+          o[i1] = bf16_rne(x1 * c[i] - x2 * s[i]);
+          o[i2] = bf16_rne(x2 * c[i] + x1 * s[i]);
+        }
+      }
+    }
+  });
+}
+
+std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& cos_sin_cache, bool is_neox) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && q.dim() == 3 && k.dim() == 3,
+              "rotary_embedding: q and k must be bfloat16 [T, H, D]");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && D % 2 == 0, "rotary_embedding: k must be [T, Hkv, D] with q's T and",
+              " an even D; got q ", q.sizes(), ", k ", k.sizes());
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 && cos_sin_cache.size(1) == D,
+              "rotary_embedding: cos_sin_cache must be float32 [max_pos, D=", D, "]");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T, "rotary_embedding: positions must be [T]");
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const at::Tensor cache = cos_sin_cache.contiguous();
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous();
+  at::Tensor q_out = at::empty_like(qc), k_out = at::empty_like(kc);
+  for (auto [src, dst] : {std::pair<const at::Tensor*, at::Tensor*>{&qc, &q_out}, {&kc, &k_out}}) {
+    rotate_heads(reinterpret_cast<const uint16_t*>(src->data_ptr()), reinterpret_cast<uint16_t*>(dst->data_ptr()), T,
+                 src->size(1), D, pos.data_ptr<int64_t>(), cache.data_ptr<float>(), cache.size(0), is_neox);
+  }
+  return {q_out, k_out};
+}
+
 }  // namespace
 
 // The GIL is released while the kernels run (arguments are converted before, the result after),
@@ -471,4 +612,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "Row-invariant CSR attention over a bf16 slot pool", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"),
         py::arg("out_fp32") = false, release_gil());
+  m.def("rms_norm", &rms_norm, "RMSNorm, bf16 [T, H]", release_gil());
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "(rms_norm(x + residual), x + residual), bf16", release_gil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:], bf16", release_gil());
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, bf16, fp32 cos/sin cache",
+        release_gil());
 }

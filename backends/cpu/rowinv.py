@@ -126,3 +126,44 @@ def attention(
     return _module().attention(
         q, k_cache, v_cache, kv_indptr, kv_indices, float(scale), out_dtype == torch.float32
     )
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H] bf16
+    weight: torch.Tensor,  # [H] bf16
+    eps: float,
+) -> torch.Tensor:  # [T, H] bf16
+    """``polyspec.kernels.reference.rms_norm`` in one call (bf16 only)."""
+    return _module().rms_norm(x.contiguous(), weight.contiguous(), float(eps))
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [T, H] bf16
+    residual: torch.Tensor,  # [T, H] bf16
+    weight: torch.Tensor,  # [H] bf16
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H], [T, H])
+    """``polyspec.kernels.reference.fused_add_rms_norm`` in one call (bf16 only)."""
+    normed, total = _module().fused_add_rms_norm(
+        x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps)
+    )
+    return normed, total
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] bf16 -> [T, I]
+    """``polyspec.kernels.reference.silu_and_mul`` in one call (bf16 only)."""
+    lead = x.shape[:-1]
+    out = _module().silu_and_mul(x.reshape(lead.numel(), x.shape[-1]).contiguous())
+    return out.reshape(*lead, x.shape[-1] // 2)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, Hq, D] bf16
+    k: torch.Tensor,  # [T, Hkv, D] bf16
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hq, D], [T, Hkv, D])
+    """``polyspec.kernels.reference.rotary_embedding`` in one call (bf16 q / k only)."""
+    q_out, k_out = _module().rotary_embedding(positions, q, k, cos_sin_cache, bool(is_neox))
+    return q_out, k_out

@@ -369,3 +369,53 @@ def test_cpu_backend_kernel_choice(monkeypatch):
     monkeypatch.setenv("POLYSPEC_CPU_KERNELS", "fast")
     with pytest.raises(ConfigError, match="POLYSPEC_CPU_KERNELS='fast'.*'auto'.*'torch'"):
         CPUBackend()
+
+
+def _within_one_bf16_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
+    gap = (a.float() - b.float()).abs()
+    return bool((gap <= b.float().abs() * 2**-7 + 1e-30).all())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_layer_ops_match_the_reference(rows):
+    """Norms, SiLU-and-mul and rotary in one call each, with the reference's roundings."""
+    from polyspec.kernels import reference as ref
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    res = torch.randn(rows, 576, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
+    assert _within_one_bf16_ulp(rowinv.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    normed, total = rowinv.fused_add_rms_norm(x, res, w, 1e-5)
+    ref_normed, ref_total = ref.fused_add_rms_norm(x, res, w, 1e-5)
+    assert same(total, ref_total) and _within_one_bf16_ulp(normed, ref_normed)
+    gate_up = torch.randn(rows, 2 * 1540, generator=g).bfloat16() * 4  # I % 8 != 0: a tail
+    assert _within_one_bf16_ulp(rowinv.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+    pos = torch.randint(0, 300, (rows,), generator=g)
+    q = torch.randn(rows, 9, 64, generator=g).bfloat16()
+    k = torch.randn(rows, 3, 64, generator=g).bfloat16()
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    angles = torch.arange(300).float()[:, None] * inv[None]
+    cache = torch.cat([angles.cos(), angles.sin()], 1)  # [max_pos, D]
+    for neox in (True, False):
+        got, want = (
+            rowinv.rotary_embedding(pos, q, k, cache, neox),
+            ref.rotary_embedding(pos, q, k, cache, neox),
+        )
+        assert same(got[0], want[0]) and same(got[1], want[1])
+    with pytest.raises(RuntimeError, match="outside the cos/sin cache"):
+        rowinv.rotary_embedding(torch.full((rows,), 300), q, k, cache, True)
+
+
+def test_cpu_backend_layer_ops_dispatch_by_dtype():
+    """bf16 inputs take the C++ ops; fp32 inputs the reference, bit for bit."""
+    from polyspec.backends.cpu.backend import CPUBackend
+    from polyspec.kernels import reference as ref
+
+    kernels = CPUBackend().kernels
+    x32 = torch.randn(3, 64)
+    w32 = torch.randn(64)
+    assert same(kernels.rms_norm(x32, w32, 1e-6), ref.rms_norm(x32, w32, 1e-6))
+    x16, w16 = x32.bfloat16(), w32.bfloat16()
+    assert same(kernels.rms_norm(x16, w16, 1e-6), rowinv.rms_norm(x16, w16, 1e-6))
+    assert same(kernels.silu_and_mul(x16), rowinv.silu_and_mul(x16))

@@ -73,15 +73,19 @@ class CPUBackend(Backend):
         or it cannot be built here: :func:`rowinv.unavailable_reason` says why)."""
         if self.kernel_choice == "torch":
             return None
-        module = rowinv.load()
-        if module is None:
-            warnings.warn(
-                f"cpu backend: row-invariant bf16 kernels unavailable ({rowinv.unavailable_reason()});"
-                " bf16 runs on stock PyTorch, slower at several rows, and its speculative output "
-                "can part from plain output after a near-tie",
-                stacklevel=2,
-            )
-        return module
+        # Resolved once per backend: the layer ops ask on every call, and a missing extension
+        # must warn once, not once per op.
+        if not hasattr(self, "_rowinv_module"):
+            self._rowinv_module = rowinv.load()
+            if self._rowinv_module is None:
+                warnings.warn(
+                    f"cpu backend: row-invariant bf16 kernels unavailable "
+                    f"({rowinv.unavailable_reason()}); bf16 runs on stock PyTorch, slower at "
+                    "several rows, and its speculative output can part from plain output after "
+                    "a near-tie",
+                    stacklevel=2,
+                )
+        return self._rowinv_module
 
     def memory_info(self) -> tuple[int, int]:
         """(available, total) bytes of host memory, or (0, 0) where the OS does not say."""

@@ -17,21 +17,23 @@
 # $TIME_BUDGET seconds of training (--time-budget; the count used is in train_log.jsonl).
 # INIT_FROM=HEAD_DIR warm-starts from a trained head (e.g. core/heads/smollm2-135m-eagle3) to go
 # on training it over new answers; LR sets the peak learning rate (default 1e-3).
+# SEED=1 draws other self-written prompts (and sampled answers) than the default seed 0;
+# EXTRA_ANSWERS=FILE adds an earlier run's answers.jsonl to the training text.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/out}"
 MODEL="${MODEL:-/root/m/model.gguf}"
-PROMPTS="${PROMPTS:-/root/train.jsonl}"
+PROMPTS="${PROMPTS-/root/train.jsonl}"  # PROMPTS= (empty): self-written prompts only
 MT_BENCH="${MT_BENCH:-/root/mt_bench.jsonl}"
 HEAD_DIR="${HEAD_DIR:-/root/head}"
 mkdir -p "$OUT" "$HEAD_DIR"
 python3 -c 'import polyspec.backends.cuda.plugin' 2>/dev/null ||
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 BACKEND="${BACKEND:-cuda}"
-COMMON=(--target "$MODEL" --prompts "$PROMPTS" --out "$HEAD_DIR" --backend "$BACKEND"
+COMMON=(--target "$MODEL" ${PROMPTS:+--prompts "$PROMPTS"} --out "$HEAD_DIR" --backend "$BACKEND"
         --dtype bfloat16 --num-prompts "${NUM_PROMPTS:-1400}" --self-prompts "${SELF_PROMPTS:-12000}"
         --samples-per-prompt "${SAMPLES:-2}" --sample-temperature 0.8 --max-new-tokens "${MAX_NEW_TOKENS:-384}"
-        --gen-batch-size "${GEN_BATCH:-256}" --seed 0 --graphs "${GRAPHS:-auto}")
+        --gen-batch-size "${GEN_BATCH:-256}" --seed "${SEED:-0}" --graphs "${GRAPHS:-auto}")
 bench_head() {  # bench_head S-K-N ...: batch 1 and 16 for each setting, JSON into $OUT
   for skn in "$@"; do
     IFS=- read -r s k n <<< "$skn"
@@ -71,7 +73,7 @@ case "${1:-}" in
     timeout "${TRAIN_TIMEOUT:-480}" polyspec train-draft "${COMMON[@]}" --max-answers "$answers" \
       --steps "${STEPS:-6000}" --time-budget "${TIME_BUDGET:-280}" --batch-tokens 16384 \
       --ttt-steps 6 --draft-vocab-size 8192 --lr "${LR:-1e-3}" --feature-batch-tokens 32768 \
-      ${INIT_FROM:+--init-from "$INIT_FROM"} --resume 2>&1 | quiet 40
+      ${INIT_FROM:+--init-from "$INIT_FROM"} ${EXTRA_ANSWERS:+--extra-answers "$EXTRA_ANSWERS"} --resume 2>&1 | quiet 40
     cp "$HEAD_DIR"/{config.json,train_args.json,train_log.jsonl,summary.json} "$OUT/" 2>/dev/null
     if [ -f "$HEAD_DIR/model.safetensors" ]; then
       split -b 12000000 "$HEAD_DIR/model.safetensors" "$OUT/model.safetensors.part_"

@@ -97,6 +97,14 @@ def add_parser(subparsers) -> None:
         "greedy answer, then the sampled ones), e.g. what a cut-short --generate-only wrote",
     )
     p.add_argument(
+        "--extra-answers",
+        action="append",
+        default=[],
+        dest="extra_answers",
+        metavar="ANSWERS.jsonl",
+        help="also train on the answers an earlier run wrote (its OUT/answers.jsonl); repeatable",
+    )
+    p.add_argument(
         "--feature-batch-tokens",
         type=int,
         default=8192,
@@ -136,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
     from polyspec.engine.llm import LLM
     from polyspec.model.loader import default_aux_layers
-    from polyspec.train.data import generate_answers, read_prompts
+    from polyspec.train.data import generate_answers, read_answers, read_prompts
     from polyspec.train.export import export_eagle3
     from polyspec.train.features import extract_features
     from polyspec.train.head import Eagle3Trainable
@@ -174,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     warm = None
     if args.init_from:  # checked before the long generation
         warm, draft_ids = load_trained_head(args.init_from, target.config, aux_layers)
+    # Read (and checked) before the long generation too.
+    extra = [s for path in args.extra_answers for s in read_answers(path, target.config.vocab_size)]
     (out / "train_args.json").write_text(json.dumps(
         {"argv": sys.argv, **{k: v for k, v in vars(args).items() if k != "func"},
          "target_path": str(llm.target_path), "backend_used": llm.backend.name,
@@ -202,11 +212,13 @@ def run(args: argparse.Namespace) -> int:
                                 temperature=args.sample_temperature, seed=args.seed,
                                 max_answers=args.max_answers)  # fmt: skip
     t_gen = time.perf_counter()
+    num_generated = len(seqs)
     if args.generate_only:
         n_tokens = sum(len(s["answer_ids"]) for s in seqs)
         print(f"wrote {len(seqs)} answers ({n_tokens} tokens) to {out / 'answers.jsonl'} in "
               f"{t_gen - t_start:.0f} s; rerun with --resume to train")  # fmt: skip
         return 0
+    seqs = seqs + extra
     if warm is not None:
         coverage = vocab_coverage((s["answer_ids"] for s in seqs), draft_ids)
     else:
@@ -250,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         "file_prompts": num_file_prompts,
         "self_prompts": len(prompts) - num_file_prompts,
         "answers": len(seqs),
+        "extra_answers": len(seqs) - num_generated,
         "answer_tokens": sum(len(s["answer_ids"]) for s in seqs),
         "draft_vocab_size": int(draft_ids.numel()),
         "draft_vocab_coverage": coverage,
@@ -264,10 +277,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _feature_store(backend, num_tokens: int, config):
-    """Where the training features live: on the backend's device when they take under a third
-    of its free memory (no host copy per training step), else in host memory."""
+    """Where the training features live: on the backend's device when they take under half of
+    its free memory (no host copy per training step), else in host memory."""
     import torch
 
     per_token = 4 * config.hidden_size * 2 + 8  # aux (3H) + hidden (H) in bf16, greedy id
     free, _ = backend.memory_info()
-    return backend.device() if free > 3 * num_tokens * per_token else torch.device("cpu")
+    return backend.device() if free > 2 * num_tokens * per_token else torch.device("cpu")

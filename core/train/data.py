@@ -113,5 +113,40 @@ def generate_answers(
     return [done[j] for j in range(jobs)]
 
 
+def read_answers(path: str | Path, vocab_size: int) -> list[dict]:
+    """Sequences ``{"prompt_ids", "answer_ids"}`` from an ``answers.jsonl`` an earlier run wrote
+    (``--extra-answers``: more training text without regenerating it). A last line cut short by
+    an interruption is skipped, as on resume."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"--extra-answers {path}: no such file (pass the answers.jsonl of an earlier "
+            "train-draft --out directory)"
+        )
+    seqs = []
+    lines = path.read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):
+                break
+            raise ConfigError(f"{path}:{n}: not valid JSON") from None
+        ids = (rec.get("prompt_ids"), rec.get("answer_ids")) if isinstance(rec, dict) else ()
+        if len(ids) != 2 or not all(isinstance(x, list) for x in ids) or not ids[0]:
+            raise ConfigError(
+                f"{path}:{n}: expected an answers.jsonl record with 'prompt_ids' and 'answer_ids'"
+            )
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids[0] + ids[1]):
+            raise ConfigError(
+                f"{path}:{n}: token ids outside this target's vocabulary (0..{vocab_size - 1}): "
+                "the file was written for another target"
+            )
+        seqs.append({"prompt_ids": ids[0], "answer_ids": ids[1]})
+    if not seqs:
+        raise ConfigError(f"--extra-answers {path} holds no answers")
+    return seqs
+
+
 def _prompt_ids(llm, prompt: str) -> list[int]:
     return llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)

@@ -242,3 +242,39 @@ def test_train_draft_init_from_a_trained_head(setup, tmp_path):
     argv[argv.index(str(out))] = str(tmp_path / "warm2")
     assert main(argv) == 2
     assert not (tmp_path / "warm2" / "answers.jsonl").exists()
+
+
+def test_train_draft_extra_answers(setup, tmp_path):
+    """--extra-answers: an earlier run's answers.jsonl joins the training text (counted in the
+    summary); a missing file, a malformed record or ids outside the vocabulary are refused
+    before any generation."""
+    from polyspec.cli import main
+
+    _, _, target, target_path, *_ = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))
+    base = ["train-draft", "--target", str(target_path), "--prompts", str(prompts),
+            "--max-new-tokens", "8", "--steps", "2", "--draft-vocab-size", "64",
+            "--batch-tokens", "256", "--ttt-steps", "2"]  # fmt: skip
+    assert main(base + ["--out", str(tmp_path / "a"), "--generate-only"]) == 0
+    earlier = tmp_path / "a" / "answers.jsonl"
+    # an interrupted earlier run: its cut-short last line is skipped
+    with earlier.open("a") as f:
+        f.write('{"index": 9, "prompt_ids": [1, 2')
+    assert main(base + ["--out", str(tmp_path / "b"), "--extra-answers", str(earlier)]) == 0
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["answers"] == 6 and summary["extra_answers"] == 3
+
+    vocab = target.config.vocab_size
+    bad_cases = {
+        "missing.jsonl": None,
+        "shape.jsonl": json.dumps({"prompt_ids": [1, 2]}) + "\n",
+        "vocab.jsonl": json.dumps({"prompt_ids": [1], "answer_ids": [vocab]}) + "\n",
+    }
+    for name, text in bad_cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text + json.dumps({"prompt_ids": [1], "answer_ids": [2]}) + "\n")
+        out = tmp_path / f"out-{name}"
+        assert main(base + ["--out", str(out), "--extra-answers", str(path)]) == 2
+        assert not (out / "answers.jsonl").exists()

@@ -60,8 +60,13 @@ case "${1:-}" in
     echo "self prompts: $(wc -l < "$HEAD_DIR/self_prompts.jsonl"), answers: $(wc -l < "$HEAD_DIR/answers.jsonl")"
     # The machine is handed back ~30 s after a call: bring the answers home too, so a lost
     # machine costs a carry (ANSWERS_FROM=dir-of-parts on the train call), not a regeneration.
-    split -b 12000000 "$HEAD_DIR/answers.jsonl" "$OUT/answers.jsonl.part_"
-    cp "$HEAD_DIR/self_prompts.jsonl" "$OUT/" 2>/dev/null
+    if command -v xz >/dev/null; then
+      xz -T0 -c "$HEAD_DIR/answers.jsonl" > "$OUT/answers.jsonl.xz"
+      xz -T0 -c "$HEAD_DIR/self_prompts.jsonl" > "$OUT/self_prompts.jsonl.xz" 2>/dev/null
+    else
+      split -b 12000000 "$HEAD_DIR/answers.jsonl" "$OUT/answers.jsonl.part_"
+      cp "$HEAD_DIR/self_prompts.jsonl" "$OUT/" 2>/dev/null
+    fi
     ;;
   train)
     if [ ! -f "$HEAD_DIR/answers.jsonl" ] && [ -n "${ANSWERS_FROM:-}" ]; then

@@ -17,6 +17,8 @@
 # $TIME_BUDGET seconds of training (--time-budget; the count used is in train_log.jsonl).
 # INIT_FROM=HEAD_DIR warm-starts from a trained head (e.g. core/heads/smollm2-135m-eagle3) to go
 # on training it over new answers; LR sets the peak learning rate (default 1e-3).
+# DRAFT_VOCAB sets --draft-vocab-size (default 8192 for a new head; with INIT_FROM the head's own,
+# and a larger value grows it).
 # SEED=1 draws other self-written prompts (and sampled answers) than the default seed 0;
 # EXTRA_ANSWERS=FILE adds an earlier run's answers.jsonl to the training text.
 set -u
@@ -70,14 +72,20 @@ case "${1:-}" in
     ;;
   train)
     if [ ! -f "$HEAD_DIR/answers.jsonl" ] && [ -n "${ANSWERS_FROM:-}" ]; then
-      cat "$ANSWERS_FROM"/answers.jsonl.part_* > "$HEAD_DIR/answers.jsonl"
-      cp "$ANSWERS_FROM/self_prompts.jsonl" "$HEAD_DIR/" 2>/dev/null
+      if [ -f "$ANSWERS_FROM/answers.jsonl.xz" ]; then  # what gen brings home
+        xz -dc "$ANSWERS_FROM/answers.jsonl.xz" > "$HEAD_DIR/answers.jsonl"
+        xz -dc "$ANSWERS_FROM/self_prompts.jsonl.xz" > "$HEAD_DIR/self_prompts.jsonl" 2>/dev/null
+      else
+        cat "$ANSWERS_FROM"/answers.jsonl.part_* > "$HEAD_DIR/answers.jsonl"
+        cp "$ANSWERS_FROM/self_prompts.jsonl" "$HEAD_DIR/" 2>/dev/null
+      fi
     fi
+    VOCAB="${DRAFT_VOCAB:-$([ -n "${INIT_FROM:-}" ] || echo 8192)}"
     answers=$(wc -l < "$HEAD_DIR/answers.jsonl")
     echo "training on $answers answers"
     timeout "${TRAIN_TIMEOUT:-480}" polyspec train-draft "${COMMON[@]}" --max-answers "$answers" \
       --steps "${STEPS:-6000}" --time-budget "${TIME_BUDGET:-280}" --batch-tokens 16384 \
-      --ttt-steps 6 --draft-vocab-size 8192 --lr "${LR:-1e-3}" --feature-batch-tokens 32768 \
+      --ttt-steps 6 ${VOCAB:+--draft-vocab-size "$VOCAB"} --lr "${LR:-1e-3}" --feature-batch-tokens 32768 \
       ${INIT_FROM:+--init-from "$INIT_FROM"} ${EXTRA_ANSWERS:+--extra-answers "$EXTRA_ANSWERS"} --resume 2>&1 | quiet 40
     cp "$HEAD_DIR"/{config.json,train_args.json,train_log.jsonl,summary.json} "$OUT/" 2>/dev/null
     if [ -f "$HEAD_DIR/model.safetensors" ]; then

@@ -111,12 +111,19 @@ def add_parser(subparsers) -> None:
         dest="feature_batch_tokens",
         help="tokens per target forward while extracting training features",
     )
-    p.add_argument("--draft-vocab-size", type=int, default=8192, dest="draft_vocab_size")
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        dest="draft_vocab_size",
+        help="tokens the head can draft, the answers' most frequent (default 8192; with "
+        "--init-from: the head's own, or a larger size that keeps its tokens and adds the "
+        "answers' most frequent others)",
+    )
     p.add_argument(
         "--init-from",
         dest="init_from",
-        help="start from this trained EAGLE-3 head (its weights and draft vocabulary; "
-        "--draft-vocab-size is then unused) instead of the target's layers",
+        help="start from this trained EAGLE-3 head (its weights and draft vocabulary) instead "
+        "of the target's layers",
     )
     p.add_argument(
         "--ttt-steps", type=int, default=5, dest="ttt_steps", help="training-time-test unroll depth"
@@ -150,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.train.head import Eagle3Trainable
     from polyspec.train.self_prompts import generate_self_prompts
     from polyspec.train.trainer import TrainConfig, train_head
-    from polyspec.train.vocab import choose_draft_vocab, vocab_coverage
-    from polyspec.train.warm_start import load_trained_head
+    from polyspec.train.vocab import choose_draft_vocab, grow_draft_vocab, vocab_coverage
+    from polyspec.train.warm_start import grow_lm_head, load_trained_head
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,9 +186,21 @@ def run(args: argparse.Namespace) -> int:
               max_graph_batch_size=args.gen_batch_size, graphs=args.graphs)  # fmt: skip
     target = llm.target
     aux_layers = default_aux_layers(target.config.num_layers)
+    vocab_size = target.config.vocab_size
     warm = None
     if args.init_from:  # checked before the long generation
         warm, draft_ids = load_trained_head(args.init_from, target.config, aux_layers)
+        if args.draft_vocab_size is not None and args.draft_vocab_size < draft_ids.numel():
+            raise ConfigError(
+                f"--draft-vocab-size {args.draft_vocab_size} is smaller than the draft "
+                f"vocabulary of --init-from {args.init_from} ({draft_ids.numel()} tokens): a "
+                "warm start can keep or grow it, not shrink it"
+            )
+    if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= vocab_size:
+        raise ConfigError(
+            f"--draft-vocab-size must be in 1..{vocab_size} (the target's vocabulary), got "
+            f"{args.draft_vocab_size}"
+        )
     # Read (and checked) before the long generation too.
     extra = [s for path in args.extra_answers for s in read_answers(path, target.config.vocab_size)]
     (out / "train_args.json").write_text(json.dumps(
@@ -219,12 +238,17 @@ def run(args: argparse.Namespace) -> int:
               f"{t_gen - t_start:.0f} s; rerun with --resume to train")  # fmt: skip
         return 0
     seqs = seqs + extra
-    if warm is not None:
-        coverage = vocab_coverage((s["answer_ids"] for s in seqs), draft_ids)
-    else:
+    answers = (s["answer_ids"] for s in seqs)
+    if warm is None:
         draft_ids, coverage = choose_draft_vocab(
-            (s["answer_ids"] for s in seqs), target.config.vocab_size, args.draft_vocab_size
+            answers, vocab_size, args.draft_vocab_size or _DEFAULT_DRAFT_VOCAB
         )
+    elif args.draft_vocab_size is not None and args.draft_vocab_size > draft_ids.numel():
+        grown, coverage = grow_draft_vocab(answers, draft_ids, vocab_size, args.draft_vocab_size)
+        warm = grow_lm_head(warm, draft_ids, grown, target.lm_head_weight)
+        draft_ids = grown
+    else:
+        coverage = vocab_coverage(answers, draft_ids)
     sequences = [(s["prompt_ids"] + s["answer_ids"], len(s["prompt_ids"])) for s in seqs]
     store = _feature_store(llm.backend, sum(len(x) for x, _ in sequences), target.config)
     with tqdm(total=len(sequences), desc="features", unit="seq") as bar:
@@ -274,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     print(f"wrote the EAGLE-3 head to {out} (config.json, model.safetensors)")
     return 0
+
+
+_DEFAULT_DRAFT_VOCAB = 8192
 
 
 def _feature_store(backend, num_tokens: int, config):

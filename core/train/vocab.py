@@ -26,6 +26,27 @@ def choose_draft_vocab(
     return torch.tensor(sorted(chosen), dtype=torch.int64), covered
 
 
+def grow_draft_vocab(
+    answers: Iterable[list[int]], kept_ids: torch.Tensor, vocab_size: int, draft_vocab_size: int
+) -> tuple[torch.Tensor, float]:
+    """(sorted target ids [draft_vocab_size], fraction of answer tokens covered): every id of
+    ``kept_ids`` (a trained head's draft vocabulary) plus the answers' most frequent other ids,
+    then unseen ids in id order, up to ``draft_vocab_size``."""
+    counts: Counter[int] = Counter()
+    for ids in answers:
+        counts.update(ids)
+    kept = set(kept_ids.tolist())
+    n = min(draft_vocab_size, vocab_size)
+    chosen = sorted(kept)
+    chosen += [t for t, _ in counts.most_common() if t not in kept][: max(n - len(chosen), 0)]
+    if len(chosen) < n:
+        seen = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in seen][: n - len(chosen)]
+    total = sum(counts.values()) or 1
+    covered = sum(counts[t] for t in chosen) / total
+    return torch.tensor(sorted(chosen), dtype=torch.int64), covered
+
+
 def d2t_t2d(draft_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """SpecForge's maps: ``d2t[i] = draft_ids[i] - i`` (target id = i + d2t[i]) and the bool
     mask ``t2d`` [vocab_size] of target ids in the draft vocabulary."""

@@ -54,3 +54,20 @@ def load_trained_head(
     ):
         raise ConfigError(f"--init-from {d}: d2t and t2d disagree; the head file is damaged")
     return {k: v.float() for k, v in sd.items()}, draft_ids
+
+
+def grow_lm_head(
+    state: dict[str, torch.Tensor],  # a trained head's state dict (load_trained_head)
+    old_ids: torch.Tensor,  # [V_old] its draft vocabulary, sorted target ids
+    new_ids: torch.Tensor,  # [V_new] a sorted superset of old_ids
+    target_lm_head: torch.Tensor,  # [V_target, H] the target's output embedding
+) -> dict[str, torch.Tensor]:
+    """The state dict for the larger draft vocabulary ``new_ids``: the trained lm_head rows
+    where an id was already drafted, the target's own rows for the added ids (the same warm
+    start a new head gets), every other tensor unchanged."""
+    pos = torch.searchsorted(new_ids, old_ids)
+    if pos.max() >= new_ids.numel() or not torch.equal(new_ids[pos], old_ids):
+        raise ValueError("the new draft vocabulary must contain the old one")
+    rows = target_lm_head[new_ids.to(target_lm_head.device)].float().cpu()
+    rows[pos] = state["lm_head.weight"].float()
+    return {**state, "lm_head.weight": rows}

@@ -244,6 +244,54 @@ def test_train_draft_init_from_a_trained_head(setup, tmp_path):
     assert not (tmp_path / "warm2" / "answers.jsonl").exists()
 
 
+def test_train_draft_init_from_grows_the_draft_vocabulary(setup, tmp_path):
+    """--init-from with a larger --draft-vocab-size keeps every drafted token and its trained
+    lm_head row, adds the answers' most frequent other tokens with the target's rows; a
+    smaller size is refused before any generation."""
+    from safetensors.torch import load_file
+
+    from polyspec.cli import main
+
+    root, _, target, target_path, _, _, draft_ids = setup
+    vocab = target.config.vocab_size
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
+    grown_size = draft_ids.numel() + 16
+    argv = ["train-draft", "--target", str(target_path), "--prompts", str(prompts), "--out",
+            str(tmp_path / "grown"), "--steps", "2", "--lr", "1e-9", "--max-new-tokens", "8",
+            "--batch-tokens", "256", "--ttt-steps", "2", "--init-from", str(root / "head"),
+            "--draft-vocab-size", str(grown_size)]  # fmt: skip
+    assert main(argv) == 0
+    new = load_file(str(tmp_path / "grown" / "model.safetensors"))
+    old = load_file(str(root / "head" / "model.safetensors"))
+    new_ids = torch.nonzero(new["t2d"]).flatten()
+    assert new_ids.numel() == grown_size == new["lm_head.weight"].shape[0]
+    assert torch.equal(new_ids, new["d2t"] + torch.arange(grown_size))
+    assert torch.isin(draft_ids, new_ids).all()
+    kept = torch.isin(new_ids, draft_ids)
+    torch.testing.assert_close(
+        new["lm_head.weight"][kept].float(), old["lm_head.weight"].float(), rtol=1e-2, atol=1e-2
+    )
+    added = new_ids[~kept]
+    torch.testing.assert_close(
+        new["lm_head.weight"][~kept].float(),
+        target.lm_head_weight[added].float().to(torch.bfloat16).float(),
+        rtol=1e-2,
+        atol=1e-2,
+    )
+    answers = [
+        json.loads(x) for x in (tmp_path / "grown" / "answers.jsonl").read_text().splitlines()
+    ]
+    seen = {t for a in answers for t in a["answer_ids"]} - set(draft_ids.tolist())
+    assert seen <= set(added.tolist())  # answer tokens come before unseen ones
+
+    for size, out in ((draft_ids.numel() - 1, "shrunk"), (vocab + 1, "too_big")):
+        argv[argv.index("--draft-vocab-size") + 1] = str(size)
+        argv[argv.index("--out") + 1] = str(tmp_path / out)
+        assert main(argv) == 2
+        assert not (tmp_path / out / "answers.jsonl").exists()
+
+
 def test_train_draft_extra_answers(setup, tmp_path):
     """--extra-answers: an earlier run's answers.jsonl joins the training text (counted in the
     summary); a missing file, a malformed record or ids outside the vocabulary are refused

@@ -16,18 +16,22 @@ the capture of every graph bucket the timed run can reach. Each engine runs twic
   ``decode`` call alone);
 * run B, the PhaseTimer on (it synchronises the device at every phase boundary, so its total is a
   little above run A's): milliseconds per round in each phase (draft, verify, accept,
-  draft_extend, other for EAGLE; target, other for plain).
+  draft_extend, other for EAGLE; target, other for plain). A captured all-greedy EAGLE round is
+  one graph (draft forwards, tree, verify, acceptance, KV compaction and draft extend): its
+  replay is timed as verify, its draft phase is the host's preparation of the round, and it has
+  no draft_extend phase.
 
 The model-forward time of a round is the time of the target verify forward + the draft forwards
 + the draft extend forward (plain: the target decode forward). With captured graphs it is
 measured by replaying each captured graph the timed run used (``runner.replay(key, {})`` replays
 with the buffers of the last round; ``--replays`` times, the device synchronised around them),
 weighted by how many times the run used each key. A graph holds the forward plus the few small
-kernels captured with it (draft top-k and tree assembly, lm_head and logits, the extend's top-k):
-device work that belongs to the forward pass. Without graphs (``--graphs off``, or a backend
-without capture) the forward time is the sum of the PhaseTimer's draft + verify + draft_extend
-phases: an upper bound (those phases also hold host-side batch building and the tree kernels),
-so the overhead fraction is then a lower bound; the report says which method was used.
+kernels captured with it (draft top-k and tree assembly, lm_head and logits, greedy acceptance,
+the accepted path's KV moves, the extend's top-k): device work that belongs to the forward pass.
+Without graphs (``--graphs off``, or a backend without capture) the forward time is the sum of
+the PhaseTimer's draft + verify + draft_extend phases: an upper bound (those phases also hold
+host-side batch building and the tree kernels), so the overhead fraction is then a lower bound;
+the report says which method was used.
 
 ``overhead_fraction = 1 - forward_ms_per_round / step_ms``: the share of a round spent outside
 model forwards (host work, scheduling, launches, synchronisation, small kernels).
@@ -283,15 +287,10 @@ def time_replays(llm: LLM, keys: Sequence[tuple], replays: int) -> dict[tuple, f
 FORWARD_PHASES = {"spec": ("draft", "verify", "draft_extend"), "plain": ("target",)}
 
 
-def expected_graphs(llm: LLM, kind: str) -> tuple[str, ...]:
-    """The captured computations one round runs (no draft graph for a single draft step)."""
-    if kind == "plain":
-        return ("decode",)
-    return (
-        ("draft", "verify", "draft_extend")
-        if llm.worker.num_steps > 1
-        else ("verify", "draft_extend")
-    )
+def expected_graphs(llm: LLM, kind: str) -> tuple[str, ...]:  # noqa: ARG001
+    """The captured computations one greedy round runs (the worker says: an EAGLE head's
+    all-greedy round is a single graph, draft forwards, verify and draft extend together)."""
+    return llm.worker.round_graphs(greedy=True)
 
 
 def measure(

@@ -67,7 +67,7 @@ class Scheduler:
             sampler = RequestSampler.create(
                 p.temperature, p.top_k, p.top_p, seed, self.worker.device
             )
-            self.worker.add_request(req.rid, req.prompt_ids, sampler)
+            self.worker.add_request(req.rid, req.prompt_ids, sampler, kv_reserved=need)
             self.reserved[req.rid] = need
             self.prefilling.append(req)
 

@@ -28,7 +28,8 @@ class SeqState:
     prefilled: int = 0  # prompt tokens whose target KV is written
     seq_len: int = 0  # tokens whose target KV is committed (the last token is not among them)
     last_token: int = -1  # the newest token: sampled / bonus, its KV not yet written
-    # EAGLE only: the draft's view after its last extend
+    # EAGLE only: the draft's view after its prefill's draft extend (after a decode round, the
+    # worker keeps it batched for the whole round)
     topk_p: torch.Tensor | None = None  # [K]
     topk_index: torch.Tensor | None = None  # [K]
     draft_feature: torch.Tensor | None = None  # [H]
@@ -61,6 +62,9 @@ class WorkerBase:
 
     extra_kv_per_request = 0  # slots a request may hold beyond its tokens (verify width)
     scratch_kv = 0  # transient slots for the whole batch (draft lanes)
+    # Positions a decode round allocates ahead of its need (within the request's reservation):
+    # one allocation (and its host-to-device copies) every several rounds, not every round.
+    kv_lookahead = 64
 
     def __init__(
         self,
@@ -85,7 +89,7 @@ class WorkerBase:
         self.req_pool = ReqToTokenPool(
             max_batch_size, max_context, self.device, backend.index_dtype, page_size
         )
-        self.kv = KVCacheManager(self.allocator, self.req_pool, self.kernels)
+        self.kv = KVCacheManager(self.allocator, self.req_pool, self.kernels, backend.host_tensor)
         self.builder = BatchBuilder(backend, self.req_pool)
         self.target_runner = ModelRunner(target, backend, num_kv_slots, dtype, capture_layers)
         self.states: dict[int, SeqState] = {}
@@ -113,8 +117,16 @@ class WorkerBase:
         n = prompt_len + max_new_tokens + self.extra_kv_per_request + ps
         return (n + ps - 1) // ps * ps
 
-    def add_request(self, rid: int, prompt: Sequence[int], sampler: RequestSampler) -> None:
-        row = self.kv.add_request()
+    def add_request(
+        self,
+        rid: int,
+        prompt: Sequence[int],
+        sampler: RequestSampler,
+        kv_reserved: int | None = None,
+    ) -> None:
+        """``kv_reserved``: the slots the scheduler reserved for the request (:meth:`kv_need`);
+        decode rounds may allocate ahead within them."""
+        row = self.kv.add_request(kv_reserved)
         self.states[rid] = SeqState(row=row, prompt=list(prompt), sampler=sampler)
 
     def remove_request(self, rid: int) -> None:

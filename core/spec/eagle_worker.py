@@ -2,11 +2,21 @@
 
 Works for EAGLE-1/2 heads, EAGLE-3 heads and standalone draft models alike: the draft is any
 module with the draft-head interface (``forward``, ``topk``, ``probs``).
+
+Host work per round is kept small because on an accelerator with graphs it is most of what a
+round spends outside its forwards: a round uploads its host values once (:class:`_RoundInputs`),
+keeps the draft's state batched from one round to the next (:class:`_DraftBatch`), and an
+all-greedy round of an EAGLE head replays a single captured graph that drafts, builds the tree,
+verifies, accepts, compacts the accepted path's KV and runs the draft extend
+(:meth:`EagleWorker._round_greedy_graph`), leaving the host one device-to-host copy.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +28,60 @@ from polyspec.runtime.kv_cache import OutOfKVSlots
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.sampling import SamplingBatch
 from polyspec.spec.base import SeqState, WorkerBase
+
+ROUND_GREEDY = "round_greedy"
+"""The captured computation of a whole all-greedy round (EAGLE heads)."""
+
+
+class _Columns(NamedTuple):
+    """A round's per-request values on the device."""
+
+    rows: torch.Tensor  # [bs] request table rows (index dtype)
+    seq_lens: torch.Tensor  # [bs] committed lengths: the prefix of the round (index dtype)
+    roots: torch.Tensor  # [bs] the newest token, the tree's root (int64)
+    widths: torch.Tensor  # [bs] verify width N; 0 for the padding requests of a graph
+
+
+def _columns(packed: torch.Tensor, index_dtype: torch.dtype) -> _Columns:
+    """[4, bs] int64 (rows, lengths, roots, widths) -> :class:`_Columns` (views where the index
+    dtype is int64)."""
+    lens = packed.to(index_dtype)
+    return _Columns(lens[0], lens[1], packed[2], lens[3])
+
+
+class _RoundInputs:
+    """A round's host values in one upload (one copy instead of one per list, and one graph
+    input). ``per_request`` [bs, 4] is what the captured computations take (a graph's padding
+    requests get zeros: row 0, length 0, width 0); ``cols`` are the eager steps' views."""
+
+    def __init__(self, builder, sts: Sequence[SeqState], width: int, index_dtype: torch.dtype):
+        bs = len(sts)
+        values = [s.row for s in sts] + [s.seq_len for s in sts]
+        values += [s.last_token for s in sts] + [width] * bs
+        self.packed = builder.long(values).view(4, bs)
+        self.index_dtype = index_dtype
+
+    @property
+    def per_request(self) -> torch.Tensor:  # [bs, 4]
+        return self.packed.t()
+
+    @functools.cached_property
+    def cols(self) -> _Columns:
+        return _columns(self.packed, self.index_dtype)
+
+
+@dataclasses.dataclass
+class _DraftBatch:
+    """The draft's view of each request after the last round's draft extend, kept batched in
+    that round's request order: when the next round has the same requests in the same order
+    (no request joined or left), it reads these tensors as they are. They may be a graph's
+    static outputs, which the next replay of the same graph overwrites: the next round reads
+    them before that, and a round with other requests copies what it needs."""
+
+    rids: tuple[int, ...]
+    topk_p: torch.Tensor  # [bs, K]
+    topk_index: torch.Tensor  # [bs, K]
+    feature: torch.Tensor  # [bs, H]
 
 
 class EagleWorker(WorkerBase):
@@ -46,6 +110,7 @@ class EagleWorker(WorkerBase):
         # A standalone LM has no target features: it reads token p at position p, so each
         # round starts with one draft forward over the root (bonus) token.
         self.root_forward = draft.algorithm == "standalone"
+        self._draft_batch: _DraftBatch | None = None
         # The draft lanes' slots are taken once for the largest batch and reused every round:
         # a per-round alloc / free would cost a device-to-host sync (free checks the slots)
         # in the middle of the round. The scheduler already keeps scratch_kv out of its budget.
@@ -57,6 +122,15 @@ class EagleWorker(WorkerBase):
                     f"out of KV slots for the draft lanes: needed {self.scratch_kv}, "
                     f"{self.allocator.available} free; raise num_kv_slots"
                 )
+
+    def round_graphs(self, greedy: bool = True) -> tuple[str, ...]:
+        """The captured computations a round replays when its batch fits a graph bucket (for
+        benchmarks that time the forwards by replaying them)."""
+        if self.root_forward:  # its draft and draft extend run eagerly
+            return ("verify_greedy",) if greedy else ("verify",)
+        if greedy:
+            return (ROUND_GREEDY,)
+        return (("draft",) if self.num_steps > 1 else ()) + ("verify", "draft_extend")
 
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
@@ -80,56 +154,125 @@ class EagleWorker(WorkerBase):
         )
         logit_h, next_feat = self.draft_runner.forward_draft(batch, aux if self.use_aux else hidden)
         if done and not self.root_forward:
-            self._store_draft_view(
-                [sts[i] for i in done], logit_h[last[done]], next_feat[last[done]]
-            )
+            topk_p, topk_index = self.draft.topk(logit_h[last[done]], self.topk)
+            for i, p, t, f in zip(done, topk_p, topk_index, next_feat[last[done]]):
+                sts[i].topk_p, sts[i].topk_index, sts[i].draft_feature = p, t, f
         return first
 
-    def _store_draft_view(self, sts: list[SeqState], logit_h, next_feat) -> None:
-        topk_p, topk_index = self.draft.topk(logit_h, self.topk)
-        for i, s in enumerate(sts):
-            s.topk_p, s.topk_index, s.draft_feature = topk_p[i], topk_index[i], next_feat[i]
+    # -- the draft's state between rounds -----------------------------------------------------
+    def _draft_state(self, rids: Sequence[int], sts: Sequence[SeqState]):
+        """(topk_p [bs, K], topk_index [bs, K], feature [bs, H]) of this round's requests: the
+        last round's tensors as they are when it had the same requests in the same order;
+        otherwise stacked from that round's rows and the prefilled requests' own views."""
+        last, self._draft_batch = self._draft_batch, None
+        if last is not None and last.rids == tuple(rids):
+            return last.topk_p, last.topk_index, last.feature
+        rows = {}
+        if last is not None and any(r in self.states for r in last.rids):
+            views = zip(last.topk_p.unbind(0), last.topk_index.unbind(0), last.feature.unbind(0))
+            rows = dict(zip(last.rids, views))
+            here = set(rids)
+            for r in last.rids:  # one sitting this round out keeps a copy of its own
+                if r not in here and r in self.states:
+                    s = self.states[r]
+                    s.topk_p, s.topk_index, s.draft_feature = (t.clone() for t in rows[r])
+        parts = [
+            rows[r] if r in rows else (s.topk_p, s.topk_index, s.draft_feature)
+            for r, s in zip(rids, sts)
+        ]
+        return tuple(torch.stack(col) for col in zip(*parts))
+
+    def _keep_draft_state(self, rids: Sequence[int], topk_p, topk_index, feature) -> None:
+        self._draft_batch = _DraftBatch(tuple(rids), topk_p, topk_index, feature)
 
     # -- one decode round ---------------------------------------------------------------------
     def decode(self, rids: Sequence[int]) -> list[list[int]]:
         sts = [self.states[r] for r in rids]
+        N = self.num_draft_tokens
+        self.timer.start()
+        # Slots for the N tree nodes of each request. The rejected nodes' slots are not freed
+        # after the round (the next round's tree reuses them), and growth allocates ahead
+        # within the request's reservation: most rounds neither allocate nor free.
+        self.kv.ensure([s.row for s in sts], [s.seq_len + N for s in sts], self.kv_lookahead)
+        inp = _RoundInputs(self.builder, sts, N, self.backend.index_dtype)
+        if self.root_forward:
+            state = self._root_forward(sts, inp)
+        else:
+            state = self._draft_state(rids, sts)
+        if not self.root_forward and all(s.sampler.greedy for s in sts):
+            out = self._round_greedy(rids, sts, inp, state)
+            if out is not None:
+                return out
+        return self._staged_round(rids, sts, inp, state)
+
+    def _round_greedy(self, rids, sts, inp: _RoundInputs, state) -> list[list[int]] | None:
+        """An all-greedy round of an EAGLE head as one replay (:meth:`_round_greedy_graph`);
+        None when the batch runs eagerly."""
+        bs, max_prefix = len(sts), max(s.seq_len for s in sts)
+        graphs = self.graphed(bs, max_prefix)
+        if graphs is None:
+            return None
+        topk_p, topk_index, hidden = state
+        inputs = {
+            "host": inp.per_request,
+            "topk_p": topk_p,
+            "topk_index": topk_index,
+            "hidden": hidden,
+        }
+        self.timer.lap("draft")
+        out = graphs.run(ROUND_GREEDY, bs, max_prefix, inputs, self._round_greedy_graph)
+        if out is None:
+            return None
+        # Timed as verify: the draft forwards and the draft extend run inside the same graph.
+        self.timer.lap("verify")
+        packed, next_p, next_index, next_feat = out
+        accepted, path_nodes, predicted = self._read_verified(
+            packed, bs, graphs.buckets.batch_bucket(bs)
+        )
+        self.timer.lap("accept")
+        self._keep_draft_state(rids, next_p[:bs], next_index[:bs], next_feat[:bs])
+        return self._commit(sts, accepted, path_nodes, predicted)
+
+    def _round_greedy_graph(self, s, bs: int, max_prefix: int):
+        """The captured all-greedy round: draft, tree, verify, greedy acceptance, compaction of
+        the accepted path's target KV and draft extend, over device tensors only.
+        -> (packed host vector, next topk_p [b, K], topk_index [b, K], feature [b, H])."""
+        cols = self._graph_columns(s)
+        tree = self._draft_core(cols, s["topk_p"], s["topk_index"], s["hidden"], bs, max_prefix)
+        candidates, tree_mask, positions, _, next_token, next_sibling = tree
+        logits, feats = self._verify_core(
+            cols, candidates.flatten(), positions, tree_mask, max_prefix
+        )
+        predicts, accept_index, accept_length = self._accept_greedy(
+            candidates, next_token, next_sibling, logits
+        )
+        if self.topk > 1:  # a chain's path is always in place
+            self._compact(cols, accept_index, accept_length)
+        next_state = self._draft_extend_core(
+            cols, predicts, feats, accept_index, accept_length, bs, max_prefix
+        )
+        return _pack_verified(accept_length, accept_index, predicts), *next_state
+
+    def _staged_round(self, rids, sts, inp: _RoundInputs, state) -> list[list[int]]:
+        """A round step by step: each step replays its own graph where the batch fits a
+        bucket, else runs eagerly; sampled acceptance runs between them."""
         bs, N, S = len(sts), self.num_draft_tokens, self.num_steps
         rows = [s.row for s in sts]
         seq_lens = [s.seq_len for s in sts]
         idx, dev = self.backend.index_dtype, self.device
-
-        self.timer.start()
-        self.kv.ensure(rows, [n + N for n in seq_lens])
-        # Uploaded once, read by the draft, the tree, the verify and the draft extend.
-        rows_t, seq_t = self.builder.index(rows), self.builder.index(seq_lens)
-        if self.root_forward:
-            batch = self.builder.build(
-                ForwardMode.DRAFT_EXTEND, rows, seq_lens, [1] * bs,
-                self.builder.long([s.last_token for s in sts]),
-            )  # fmt: skip
-            logit_h, next_feat = self.draft_runner.forward_draft(batch, None)
-            self._store_draft_view(sts, logit_h, next_feat)
-        if self.root_forward:  # the standalone draft holds the root too
-            draft_prefix = [n + 1 for n in seq_lens]
-            draft_seq_t = self.builder.index(draft_prefix)
-        else:
-            draft_prefix, draft_seq_t = seq_lens, seq_t
-        roots = self.builder.long([s.last_token for s in sts])
-        tree = self._draft(sts, rows, draft_prefix, rows_t, draft_seq_t, roots, seq_t)
+        tree = self._draft(state, rows, seq_lens, inp)
         candidates, tree_mask, positions, retrive_index, next_token, next_sibling = tree
         self.timer.lap("draft")
 
         sb = SamplingBatch([s.sampler for s in sts], N, dev)
         verified = None
         if sb.all_greedy:
-            verified = self._verify_greedy_graphed(rows_t, seq_t, max(seq_lens), tree)
+            verified = self._verify_greedy_graphed(inp, max(seq_lens), tree)
         if verified is not None:
-            predicts, feats, packed, b = verified
+            predicts, feats, accept_index, accept_length, packed, b = verified
             self.timer.lap("verify")
         else:
-            logits, feats = self._verify(
-                rows, seq_lens, rows_t, seq_t, candidates, positions, tree_mask
-            )
+            logits, feats = self._verify(rows, seq_lens, inp, candidates, positions, tree_mask)
             self.timer.lap("verify")
             predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
             accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
@@ -149,36 +292,49 @@ class EagleWorker(WorkerBase):
                     predicts, accept_index, accept_length,
                 )  # fmt: skip
             packed, b = _pack_verified(accept_length, accept_index, predicts), bs
-        # The one host sync of the round (the engine needs the tokens anyway): lengths, paths
-        # and every node's predicted token in a single device-to-host copy. ``b`` rows each:
-        # the batch, or the captured bucket it was padded to.
+        accepted, path_nodes, predicted = self._read_verified(packed, bs, b)
+        accept_index, accept_length = accept_index[:bs], accept_length[:bs]
+        if _path_moved(path_nodes, N):  # chains (topk == 1) are always in place
+            self._compact(inp.cols, accept_index, accept_length)
+        self.timer.lap("accept")
+
+        if self.root_forward:
+            new_tokens_t = predicts[self.builder.long([g for p in path_nodes for g in p])]
+            self._standalone_extend(rows, seq_lens, accepted, new_tokens_t)
+        else:
+            self._draft_extend(
+                rids, rows, seq_lens, inp, accepted, path_nodes,
+                predicts[: bs * N], feats[: bs * N], accept_index, accept_length,
+            )  # fmt: skip
+        self.timer.lap("draft_extend")
+        return self._commit(sts, accepted, path_nodes, predicted)
+
+    def _read_verified(self, packed: torch.Tensor, bs: int, b: int):
+        """The one host sync of the round (the engine needs the tokens anyway): lengths, paths
+        and every node's predicted token in a single device-to-host copy. ``packed`` holds
+        ``b`` rows (the batch, or the captured bucket it was padded to).
+        -> (accepted [bs], path node ids [bs][1 + accepted], predicted token per node)."""
+        S, N = self.num_steps, self.num_draft_tokens
         host = packed.tolist()
         accepted = host[:bs]
         paths = [host[b + r * (S + 1) : b + (r + 1) * (S + 1)] for r in range(bs)]
         predicted = host[b + b * (S + 1) : b + b * (S + 1) + bs * N]  # [bs * N]
         path_nodes = [p[: a + 1] for p, a in zip(paths, accepted)]  # global node ids
-        self._compact(rows, seq_lens, path_nodes, N)
-        new_lens = [n + a + 1 for n, a in zip(seq_lens, accepted)]
-        self.kv.truncate(rows, new_lens)
-        self.timer.lap("accept")
+        return accepted, path_nodes, predicted
 
-        ext = [a + 1 for a in accepted]
-        if self.root_forward:
-            new_tokens_t = predicts[self.builder.long([g for p in path_nodes for g in p])]
-            self._standalone_extend(rows, seq_lens, accepted, new_tokens_t)
-        else:
-            self._draft_extend(sts, rows, seq_lens, rows_t, seq_t, ext, path_nodes, predicts, feats)
-        self.timer.lap("draft_extend")
-
+    def _commit(self, sts, accepted, path_nodes, predicted) -> list[list[int]]:
+        """Each request's new tokens (its accepted path's predictions: the accepted drafts and
+        the bonus token); updates its length and newest token."""
         out = []
-        for s, path, new_len in zip(sts, path_nodes, new_lens):
+        for s, a, path in zip(sts, accepted, path_nodes):
             toks = [predicted[g] for g in path]
-            s.seq_len, s.last_token = new_len, toks[-1]
+            s.seq_len, s.last_token = s.seq_len + a + 1, toks[-1]
             out.append(toks)
         self.timer.lap("other")
         return out
 
-    def _verify(self, rows, seq_lens, rows_t, seq_t, candidates, positions, tree_mask):
+    # -- verify ---------------------------------------------------------------------------------
+    def _verify(self, rows, seq_lens, inp, candidates, positions, tree_mask):
         """Target forward over the tree -> (logits [bs * N, V], draft features [bs * N, F])."""
         bs, N = candidates.shape
         graphs = self.graphed(bs, max(seq_lens))
@@ -187,9 +343,7 @@ class EagleWorker(WorkerBase):
                 "input_ids": candidates.flatten(),
                 "positions": positions,
                 "tree_mask": tree_mask,
-                "rows": rows_t,
-                "seq_lens": seq_t,
-                "extend_lens": torch.full_like(rows_t, N),
+                "host": inp.per_request,
             }
             out = graphs.run("verify", bs, max(seq_lens), inputs, self._verify_graph)
             if out is not None:
@@ -201,20 +355,30 @@ class EagleWorker(WorkerBase):
         hidden, aux = self.target_runner.forward_target(batch)
         return self.target.compute_logits(hidden), (aux if self.use_aux else hidden)
 
+    def _graph_columns(self, s) -> _Columns:
+        """A captured computation's per-request values, from its ``host`` input [b, 4]."""
+        return _columns(s["host"].t().contiguous(), self.backend.index_dtype)
+
     def _verify_graph(self, s, bs: int, max_prefix: int):
+        cols = self._graph_columns(s)
+        return self._verify_core(cols, s["input_ids"], s["positions"], s["tree_mask"], max_prefix)
+
+    def _verify_core(self, cols: _Columns, input_ids, positions, tree_mask, max_prefix: int):
+        """The captured verify forward -> (logits [b * N, V], draft features [b * N, F])."""
         table = self.req_pool.req_to_token
         n = self.num_draft_tokens
-        slots, _ = block_slots(table, s["rows"], s["seq_lens"], s["extend_lens"], n)
+        slots, _ = block_slots(table, cols.rows, cols.seq_lens, cols.widths, n)
         batch = static_batch(
-            ForwardMode.TARGET_VERIFY, table, s["rows"], s["seq_lens"], s["extend_lens"],
-            s["input_ids"], s["positions"], slots, tree_mask=s["tree_mask"],
+            ForwardMode.TARGET_VERIFY, table, cols.rows, cols.seq_lens, cols.widths,
+            input_ids, positions, slots, tree_mask=tree_mask,
         )  # fmt: skip
         hidden, aux = self.target_runner.forward_target(batch, static_prefix=max_prefix)
         return self.target.compute_logits(hidden), (aux if self.use_aux else hidden)
 
-    def _verify_greedy_graphed(self, rows_t, seq_t, max_prefix: int, tree):
+    def _verify_greedy_graphed(self, inp: _RoundInputs, max_prefix: int, tree):
         """Target verify and greedy acceptance in one replay -> (predicts [b * N], features
-        [b * N, F], packed host vector, bucket b), or None when this batch runs eagerly."""
+        [b * N, F], accept_index [b, S + 1], accept_length [b], packed host vector, bucket b),
+        or None when this batch runs eagerly."""
         bs, N = tree[0].shape
         graphs = self.graphed(bs, max_prefix)
         if graphs is None:
@@ -226,21 +390,30 @@ class EagleWorker(WorkerBase):
             "tree_mask": tree_mask,
             "next_token": next_token,
             "next_sibling": next_sibling,
-            "rows": rows_t,
-            "seq_lens": seq_t,
-            "extend_lens": torch.full_like(rows_t, N),
+            "host": inp.per_request,
         }
         out = graphs.run("verify_greedy", bs, max_prefix, inputs, self._verify_greedy_graph)
         if out is None:
             return None
-        predicts, feats, packed = out
-        return predicts, feats, packed, graphs.buckets.batch_bucket(bs)
+        return (*out, graphs.buckets.batch_bucket(bs))
 
     def _verify_greedy_graph(self, s, bs: int, max_prefix: int):
-        logits, feats = self._verify_graph(s, bs, max_prefix)
-        N, S, idx = self.num_draft_tokens, self.num_steps, s["rows"].dtype
-        dev = logits.device
-        candidates = s["input_ids"].view(bs, N)
+        cols = self._graph_columns(s)
+        logits, feats = self._verify_core(
+            cols, s["input_ids"], s["positions"], s["tree_mask"], max_prefix
+        )
+        candidates = s["input_ids"].view(bs, self.num_draft_tokens)
+        predicts, accept_index, accept_length = self._accept_greedy(
+            candidates, s["next_token"], s["next_sibling"], logits
+        )
+        packed = _pack_verified(accept_length, accept_index, predicts)
+        return predicts, feats, accept_index, accept_length, packed
+
+    def _accept_greedy(self, candidates, next_token, next_sibling, logits):
+        """Greedy acceptance inside a captured computation -> (predicts [b * N], accept_index
+        [b, S + 1], accept_length [b])."""
+        bs, N = candidates.shape
+        S, idx, dev = self.num_steps, next_token.dtype, logits.device
         # build_tree's retrive_index is b * N + j; rebuilt here because the padding rows of
         # an input buffer are zeroed, which would point them at request 0's nodes.
         retrive_index = torch.arange(bs * N, device=dev).view(bs, N).to(idx)
@@ -248,55 +421,106 @@ class EagleWorker(WorkerBase):
         accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
         accept_length = torch.empty(bs, dtype=idx, device=dev)
         self.kernels.verify_tree_greedy(
-            candidates, retrive_index, s["next_token"], s["next_sibling"],
+            candidates, retrive_index, next_token, next_sibling,
             logits.argmax(-1).view(bs, N), predicts, accept_index, accept_length,
         )  # fmt: skip
-        return predicts, feats, _pack_verified(accept_length, accept_index, predicts)
+        return predicts, accept_index, accept_length
 
+    # -- accept ---------------------------------------------------------------------------------
+    def _compact(self, cols: _Columns, accept_index, accept_length) -> None:
+        """Move the accepted path's target KV to the front: node j of a request's tree was
+        written at position seq_len + j; the node at depth d must end up at seq_len + d.
+
+        Device index math over every (request, depth) of ``accept_index`` [b, S + 1], so it
+        runs inside a captured round as well: entries with nothing to move (past the path,
+        already in place, a graph's padding requests) move the padding slot 0 onto itself."""
+        b, depth = accept_index.shape
+        table = self.req_pool.req_to_token
+        dev, last = accept_index.device, table.shape[1] - 1
+        d = torch.arange(depth, device=dev)
+        node = accept_index.long() - torch.arange(b, device=dev)[:, None] * self.num_draft_tokens
+        move = (d <= accept_length.long()[:, None]) & (node != d) & (cols.widths[:, None] > 0)
+        start = cols.seq_lens.long()[:, None]
+        rows = cols.rows.long()[:, None]
+        src = table[rows, (start + node).clamp(0, last)]
+        dst = table[rows, (start + d).clamp(max=last)]
+        self.target_runner.kv_pool.move(
+            torch.where(move, dst, 0).flatten(), torch.where(move, src, 0).flatten()
+        )
+
+    # -- draft extend ---------------------------------------------------------------------------
     def _draft_extend(
-        self, sts, rows, seq_lens, rows_t, seq_t, ext, path_nodes, predicts, feats
-    ) -> None:
+        self, rids, rows, seq_lens, inp, accepted, path_nodes, predicts, feats, accept_index,
+        accept_length,
+    ) -> None:  # fmt: skip
         """Draft extend over the accepted tokens: (target feature at node, next token) pairs;
-        stores each request's draft view for the next round."""
-        bs, width = len(rows), self.num_steps + 1
+        keeps the draft's view for the next round."""
+        bs = len(rows)
         graphs = self.graphed(bs, max(seq_lens))
         if graphs is not None:
-            # Fixed width S + 1 per request: the path, then its last node repeated (masked).
-            padded = [p + [p[-1]] * (width - len(p)) for p in path_nodes]
-            index = self.builder.long([g for p in padded for g in p])
             inputs = {
-                "input_ids": predicts[index],
-                "features": feats[index],
-                "rows": rows_t,
-                "seq_lens": seq_t,
-                "extend_lens": self.builder.index(ext),
+                "predicts": predicts,
+                "features": feats,
+                "accept_index": accept_index,
+                "accept_length": accept_length,
+                "host": inp.per_request,
             }
             out = graphs.run("draft_extend", bs, max(seq_lens), inputs, self._draft_extend_graph)
             if out is not None:
-                topk_p, topk_index, next_feat = (t[:bs].clone() for t in out)
-                for i, s in enumerate(sts):
-                    s.topk_p, s.topk_index, s.draft_feature = topk_p[i], topk_index[i], next_feat[i]
+                self._keep_draft_state(rids, *(t[:bs] for t in out))
                 return
+        ext = [a + 1 for a in accepted]
         flat = self.builder.long([g for p in path_nodes for g in p])
         batch = self.builder.build(ForwardMode.DRAFT_EXTEND, rows, seq_lens, ext, predicts[flat])
         logit_h, next_feat = self.draft_runner.forward_draft(batch, feats[flat])
         last = self.builder.long(ext).cumsum(0) - 1
-        self._store_draft_view(sts, logit_h[last], next_feat[last])
+        topk_p, topk_index = self.draft.topk(logit_h[last], self.topk)
+        self._keep_draft_state(rids, topk_p, topk_index, next_feat[last])
 
     def _draft_extend_graph(self, s, bs: int, max_prefix: int):
+        return self._draft_extend_core(
+            self._graph_columns(s), s["predicts"], s["features"], s["accept_index"],
+            s["accept_length"], bs, max_prefix,
+        )  # fmt: skip
+
+    def _draft_extend_core(
+        self, cols: _Columns, predicts, feats, accept_index, accept_length, bs: int,
+        max_prefix: int,
+    ):  # fmt: skip
+        """The captured draft extend, at a fixed width S + 1 per request: the accepted path's
+        (feature at node, token predicted after it) pairs, then its last node repeated (masked
+        past the path), gathered from the verify's outputs on the device.
+        -> (topk_p [b, K], topk_index [b, K], next feature [b, H])."""
         table, width = self.req_pool.req_to_token, self.num_steps + 1
-        ext = s["extend_lens"]
-        slots, positions = block_slots(table, s["rows"], s["seq_lens"], ext, width)
+        length = accept_length.long()[:, None]
+        path = accept_index.long()  # [b, S + 1], -1 past the path
+        j = torch.arange(width, device=path.device)
+        node = torch.where(j <= length, path, path.gather(1, length)).flatten()
+        ext = torch.where(cols.widths > 0, accept_length + 1, 0).to(cols.rows.dtype)
+        slots, positions = block_slots(table, cols.rows, cols.seq_lens, ext, width)
         batch = static_batch(
-            ForwardMode.DRAFT_EXTEND, table, s["rows"], s["seq_lens"], ext,
-            s["input_ids"], positions, slots,
+            ForwardMode.DRAFT_EXTEND, table, cols.rows, cols.seq_lens, ext,
+            predicts[node], positions, slots,
         )  # fmt: skip
         logit_h, next_feat = self.draft_runner.forward_draft(
-            batch, s["features"], static_prefix=max_prefix
+            batch, feats[node], static_prefix=max_prefix
         )
         last = torch.arange(bs, device=ext.device) * width + (ext.to(torch.int64) - 1).clamp(min=0)
         topk_p, topk_index = self.draft.topk(logit_h[last], self.topk)
         return topk_p, topk_index, next_feat[last]
+
+    # -- standalone draft -----------------------------------------------------------------------
+    def _root_forward(self, sts, inp: _RoundInputs):
+        """The standalone draft's forward over each root -> its draft state (topk_p, topk_index,
+        feature), batched."""
+        bs = len(sts)
+        seq_lens = [s.seq_len for s in sts]
+        batch = self.builder.build(
+            ForwardMode.DRAFT_EXTEND, [s.row for s in sts], seq_lens, [1] * bs, inp.cols.roots
+        )
+        logit_h, next_feat = self.draft_runner.forward_draft(batch, None)
+        topk_p, topk_index = self.draft.topk(logit_h, self.topk)
+        return topk_p, topk_index, next_feat
 
     def _standalone_extend(self, rows, seq_lens, accepted, new_tokens) -> None:
         """The standalone draft already holds the root; it reads the accepted draft tokens
@@ -314,36 +538,20 @@ class EagleWorker(WorkerBase):
         )  # fmt: skip
         self.draft_runner.forward_draft(batch, None)
 
-    def _compact(self, rows, seq_lens, path_nodes, N) -> None:
-        """Move the accepted path's target KV to the front: node j of the tree was written at
-        position seq_len + j; the node at depth d must end up at position seq_len + d."""
-        src_pos, dst_pos, src_rows = [], [], []
-        for b, (row, n, path) in enumerate(zip(rows, seq_lens, path_nodes)):
-            for d, g in enumerate(path):
-                j = g - b * N
-                if j != d:
-                    src_rows.append(row)
-                    src_pos.append(n + j)
-                    dst_pos.append(n + d)
-        if not src_pos:  # chains (topk == 1) are always in place
-            return
-        table = self.req_pool.req_to_token
-        r = self.builder.long(src_rows)
-        src = table[r, self.builder.long(src_pos)]
-        dst = table[r, self.builder.long(dst_pos)]
-        self.target_runner.kv_pool.move(dst, src)
-
     # -- multi-step draft ---------------------------------------------------------------------
-    def _draft(self, sts, rows, seq_lens, rows_t, seq_t, roots, target_seq_t):
+    def _draft(self, state, rows, target_lens, inp: _RoundInputs):
         """S levels of top-K expansion with S-1 draft forwards (DRAFT_DECODE), then the tree.
 
-        ``seq_lens`` / ``seq_t``: the draft's prefix lengths; ``roots`` [bs]: each request's
-        last token; ``target_seq_t`` [bs]: the target's prefix lengths (the tree's positions).
+        ``state``: the draft's (topk_p, topk_index, feature) [bs, ...]; ``target_lens``: the
+        target's prefix lengths (host). A standalone draft's prefix holds the root as well.
         Returns :meth:`_build_tree`'s tensors."""
-        bs, K, S, ps = len(sts), self.topk, self.num_steps, self.page_size
-        topk_p = torch.stack([s.topk_p for s in sts])  # [bs, K]
-        topk_index = torch.stack([s.topk_index for s in sts])  # [bs, K]
-        hidden = torch.stack([s.draft_feature for s in sts])  # [bs, H]
+        topk_p, topk_index, hidden = state
+        cols = inp.cols
+        bs, K, S, ps = len(rows), self.topk, self.num_steps, self.page_size
+        if self.root_forward:
+            seq_lens, seq_t = [n + 1 for n in target_lens], cols.seq_lens + 1
+        else:
+            seq_lens, seq_t = target_lens, cols.seq_lens
         if S > 1:
             graphs = None if self.root_forward else self.graphed(bs, max(seq_lens))
             if graphs is not None:
@@ -351,9 +559,7 @@ class EagleWorker(WorkerBase):
                     "topk_p": topk_p,
                     "topk_index": topk_index,
                     "hidden": hidden,
-                    "rows": rows_t,
-                    "seq_lens": seq_t,
-                    "roots": roots,
+                    "host": inp.per_request,
                 }
                 out = graphs.run("draft", bs, max(seq_lens), inputs, self._draft_graph)
                 if out is not None:
@@ -361,7 +567,7 @@ class EagleWorker(WorkerBase):
                     return (candidates[:bs], tree_mask[:bs], positions[: bs * self.num_draft_tokens],
                             *(t[:bs] for t in links))  # fmt: skip
             scratch = self.lane_scratch[: bs * K * self.lane_width]
-            lane_locs, tail_t = self._assign_lanes(rows_t, seq_t, scratch)
+            lane_locs, tail_t = self._assign_lanes(cols.rows, seq_t, scratch)
             tails = [n % ps for n in seq_lens] if ps > 1 else [0] * bs
 
         def draft_step(i: int, input_ids: torch.Tensor, hidden: torch.Tensor):
@@ -379,7 +585,7 @@ class EagleWorker(WorkerBase):
             return self.draft_runner.forward_draft(batch, hidden)
 
         return self._build_tree(
-            *self._expand_tree(topk_p, topk_index, hidden, draft_step), roots, target_seq_t
+            *self._expand_tree(topk_p, topk_index, hidden, draft_step), cols.roots, cols.seq_lens
         )
 
     def _build_tree(self, parent_list, top_scores_index, draft_tokens, roots, seq_lens):
@@ -418,19 +624,23 @@ class EagleWorker(WorkerBase):
         return self.kernels.organize_draft_results(*levels, self.num_draft_tokens)
 
     def _draft_graph(self, s, bs: int, max_prefix: int):
-        """The captured multi-step draft (S > 1): lane slots, the loop of :meth:`_draft` and
-        the tree, over device tensors only."""
+        cols = self._graph_columns(s)
+        return self._draft_core(cols, s["topk_p"], s["topk_index"], s["hidden"], bs, max_prefix)
+
+    def _draft_core(self, cols: _Columns, topk_p, topk_index, hidden, bs: int, max_prefix: int):
+        """The captured multi-step draft: lane slots, the loop of :meth:`_draft` and the tree,
+        over device tensors only. Only EAGLE heads are captured, whose prefix is the
+        target's: ``cols.seq_lens`` serves both."""
         K, table = self.topk, self.req_pool.req_to_token
-        topk_p, topk_index, hidden = s["topk_p"], s["topk_index"], s["hidden"]
-        rows = s["rows"]
-        # Padding requests (row 0, length 0) get lanes too: the scratch holds the whole bucket.
-        # Only EAGLE heads are captured, whose prefix is the target's: seq_lens serves both.
-        scratch = self.lane_scratch[: bs * K * self.lane_width]
-        lane_locs, tails = self._assign_lanes(rows, s["seq_lens"], scratch)
-        seq_lens = s["seq_lens"].to(torch.int64)
-        idx = rows.dtype
-        prefix = (seq_lens - tails).to(idx)
-        extend = torch.full_like(rows, K)
+        rows, seq_t = cols.rows, cols.seq_lens
+        if self.num_steps > 1:
+            # Padding requests (row 0, length 0) get lanes too: the scratch holds the bucket.
+            scratch = self.lane_scratch[: bs * K * self.lane_width]
+            lane_locs, tails = self._assign_lanes(rows, seq_t, scratch)
+            seq_lens = seq_t.to(torch.int64)
+            idx = rows.dtype
+            prefix = (seq_lens - tails).to(idx)
+            extend = torch.full_like(rows, K)
 
         def draft_step(i: int, input_ids: torch.Tensor, hidden: torch.Tensor):
             col = (tails + i).view(bs, 1, 1).expand(bs, K, 1)
@@ -443,7 +653,7 @@ class EagleWorker(WorkerBase):
             return self.draft_runner.forward_draft(batch, hidden, static_prefix=max_prefix)
 
         levels = self._expand_tree(topk_p, topk_index, hidden, draft_step)
-        return self._build_tree(*levels, s["roots"], s["seq_lens"])
+        return self._build_tree(*levels, cols.roots, seq_t)
 
     def _assign_lanes(self, rows_t, seq_t, scratch):
         bs, K, ps, W = rows_t.shape[0], self.topk, self.page_size, self.lane_width
@@ -458,6 +668,12 @@ class EagleWorker(WorkerBase):
         if ps > 1:
             self.draft_runner.kv_pool.move(copy_dst, copy_src)
         return lane_locs, tail.to(torch.int64)
+
+
+def _path_moved(path_nodes: Sequence[Sequence[int]], n: int) -> bool:
+    """True when some accepted node sits away from its depth (request b's node j at depth d
+    with j != d), i.e. when the accepted path's KV has to be compacted."""
+    return any(g - b * n != d for b, p in enumerate(path_nodes) for d, g in enumerate(p))
 
 
 def _pack_verified(accept_length, accept_index, predicts) -> torch.Tensor:

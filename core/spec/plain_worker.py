@@ -15,6 +15,10 @@ from polyspec.spec.base import WorkerBase
 class PlainWorker(WorkerBase):
     """One target DECODE forward per round, one token per request."""
 
+    def round_graphs(self, greedy: bool = True) -> tuple[str, ...]:  # noqa: ARG002
+        """The captured computations a round replays when its batch fits a graph bucket."""
+        return ("decode",)
+
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
         """Prefill prompt[prefilled:end]; returns the first token of requests now complete."""
         hidden, _, starts, lens = self._target_extend(rids, ends)
@@ -30,7 +34,7 @@ class PlainWorker(WorkerBase):
         rows = [s.row for s in sts]
         seq_lens = [s.seq_len for s in sts]
         self.timer.start()
-        self.kv.ensure(rows, [n + 1 for n in seq_lens])
+        self.kv.ensure(rows, [n + 1 for n in seq_lens], self.kv_lookahead)
         bs = len(rows)
         input_ids = self.builder.long([s.last_token for s in sts])
         logits = None

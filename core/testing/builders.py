@@ -6,6 +6,8 @@
 - :func:`build_tiny_eagle`: an EAGLE-1 head in SafeAILab's format (pytorch_model.bin).
 - :func:`build_tiny_eagle3`: an EAGLE-3 head in SpecForge's format (safetensors, d2t / t2d).
 - :func:`build_tiny_standalone`: a smaller LM sharing the target's tokenizer.
+- :func:`build_bigram_models`: in memory, no checkpoint: a target and an EAGLE-1 head that
+  drafts it well, so speculative rounds accept several tokens without a trained head.
 
 Weights are Gaussian with scales chosen so that activations stay O(1) and the next-token
 distribution is peaked (logit std about 3): greedy decoding in fp32 does not hit ties.
@@ -13,6 +15,7 @@ distribution is peaked (logit std about 3): greedy decoding in fp32 does not hit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -260,3 +263,53 @@ def build_tiny_standalone(path: str | Path, target_path: str | Path, seed: int =
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(Path(target_path) / name, out / name)
     return out
+
+
+@torch.no_grad()
+def build_bigram_models(
+    backend: Any, config: Any = None, seed: int = 0, layer_scale: float = 0.4
+) -> tuple[Any, Any]:
+    """A fp32 llama target whose next token is mostly a function of the current one, and an
+    EAGLE-1 head (``DraftHead("eagle")``) computing exactly that function, built in memory on
+    ``backend`` for :meth:`polyspec.LLM.from_modules` (which takes ``algorithm="eagle"``).
+
+    The target's layer outputs (o_proj, down_proj) are scaled by ``layer_scale``, so its final
+    hidden state is mostly the current token's embedding, and its final norm weight is all
+    ones, so that norm only rescales each row: the "bigram" is the argmax of
+    ``lm_head @ embed(token)``. The head's ``fc`` passes the token embedding through and its
+    layer adds nothing, so it drafts that argmax: rounds accept 1 to S+1 tokens (the accepted
+    paths of topk > 1 trees then need their KV compacted), without a trained head.
+    ``config``: a :class:`~polyspec.model.config.ModelConfig` (default: 4 layers, hidden 64,
+    vocabulary 64)."""
+    from polyspec.model.config import ModelConfig
+    from polyspec.model.eagle import DraftHead
+    from polyspec.model.llama import CausalLM
+
+    cfg = config or ModelConfig(
+        architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+        eos_token_ids=(2,),
+    ).validate()  # fmt: skip
+    dev = backend.device()
+    target = CausalLM(cfg, backend.kernels, dev, torch.float32)
+    head = DraftHead("eagle", dataclasses.replace(cfg, num_layers=1), target, backend.kernels, dev)
+    g = torch.Generator().manual_seed(seed)
+    for module in (target, head):
+        for name, p in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if p.dim() == 1:
+                p.copy_(_norm(g, p.shape[0]))
+            elif leaf in ("embed_tokens", "lm_head"):
+                p.copy_(_randn(g, *p.shape, std=0.4))
+            else:
+                p.copy_(_randn(g, *p.shape, std=p.shape[1] ** -0.5))
+    target.norm.fill_(1.0)
+    for layer in target.layers:
+        layer.o_proj.mul_(layer_scale)
+        layer.down_proj.mul_(layer_scale)
+    h = cfg.hidden_size
+    head.fc.zero_()
+    head.fc[:, :h] = torch.eye(h)  # fc([embed, feature]) = embed
+    head.layer.o_proj.zero_()
+    head.layer.down_proj.zero_()
+    return target.eval(), head.eval()

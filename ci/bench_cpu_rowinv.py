@@ -1,7 +1,9 @@
 """Benchmarks for rowinv.linear / rowinv.attention against stock PyTorch CPU paths.
 
 Usage: python bench.py [--quick] [--skip-shapes] [--skip-model] [--skip-attn] [--skip-large]
-Prints markdown tables (times are medians, microseconds unless noted).
+Prints markdown tables (times are medians, microseconds unless noted). The model and per-shape
+tables time every rowinv.linear path the CPU has (avx2, avx512); the other tables, the default
+one (POLYSPEC_ROWINV_ISA picks another).
 """
 
 # ruff: noqa: B023  (every lambda here is timed at once, inside its loop iteration)
@@ -75,12 +77,28 @@ def machine() -> str:
     )
 
 
+def on_path(mod, isa: str, fn: Callable[..., object]) -> Callable[..., object]:
+    """fn, run on rowinv path `isa` (switched per call: the switch costs nanoseconds)."""
+
+    def run(*args):
+        mod.set_isa(isa)
+        return fn(*args)
+
+    return run
+
+
 def bench_shapes(ms: list[int], mod) -> None:
-    print("\n### Per-shape linear, weights warm in cache (us; ratio = F.linear bf16 / rowinv)\n")
+    isas, default = mod.available_isas(), mod.isa()
     print(
-        "| N x K | M | rowinv bf16 | F.linear bf16 | F.linear fp32 | mkldnn packed fp32 | rowinv fp32-x | bf16/rowinv |"
+        "\n### Per-shape linear, weights warm in cache (us; ratio = F.linear bf16 / rowinv "
+        f"{default}; rowinv fp32-x on {default})\n"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    ri_cols = " | ".join(f"rowinv {isa} bf16" for isa in isas)
+    print(
+        f"| N x K | M | {ri_cols} | F.linear bf16 | F.linear fp32 | mkldnn packed fp32 | rowinv fp32-x "
+        "| bf16/rowinv |"
+    )
+    print("|---|---|" + "---|" * (len(isas) + 5))
     for n, k in SHAPES:
         w = torch.randn(n, k).bfloat16()
         wf = w.float()
@@ -88,14 +106,18 @@ def bench_shapes(ms: list[int], mod) -> None:
             x = torch.randn(m, k).bfloat16()
             xf = x.float()
             wp = packed(wf, m)
-            t_ri = median_time(lambda: mod.linear(x, w, None))
+            t_ri = {
+                isa: median_time(on_path(mod, isa, lambda: mod.linear(x, w, None))) for isa in isas
+            }
+            mod.set_isa(default)
             t_bf = median_time(lambda: F.linear(x, w))
             t_f32 = median_time(lambda: F.linear(xf, wf))
             t_pk = median_time(lambda: mkldnn_linear(xf, wp))
             t_rif = median_time(lambda: mod.linear(xf, w, None))
+            ri = " | ".join(f"{t * 1e6:.1f}" for t in t_ri.values())
             print(
-                f"| {n}x{k} | {m} | {t_ri * 1e6:.1f} | {t_bf * 1e6:.1f} | {t_f32 * 1e6:.1f} | {t_pk * 1e6:.1f} "
-                f"| {t_rif * 1e6:.1f} | {t_bf / t_ri:.2f} |",
+                f"| {n}x{k} | {m} | {ri} | {t_bf * 1e6:.1f} | {t_f32 * 1e6:.1f} | {t_pk * 1e6:.1f} "
+                f"| {t_rif * 1e6:.1f} | {t_bf / t_ri[default]:.2f} |",
                 flush=True,
             )
 
@@ -133,34 +155,39 @@ def bench_model(ms: list[int], mod, reps: int) -> None:
     all_w = [w for layer in layers for w in layer] + [head]
     ks = [k for _, _, k in LAYER_SHAPES] * LAYERS + [HIDDEN]
     w_f32 = [w.float() for w in all_w]
-    print(
-        "| M | rowinv bf16 | F.linear bf16 | F.linear fp32 | mkldnn packed fp32 | rowinv M / rowinv M=1 |"
-    )
-    print("|---|---|---|---|---|---|")
+    isas, default = mod.available_isas(), mod.isa()
+    ri_cols = " | ".join(f"rowinv {isa} bf16" for isa in isas)
+    ratio_cols = " | ".join(f"{isa} M / {isa} M=1" for isa in isas)
+    print(f"| M | {ri_cols} | F.linear bf16 | F.linear fp32 | mkldnn packed fp32 | {ratio_cols} |")
+    print("|---|" + "---|" * (2 * len(isas) + 3))
     base = None
     for m in ms:
         xs = {k: torch.randn(m, k).bfloat16() for k in (HIDDEN, INTER)}
         xfs = {k: v.float() for k, v in xs.items()}
         w_pk = [packed(w, m) for w in w_f32]
-        methods = [
-            (lambda x, w: mod.linear(x, w, None), xs, all_w),
-            (F.linear, xs, all_w),
-            (F.linear, xfs, w_f32),
-            (mkldnn_linear, xfs, w_pk),
+        methods = [(lambda x, w, isa=isa: mod.linear(x, w, None), xs, all_w, isa) for isa in isas]
+        methods += [
+            (F.linear, xs, all_w, None),
+            (F.linear, xfs, w_f32, None),
+            (mkldnn_linear, xfs, w_pk, None),
         ]
         times: list[list[float]] = [[] for _ in methods]
         for rep in range(reps + 1):  # rep 0 warms up
-            for i, (fn, xd, ws) in enumerate(methods):
+            for i, (fn, xd, ws, isa) in enumerate(methods):
+                if isa:
+                    mod.set_isa(isa)
                 t = time.perf_counter()
                 for w, k in zip(ws, ks):
                     fn(xd[k], w)
                 if rep:
                     times[i].append(time.perf_counter() - t)
+        mod.set_isa(default)
         med = [statistics.median(t) for t in times]
         mins = [min(t) for t in times]
-        base = base or med[0]
+        base = base or med[: len(isas)]
         cells = " | ".join(f"{a * 1e3:.2f} [{b * 1e3:.2f}]" for a, b in zip(med, mins))
-        print(f"| {m} | {cells} | {med[0] / base:.2f} |", flush=True)
+        ratios = " | ".join(f"{a / b:.2f}" for a, b in zip(med, base))
+        print(f"| {m} | {cells} | {ratios} |", flush=True)
         del w_pk
 
 
@@ -275,6 +302,7 @@ def main() -> None:
     if mod is None:
         sys.exit(f"rowinv unavailable: {rowinv.unavailable_reason()}")
     print(f"Machine: {machine()}")
+    print(f"rowinv.linear paths: {', '.join(mod.available_isas())}; default {mod.isa()}")
     print(f"Load average at start (other processes skew CPU timings): {os.getloadavg()}")
     ms = [1, 6] if args.quick else [1, 2, 4, 6, 8, 16, 128]
     if not args.skip_model:

@@ -1,5 +1,6 @@
 // Row-invariant CPU kernels for AVX2 + FMA: a bf16-weight linear, a CSR (paged) attention and
-// the per-token ops of a decoder layer.
+// the per-token ops of a decoder layer. The linear also has an AVX-512 path, picked at run time
+// where the CPU has it.
 //
 // "Row-invariant" means the bits of output row m depend only on row m's inputs: not on M, on the
 // other rows, on m's position, on the thread count or on which micro-kernel happened to compute
@@ -15,9 +16,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -76,14 +79,27 @@ inline float bf16_to_f32(uint16_t h) {
 // ============================================================================================
 // Kernel 1: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), w in bf16, fp32 accumulation.
 //
-// Fixed order for every (m, n): one 8-lane accumulator; for each 16-wide K block b (the last one
-// zero-padded when K % 16 != 0): acc = fma(x_even_b, w_even_b, acc); acc = fma(x_odd_b, w_odd_b,
-// acc); then hsum8, then + bias, then (bf16 output) one rounding. x is pre-packed to fp32 in that
-// even/odd order and zero-padded, so bf16 and fp32 inputs share one code path.
+// Two paths, each with one fixed order for every (m, n):
+//   AVX2:    one 8-lane accumulator; for each 16-wide K block b: acc = fma(x_even_b, w_even_b,
+//            acc); acc = fma(x_odd_b, w_odd_b, acc); then hsum8.
+//   AVX-512: the same with one 16-lane accumulator and 32-wide K blocks; then hsum16.
+// The last K block is zero-padded when K is not a multiple of the block width; then + bias, then
+// (bf16 output) one rounding. x is pre-packed to fp32 in the path's even/odd order and zero-
+// padded, so bf16 and fp32 inputs share one code path. The two paths round differently, so a
+// process runs every call on one of them (the best the CPU has, or the one set_isa chose): row
+// invariance needs no more than that.
 // ============================================================================================
+
+enum class Isa { kAvx2, kAvx512 };
+
+bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+
+// Set by the module's init and by set_isa; each linear call reads it once, so no call mixes paths.
+std::atomic<Isa> g_isa{Isa::kAvx2};
 
 constexpr int64_t kColGroup = 8;          // columns whose weights all row blocks reuse from L1
 constexpr int64_t kPrefetchBytes = 8192;  // ~1-2 column groups ahead; hardware prefetch alone lags
+constexpr int64_t kNearPrefetchBytes = 1024;  // AVX-512: the same lines again, shortly before use
 constexpr int64_t kSmallM = 16;           // up to here all rows always form one chunk
 constexpr int64_t kXChunkBytes = 192 * 1024;  // otherwise chunks of packed x rows that stay in L2
 
@@ -124,8 +140,79 @@ inline void tile(const float* xp, int64_t ldx, const uint16_t* w, int64_t K, flo
     for (int c = 0; c < C; ++c) out[r * C + c] = hsum8(acc[r][c]);
 }
 
+// The AVX-512 path: this region is compiled for AVX-512 whatever the build flags say, and runs
+// only where cpu_has_avx512().
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+
+// 32 bf16 (one cache line of weights) -> their even and odd elements as 16 fp32 each, by the
+// same shift and mask as load_bf16x16.
+struct EvenOdd512 {
+  __m512 e, o;
+};
+inline EvenOdd512 split_bf16x32(__m512i v) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+
+// hsum8 of (lane i + lane i+8), i < 8.
+inline float hsum16(__m512 v) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+}
+
+// hsum16 of four vectors at once: the same additions of the same pairs (a + b == b + a bit for
+// bit), with a quarter of the shuffles; at K = 576 a tile has only 18 blocks to spread its sums
+// over.
+inline void hsum16x4(__m512 a, __m512 b, __m512 c, __m512 d, float* out) {
+  // [a.lo a.hi] (256-bit halves) -> a.lo + a.hi, two vectors per add.
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  // Each vector's two 128-bit quarters added: one 128-bit lane per vector from here on.
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xEE));  // movehl: [s0+s2, s1+s3]
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xF5));  // movehdup: (s0+s2) + (s1+s3)
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s);
+  for (int i = 0; i < 4; ++i) out[i] = lanes[4 * i];
+}
+
+// tile for AVX-512, one column wide: R rows share each weight vector loaded and converted, and
+// the column's weights are read as one sequential stream. That measured faster than C columns'
+// streams K apart (full step, M = 4: 14.3 ms vs 16.0 ms with 4-wide tiles; M = 1: 11.6 ms vs
+// 12.3 ms, although a lone row then has a single FMA chain). pf: one line per K block into L2
+// (T1; full step at M = 1 12.9 ms, vs 15.0 ms with T0), and kNearPrefetchBytes ahead into L1
+// (M = 6: 15.3 ms vs 15.9 ms without).
+template <int R>
+void tile512(const float* xp, int64_t ldx, const uint16_t* w, int64_t K, float* out, const char* pf) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  // Even halves for all rows, then odd halves: an accumulator's two FMAs of a block are R apart.
+  auto step = [&](__m512i wv, int64_t xo) {
+    const EvenOdd512 v = split_bf16x32(wv);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r * ldx + xo), v.e, acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xp + r * ldx + xo + 16), v.o, acc[r]);
+  };
+  const char* near = pf ? pf - kPrefetchBytes + kNearPrefetchBytes : nullptr;
+  const int64_t nfull = K / 32;
+  for (int64_t b = 0; b < nfull; ++b) {
+    if (pf) {
+      _mm_prefetch(pf + b * 64, _MM_HINT_T1);
+      _mm_prefetch(near + b * 64, _MM_HINT_T0);
+    }
+    step(_mm512_loadu_si512(w + b * 32), b * 32);
+  }
+  if (K % 32)  // masked-off elements read as zero and cannot fault past the allocation
+    step(_mm512_maskz_loadu_epi16((1u << (K % 32)) - 1, w + nfull * 32), nfull * 32);
+  int r = 0;
+  for (; r + 4 <= R; r += 4) hsum16x4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3], out + r);
+  for (; r < R; ++r) out[r] = hsum16(acc[r]);
+}
+
+#pragma GCC pop_options
+
 struct LinearArgs {
-  const float* xp;    // [M, Kp] x as fp32, even/odd order within each 16-block, zero-padded
+  const float* xp;    // [M, Kp] x as fp32, even/odd order within each K block, zero-padded
   int64_t M, K, Kp, N;
   const uint16_t* w;  // [N, K] bf16
   const float* bias;  // [N] or nullptr
@@ -134,8 +221,9 @@ struct LinearArgs {
 };
 
 // Rows [m0, m0+R) x columns [n0, n1): C columns per tile, leftover columns one at a time.
-template <int R, int C>
+template <Isa P, int R, int C>
 void row_block(const LinearArgs& a, int64_t m0, int64_t n0, int64_t n1, bool prefetch) {
+  static_assert(P == Isa::kAvx2 || C == 1, "AVX-512 tiles are one column wide");
   const char* w_end = reinterpret_cast<const char*>(a.w + a.N * a.K);
   auto run = [&](auto cols, int64_t n) {
     constexpr int CC = decltype(cols)::value;
@@ -143,7 +231,8 @@ void row_block(const LinearArgs& a, int64_t m0, int64_t n0, int64_t n1, bool pre
     const char* pf = reinterpret_cast<const char*>(w) + kPrefetchBytes;
     if (!prefetch || pf + CC * a.K * 2 > w_end) pf = nullptr;
     float out[R * CC];
-    tile<R, CC>(a.xp + m0 * a.Kp, a.Kp, w, a.K, out, pf);
+    if constexpr (P == Isa::kAvx512) tile512<R>(a.xp + m0 * a.Kp, a.Kp, w, a.K, out, pf);
+    else tile<R, CC>(a.xp + m0 * a.Kp, a.Kp, w, a.K, out, pf);
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < CC; ++c) {
         float v = out[r * CC + c];
@@ -163,46 +252,79 @@ void row_block(const LinearArgs& a, int64_t m0, int64_t n0, int64_t n1, bool pre
 // and 4 weight streams prefetch better than 8 (measured: full step 13-14 ms vs 15.5-16.5 ms).
 // Only the first row block streams the weights from memory, so only it prefetches; the other
 // blocks find the group's weights in L1/L2.
-void row_blocks(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+void row_blocks_avx2(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   const int64_t rows = m1 - m0;
   const int64_t rest = (rows % 3 == 1 && rows > 1) ? 4 : rows % 3;  // 4 -> two 2-row blocks
   int64_t m = m0;
-  for (; m + 3 <= m1 - rest; m += 3) row_block<3, 4>(a, m, n0, n1, m == m0);
-  for (; m + 2 <= m1; m += 2) row_block<2, 4>(a, m, n0, n1, m == m0);
-  if (m < m1) row_block<1, 4>(a, m, n0, n1, m == m0);
+  for (; m + 3 <= m1 - rest; m += 3) row_block<Isa::kAvx2, 3, 4>(a, m, n0, n1, m == m0);
+  for (; m + 2 <= m1; m += 2) row_block<Isa::kAvx2, 2, 4>(a, m, n0, n1, m == m0);
+  if (m < m1) row_block<Isa::kAvx2, 1, 4>(a, m, n0, n1, m == m0);
+}
+
+constexpr int64_t kMaxRows512 = 8;
+
+// Each row block converts the group's weights anew, so as few blocks as possible, of balanced
+// height (9 rows: 5 + 4 rather than 8 + 1, whose lone row would have a single FMA chain). 8 rows
+// keep 8 FMA chains, enough to hide the FMA latency, with registers to spare.
+void row_blocks_avx512(const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t blocks = (m1 - m0 + kMaxRows512 - 1) / kMaxRows512;
+  int64_t m = m0;
+  for (int64_t left = blocks; left > 0; --left) {
+    const int64_t rows = (m1 - m + left - 1) / left;
+    const bool pf = m == m0;
+    switch (rows) {
+      case 8: row_block<Isa::kAvx512, 8, 1>(a, m, n0, n1, pf); break;
+      case 7: row_block<Isa::kAvx512, 7, 1>(a, m, n0, n1, pf); break;
+      case 6: row_block<Isa::kAvx512, 6, 1>(a, m, n0, n1, pf); break;
+      case 5: row_block<Isa::kAvx512, 5, 1>(a, m, n0, n1, pf); break;
+      case 4: row_block<Isa::kAvx512, 4, 1>(a, m, n0, n1, pf); break;
+      case 3: row_block<Isa::kAvx512, 3, 1>(a, m, n0, n1, pf); break;
+      case 2: row_block<Isa::kAvx512, 2, 1>(a, m, n0, n1, pf); break;
+      default: row_block<Isa::kAvx512, 1, 1>(a, m, n0, n1, pf); break;
+    }
+    m += rows;
+  }
 }
 
 // One thread's columns. Small M: one chunk of rows per column group, so each weight is read from
 // memory exactly once. Large M: rows in chunks whose packed x fits in L2, re-reading the (L3-
-// resident) weights once per chunk instead of re-reading all of x per column group.
+// resident) weights once per chunk instead of re-reading all of x per column group. Chunks are
+// whole numbers of the tallest tile.
+template <Isa P>
 void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1) {
-  const int64_t chunk = std::max<int64_t>(kSmallM, kXChunkBytes / (std::max<int64_t>(a.Kp, 16) * 4) / 3 * 3);
+  constexpr int64_t tall = P == Isa::kAvx512 ? kMaxRows512 : 3;
+  const int64_t chunk = std::max<int64_t>(kSmallM, kXChunkBytes / (std::max<int64_t>(a.Kp, 16) * 4) / tall * tall);
   for (int64_t m0 = 0; m0 < a.M; m0 += chunk)
-    for (int64_t g = n0; g < n1; g += kColGroup)
-      row_blocks(a, m0, std::min(m0 + chunk, a.M), g, std::min(g + kColGroup, n1));
+    for (int64_t g = n0; g < n1; g += kColGroup) {
+      const int64_t m1 = std::min(m0 + chunk, a.M), g1 = std::min(g + kColGroup, n1);
+      if constexpr (P == Isa::kAvx512) row_blocks_avx512(a, m0, m1, g, g1);
+      else row_blocks_avx2(a, m0, m1, g, g1);
+    }
 }
 
-// x [M, K] (bf16 or fp32) -> [M, Kp] fp32 in the even/odd order the weights take in registers.
-void pack_x(const at::Tensor& x, int64_t Kp, float* dst) {
-  const int64_t M = x.size(0), K = x.size(1);
+// x [M, K] (bf16 or fp32) -> [M, Kp] fp32 in the even/odd order the weights take in registers:
+// within each K block of `block` (16 or 32) elements, the even ones, then the odd ones.
+void pack_x(const at::Tensor& x, int64_t block, int64_t Kp, float* dst) {
+  const int64_t M = x.size(0), K = x.size(1), half = block / 2;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const auto* xb = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   const float* xf = bf16 ? nullptr : x.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       float* d = dst + m * Kp;
-      for (int64_t b = 0; b < Kp / 16; ++b) {
-        const int64_t n = std::min<int64_t>(16, K - b * 16);
+      for (int64_t k0 = 0; k0 < Kp; k0 += 16) {  // 16 elements: 8 even, 8 odd
+        float* de = d + k0 / block * block + k0 % block / 2;
+        const int64_t n = std::clamp<int64_t>(K - k0, 0, 16);
         if (bf16) {
           alignas(32) uint16_t buf[16] = {};
-          const uint16_t* s = xb + m * K + b * 16;
+          const uint16_t* s = xb + m * K + k0;
           if (n < 16) s = static_cast<const uint16_t*>(std::memcpy(buf, s, n * 2));
           const EvenOdd v = load_bf16x16(s);
-          _mm256_storeu_ps(d + b * 16, v.e);
-          _mm256_storeu_ps(d + b * 16 + 8, v.o);
+          _mm256_storeu_ps(de, v.e);
+          _mm256_storeu_ps(de + half, v.o);
         } else {
-          const float* s = xf + m * K + b * 16;
-          for (int64_t i = 0; i < 16; ++i) d[b * 16 + (i % 2) * 8 + i / 2] = i < n ? s[i] : 0.0f;
+          const float* s = xf + m * K + k0;
+          for (int64_t i = 0; i < 16; ++i) de[(i % 2) * half + i / 2] = i < n ? s[i] : 0.0f;
         }
       }
     }
@@ -230,10 +352,12 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const c10::option
   at::Tensor y = at::empty({M, N}, x_in.options());
   if (M == 0 || N == 0) return y;
 
-  const int64_t Kp = round_up(K, 16);
+  const Isa isa = g_isa.load();
+  const int64_t block = isa == Isa::kAvx512 ? 32 : 16;
+  const int64_t Kp = round_up(K, block);
   const at::Tensor x = x_in.contiguous();
   at::Tensor xp = at::empty({M, Kp}, x.options().dtype(at::kFloat));
-  pack_x(x, Kp, xp.data_ptr<float>());
+  pack_x(x, block, Kp, xp.data_ptr<float>());
   const LinearArgs a{xp.data_ptr<float>(), M, K, Kp, N,
                      reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
                      bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr(),
@@ -245,9 +369,35 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const c10::option
   const int64_t unit_work = kColGroup * std::max<int64_t>(K, 16) * std::min<int64_t>(M, 8);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / unit_work);
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    linear_columns(a, u0 * kColGroup, std::min(u1 * kColGroup, N));
+    const int64_t n0 = u0 * kColGroup, n1 = std::min(u1 * kColGroup, N);
+    if (isa == Isa::kAvx512) linear_columns<Isa::kAvx512>(a, n0, n1);
+    else linear_columns<Isa::kAvx2>(a, n0, n1);
   });
   return y;
+}
+
+const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : "avx2"; }
+
+Isa best_isa() { return cpu_has_avx512() ? Isa::kAvx512 : Isa::kAvx2; }
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names{"avx2"};
+  if (cpu_has_avx512()) names.push_back("avx512");
+  return names;
+}
+
+void set_isa(const std::string& name) {
+  if (name == "auto") {
+    g_isa = best_isa();
+  } else if (name == "avx2") {
+    g_isa = Isa::kAvx2;
+  } else if (name == "avx512") {
+    TORCH_CHECK(cpu_has_avx512(), "rowinv: the avx512 path needs AVX-512 F and BW, which this CPU lacks; ",
+                "its only path is avx2");
+    g_isa = Isa::kAvx512;
+  } else {
+    TORCH_CHECK(false, "rowinv: unknown ISA '", name, "'; use 'auto', 'avx2' or 'avx512'");
+  }
 }
 
 // ============================================================================================
@@ -607,6 +757,11 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 // so a Python thread (e.g. a drafter) is not blocked by a long prefill.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
+  g_isa = best_isa();
+  m.def("available_isas", &available_isas, "the linear paths this CPU can run: 'avx2' and maybe 'avx512'");
+  m.def("isa", [] { return std::string(isa_name(g_isa.load())); }, "the path linear runs on now");
+  m.def("set_isa", &set_isa, "run linear on 'avx2', 'avx512' or 'auto' (the best available) from now on",
+        py::arg("name"));
   m.def("linear", &linear, "Row-invariant y = x @ w.T (+ bias); w bf16 [N, K], x bf16/fp32 [M, K]", py::arg("x"),
         py::arg("w"), py::arg("bias") = py::none(), release_gil());
   m.def("attention", &attention, "Row-invariant CSR attention over a bf16 slot pool", py::arg("q"),

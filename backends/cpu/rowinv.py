@@ -6,6 +6,13 @@ N draft tokens in one forward gives exactly the greedy tokens of N one-token for
 
 The extension is JIT-built on first use (`load()`); on machines that cannot build or run it,
 `load()` returns None and `unavailable_reason()` says why, so callers can fall back to stock ops.
+
+`linear` has two paths: "avx2", and "avx512" (16-lane accumulators and taller tiles: a verify
+forward of 4-8 rows costs little more than one row). Each has its own fixed summation order, so
+their bits differ; a process runs every call on one path, by default the best the CPU has.
+POLYSPEC_ROWINV_ISA=avx2|avx512|auto (default auto) forces one, read when the extension loads:
+a wrong value, or avx512 on a CPU without AVX-512 (F + BW), is a ConfigError. `set_isa()`
+switches it later (tests, benchmarks); `isa()` says which path runs.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import shutil
 from types import ModuleType
 
 import torch
+
+from polyspec.errors import ConfigError
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rowinv.cpp")
 
@@ -41,9 +50,44 @@ def _missing_cpu_flags() -> list[str]:
     return []
 
 
+ISA_ENV = "POLYSPEC_ROWINV_ISA"
+ISA_CHOICES = ("auto", "avx2", "avx512")
+
+
+def _isa_request() -> str:
+    """POLYSPEC_ROWINV_ISA, checked: a typo must not silently run the other path."""
+    value = os.environ.get(ISA_ENV, "auto").strip() or "auto"
+    if value not in ISA_CHOICES:
+        raise ConfigError(
+            f"{ISA_ENV}={value!r}: use 'auto' (AVX-512 where the CPU has it, else AVX2; the "
+            "default), 'avx2' or 'avx512'"
+        )
+    return value
+
+
+def _apply_isa(module: ModuleType, request: str) -> None:
+    available = module.available_isas()
+    if request != "auto" and request not in available:
+        raise ConfigError(
+            f"{ISA_ENV}={request!r}, but this CPU lacks AVX-512 (F + BW); the paths it can run: "
+            f"{', '.join(available)}"
+        )
+    module.set_isa(request)
+
+
 @functools.cache
 def _build() -> tuple[ModuleType | None, str]:
-    """Build once per process; returns (module, "") or (None, reason)."""
+    """Build once per process; returns (module, "") or (None, reason). Raises ConfigError for a
+    bad POLYSPEC_ROWINV_ISA: that is a mistake to fix, not a reason to fall back."""
+    request = _isa_request()
+    module, reason = _compile()
+    if module is not None:
+        _apply_isa(module, request)
+    return module, reason
+
+
+def _compile() -> tuple[ModuleType | None, str]:
+    """Build (or find built) and import the extension; (module, "") or (None, reason)."""
     try:
         cap = torch.backends.cpu.get_cpu_capability()
         # ATen reports AVX2 only when the CPU has both AVX2 and FMA3, which is what we need.
@@ -72,7 +116,8 @@ def _build() -> tuple[ModuleType | None, str]:
 
 
 def load() -> ModuleType | None:
-    """Return the compiled extension, building it on first call; None if unavailable."""
+    """Return the compiled extension, building it on first call; None if unavailable.
+    Raises ConfigError for a bad POLYSPEC_ROWINV_ISA."""
     return _build()[0]
 
 
@@ -86,6 +131,24 @@ def _module() -> ModuleType:
     if module is None:
         raise RuntimeError(f"rowinv extension unavailable: {unavailable_reason()}")
     return module
+
+
+def isa() -> str:
+    """The path `linear` runs on: "avx2" or "avx512"."""
+    return _module().isa()
+
+
+def available_isas() -> list[str]:
+    """The paths this CPU can run: ["avx2"] or ["avx2", "avx512"]."""
+    return _module().available_isas()
+
+
+def set_isa(name: str) -> None:
+    """Run `linear` on `name` ("avx2", "avx512" or "auto": the best available) from now on, in
+    this process. The paths differ in their bits: switch between runs, never within one."""
+    if name not in ISA_CHOICES:
+        raise ValueError(f"set_isa({name!r}): use 'auto', 'avx2' or 'avx512'")
+    _module().set_isa(name)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The cpu backend's row-invariant bf16 kernels (backends/cpu/rowinv.cpp): exact against a
 reference, and a row's bits independent of the other rows, its position and the thread count.
-The first run builds the extension (~40 s)."""
+The linear tests run on each path the CPU has (avx2, and avx512 where present). The first run
+builds the extension (~40 s)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,20 @@ def num_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on one path of rowinv.linear, then restore the one that ran before."""
+    name = request.param
+    if name not in rowinv.available_isas():
+        pytest.skip(f"this CPU lacks AVX-512 (F + BW), so the {name} path cannot run here")
+    saved = rowinv.isa()
+    rowinv.set_isa(name)
+    try:
+        yield name
+    finally:
+        rowinv.set_isa(saved)
+
+
 def bf16_rand(*shape: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).bfloat16()
@@ -45,7 +60,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ------------------------------------------------------------------------------------- linear
 
-LINEAR_CASES = [  # (M, N, K)
+LINEAR_CASES = [  # (M, N, K); K % 32 in {0, 1, 5, 8, 15, 16, 17} covers both paths' tails
     (1, 576, 576),
     (6, 192, 576),
     (7, 100, 1536),
@@ -55,10 +70,13 @@ LINEAR_CASES = [  # (M, N, K)
     (2, 8, 1),
     (4, 24, 15),
     (9, 16, 17),
+    (8, 20, 48),
+    (11, 13, 81),
     (130, 40, 64),
 ]
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("m,n,k", LINEAR_CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_fp32_matches_reference(m: int, n: int, k: int, with_bias: bool) -> None:
@@ -74,6 +92,7 @@ def test_linear_fp32_matches_reference(m: int, n: int, k: int, with_bias: bool) 
     torch.testing.assert_close(y, ref32, rtol=1e-5, atol=1e-5 * float(mag.max()))
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("m,n,k", LINEAR_CASES)
 def test_linear_bf16_within_one_ulp(m: int, n: int, k: int) -> None:
     x, w, b = bf16_rand(m, k, seed=4), bf16_rand(n, k, seed=5), bf16_rand(n, seed=6)
@@ -87,8 +106,46 @@ def test_linear_bf16_within_one_ulp(m: int, n: int, k: int) -> None:
     assert same(y, rowinv.linear(x.float(), w, b).bfloat16())
 
 
+def emulate_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lanes: int):
+    """The fixed op sequence of the path with `lanes` fp32 lanes (rowinv.cpp, Kernel 1), one
+    fp32 rounding per op: per 2*lanes-wide K block (zero-padded), lane i takes fma(x[2i], w[2i])
+    then fma(x[2i+1], w[2i+1]); then the horizontal sum, + bias. x, w, b hold bf16 values; each
+    op is computed in float64 and rounded to fp32, which is exact here: products of two bf16 have
+    16 bits, so a sum needs more than float64's 53 bits only when one side is below 2^-29 of the
+    other, and then both roundings give the larger side."""
+
+    def r32(t: torch.Tensor) -> torch.Tensor:
+        return t.float().double()
+
+    m, k = x.shape
+    block = 2 * lanes
+    pad = -k % block
+    xb = F.pad(x.double(), (0, pad)).reshape(m, 1, -1, lanes, 2)
+    wb = F.pad(w.double(), (0, pad)).reshape(1, w.shape[0], -1, lanes, 2)
+    acc = torch.zeros(m, w.shape[0], lanes, dtype=torch.float64)
+    for blk in range(xb.shape[2]):
+        for parity in (0, 1):
+            acc = r32(xb[:, :, blk, :, parity] * wb[:, :, blk, :, parity] + acc)
+    while acc.shape[-1] > 1:  # 16 lanes: i + (i+8) first; then ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))
+        half = acc.shape[-1] // 2
+        acc = r32(acc[..., :half] + acc[..., half:])
+    y = acc[..., 0]
+    return (y if b is None else r32(y + b.double())).float()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 24, 576), (7, 40, 100), (9, 13, 37), (3, 10, 1536)])
+def test_linear_exact_op_sequence(isa: str, m: int, n: int, k: int) -> None:
+    # Bitwise the documented order of each path (which makes their bits differ from each other).
+    x, w, b = bf16_rand(m, k, seed=40), bf16_rand(n, k, seed=41), bf16_rand(n, seed=42)
+    lanes = {"avx2": 8, "avx512": 16}[isa]
+    assert same(rowinv.linear(x.float(), w, b), emulate_linear(x, w, b, lanes))
+    assert same(rowinv.linear(x.float(), w), emulate_linear(x, w, None, lanes))
+    assert same(rowinv.linear(x, w, b), emulate_linear(x, w, b, lanes).bfloat16())
+
+
 # Invariance tests run on fp32 x as well: fp32 output has no final rounding to hide a 1-ulp
 # difference in the accumulation order (bf16 output would mask almost all of them).
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("k", [576, 1536, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_row_invariance(k: int, dtype: torch.dtype) -> None:
@@ -99,7 +156,7 @@ def test_linear_row_invariance(k: int, dtype: torch.dtype) -> None:
     perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
     inv = torch.argsort(perm)
     assert same(rowinv.linear(x[perm], w, b)[inv], y)
-    for m in range(1, 8):  # every row-block plan (1x8, 2x4, 3x4 and mixes) sees the same rows
+    for m in range(1, 8):  # every row-block plan (tile heights and their mixes) sees the same rows
         assert same(rowinv.linear(x[:m], w, b), y[:m]), f"prefix M={m} differs"
     for pos in range(5):  # row 0 surrounded by unrelated rows, at each position
         others = bf16_rand(4, k, seed=100 + pos).to(dtype)
@@ -107,6 +164,24 @@ def test_linear_row_invariance(k: int, dtype: torch.dtype) -> None:
         assert same(rowinv.linear(xx, w, b)[pos], y[0])
 
 
+@pytest.mark.usefixtures("isa")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_every_m_matches_single_rows(dtype: torch.dtype) -> None:
+    # M = 1..17 at two offsets: every tile height, two-block split and remainder of either path;
+    # N = 21 adds column leftovers, K = 100 a K tail.
+    x, w, b = (
+        bf16_rand(20, 100, seed=43).to(dtype),
+        bf16_rand(21, 100, seed=44),
+        bf16_rand(21, seed=45),
+    )
+    singles = torch.cat([rowinv.linear(x[i : i + 1], w, b) for i in range(20)])
+    for m in range(1, 18):
+        for start in (0, 3):
+            got = rowinv.linear(x[start : start + m], w, b)
+            assert same(got, singles[start : start + m]), f"M={m} from row {start} differs"
+
+
+@pytest.mark.usefixtures("isa")
 def test_linear_row_invariance_large_m() -> None:
     # M = 300 with K = 1536 runs in several row chunks; every row must still match M = 1.
     x, w = bf16_rand(300, 1536, seed=10).float(), bf16_rand(24, 1536, seed=11)
@@ -116,16 +191,18 @@ def test_linear_row_invariance_large_m() -> None:
     assert same(rowinv.linear(x[:137], w), y[:137])
 
 
+@pytest.mark.usefixtures("isa")
 def test_linear_column_path_invariance() -> None:
-    # N = 13: groups of 8 and 5 columns, so 4-wide tiles and a 1-wide leftover; each column must
-    # match the same column computed alone (always a 1-wide tile).
-    x, w = bf16_rand(5, 64, seed=12).float(), bf16_rand(13, 64, seed=13)
-    for m in (1, 2, 3, 5):
+    # N = 13: groups of 8 and 5 columns, so 4- or 2-wide tiles and a 1-wide leftover; each column
+    # must match the same column computed alone (always a 1-wide tile).
+    x, w = bf16_rand(9, 64, seed=12).float(), bf16_rand(13, 64, seed=13)
+    for m in (1, 2, 3, 5, 8, 9):
         y = rowinv.linear(x[:m], w)
         for j in range(13):
             assert same(rowinv.linear(x[:m], w[j : j + 1].contiguous()), y[:, j : j + 1])
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("m", [1, 6, 200])
 def test_linear_thread_count_invariance(m: int) -> None:
     x, w, b = (
@@ -140,6 +217,7 @@ def test_linear_thread_count_invariance(m: int) -> None:
     assert same(y1, y2)
 
 
+@pytest.mark.usefixtures("isa")
 def test_linear_leading_dims_and_empty() -> None:
     x, w = bf16_rand(2, 3, 40, seed=17), bf16_rand(8, 40, seed=18)
     y = rowinv.linear(x, w)
@@ -343,6 +421,47 @@ def test_load_reports_instead_of_raising(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     module, reason = build()
     assert module is None and "compiler" in reason
+
+
+def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """POLYSPEC_ROWINV_ISA / set_isa pick the linear path; wrong or unavailable choices are
+    errors that say what is allowed."""
+    from polyspec.errors import ConfigError
+
+    available = rowinv.available_isas()
+    assert available[0] == "avx2" and set(available) <= {"avx2", "avx512"}
+    saved = rowinv.isa()
+    try:
+        rowinv.set_isa("auto")
+        assert rowinv.isa() == available[-1]  # the best one
+        for name in available:
+            rowinv.set_isa(name)
+            assert rowinv.isa() == name
+    finally:
+        rowinv.set_isa(saved)
+    with pytest.raises(ValueError, match="'avx512bw'.*'auto', 'avx2' or 'avx512'"):
+        rowinv.set_isa("avx512bw")
+    with pytest.raises(RuntimeError, match="unknown ISA 'sse'.*'auto', 'avx2' or 'avx512'"):
+        rowinv.load().set_isa("sse")
+
+    monkeypatch.setenv("POLYSPEC_ROWINV_ISA", "AVX-512")
+    with pytest.raises(
+        ConfigError, match="POLYSPEC_ROWINV_ISA='AVX-512'.*'auto'.*'avx2'.*'avx512'"
+    ):
+        rowinv._build.__wrapped__()  # before any build: a typo is not a reason to fall back
+    monkeypatch.setenv("POLYSPEC_ROWINV_ISA", " avx2 ")
+    assert rowinv._isa_request() == "avx2"
+
+    class AVX2Only:  # the module as an AVX2-only CPU reports itself
+        def available_isas(self) -> list[str]:
+            return ["avx2"]
+
+        def set_isa(self, name: str) -> None:
+            assert name in ("auto", "avx2")
+
+    with pytest.raises(ConfigError, match="'avx512', but this CPU lacks AVX-512.*: avx2$"):
+        rowinv._apply_isa(AVX2Only(), "avx512")
+    rowinv._apply_isa(AVX2Only(), "auto")
 
 
 def test_cpu_backend_kernel_choice(monkeypatch):

@@ -13,7 +13,10 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -90,7 +93,7 @@ inline float bf16_to_f32(uint16_t h) {
 // invariance needs no more than that.
 // ============================================================================================
 
-enum class Isa { kAvx2, kAvx512 };
+enum class Isa { kAvx2, kAvx512, kAmx };
 
 bool cpu_has_avx512() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
 
@@ -302,6 +305,219 @@ void linear_columns(const LinearArgs& a, int64_t n0, int64_t n1) {
     }
 }
 
+// --------------------------------------------------------------------------------------------
+// The AMX path (bf16 x only; fp32 x keeps the AVX-512 path). y^T = W x^T on the tile unit: an A
+// tile is 16 weight rows x 32 k, loaded straight from w [N, K] (no repacking of the weights); the
+// B tile is 32 k x (up to) 16 rows of x in the pair-interleaved layout TDPBF16PS reads; a C tile
+// is 16 output columns x those rows, accumulated over the K blocks in order. Each element of C is
+// one dot product that the hardware computes on its own, so a row's bits do not depend on how
+// many rows share the B tile, on its column in it, or on the thread (tests/core/test_cpu_rowinv.py
+// checks this; the unit's internal summation order is not documented exactly, so there is no
+// Python emulation of this path's bits, only a bound on its error). One TDPBF16PS costs about
+// the same for 1 or 16 rows, so a 16-row verify streams the weights at nearly the 1-row cost.
+// --------------------------------------------------------------------------------------------
+
+// cpuid leaf 7: EDX bit 24 AMX-TILE, bit 22 AMX-BF16. Then Linux must grant this process the
+// tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18; kernel 5.16+): the
+// grant is process-wide, so OpenMP workers may use tiles too.
+bool cpu_has_amx() {
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return false;
+    if (!cpu_has_avx512()) return false;  // fp32 inputs on the amx path run the AVX-512 kernel
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw")
+
+constexpr int64_t kAmxRows = 16;  // x rows per B tile (its N dimension)
+constexpr int64_t kAmxCols = 16;  // output columns per C tile (weight rows per A tile)
+constexpr int64_t kAmxK = 32;     // bf16 k per tile step
+constexpr int kAmxGroup = 4;      // C tiles (64 columns) sharing each B tile load
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C; 4-5: A (alternating, so a load overlaps the previous product); 6: B.
+void amx_configure(int64_t mt) {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.rows[t] = kAmxCols, c.colsb[t] = static_cast<uint16_t>(mt * 4);
+  for (int t = 4; t < 6; ++t) c.rows[t] = kAmxCols, c.colsb[t] = kAmxK * 2;
+  c.rows[6] = kAmxK / 2, c.colsb[6] = static_cast<uint16_t>(mt * 4);
+  // GCC 12's _tile_loadconfig tells the compiler it reads only the first 8 bytes, so without this
+  // barrier the row and column sizes are dropped as dead stores (then the tile ops fault: #UD).
+  __asm__ __volatile__("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// Where a C tile's A tiles come from: weight rows n0.. (stride bytes apart) for the whole K
+// blocks, and a zero-padded copy for the last, partial K block (if any).
+struct ASource {
+  const uint16_t* rows;
+  int64_t stride;        // bytes between weight rows
+  const uint16_t* tail;  // [16][32] zero-padded, or nullptr when K % 32 == 0
+};
+
+void amx_release() { _tile_release(); }
+
+// GCC's tile intrinsics paste their tile numbers into the instruction text, so they must be
+// literal numbers: macros, not templates.
+#define POLYSPEC_AMX_STEP(C, A, src, kb)                       \
+  do {                                                          \
+    _tile_loadd(A, (src).rows + (kb) * kAmxK, (src).stride);    \
+    _tile_dpbf16ps(C, A, 6);                                    \
+  } while (0)
+#define POLYSPEC_AMX_TAIL(C, A, src)              \
+  do {                                            \
+    _tile_loadd(A, (src).tail, kAmxK * 2);        \
+    _tile_dpbf16ps(C, A, 6);                      \
+  } while (0)
+
+// NB C tiles x one B block of x rows: C_i = sum over K blocks (in order) of A_i,kb * B_kb.
+// xb: this m block's packed x, [KB][16][mt][2]; buf: [NB][16][16] fp32 out (C_i row n = column
+// n0_i + n, entry m = x row m).
+template <int NB>
+void amx_group(const ASource* src, const uint16_t* xb, int64_t mt, int64_t kb_full, bool tail, float* buf) {
+  if constexpr (NB > 0) _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  const int64_t b_stride = mt * 4, b_elems = kAmxK * mt;
+  for (int64_t kb = 0; kb < kb_full; ++kb) {
+    _tile_loadd(6, xb + kb * b_elems, b_stride);
+    if constexpr (NB > 0) POLYSPEC_AMX_STEP(0, 4, src[0], kb);
+    if constexpr (NB > 1) POLYSPEC_AMX_STEP(1, 5, src[1], kb);
+    if constexpr (NB > 2) POLYSPEC_AMX_STEP(2, 4, src[2], kb);
+    if constexpr (NB > 3) POLYSPEC_AMX_STEP(3, 5, src[3], kb);
+  }
+  if (tail) {
+    _tile_loadd(6, xb + kb_full * b_elems, b_stride);
+    if constexpr (NB > 0) POLYSPEC_AMX_TAIL(0, 4, src[0]);
+    if constexpr (NB > 1) POLYSPEC_AMX_TAIL(1, 5, src[1]);
+    if constexpr (NB > 2) POLYSPEC_AMX_TAIL(2, 4, src[2]);
+    if constexpr (NB > 3) POLYSPEC_AMX_TAIL(3, 5, src[3]);
+  }
+  constexpr int64_t tile_floats = kAmxCols * kAmxRows, ld = kAmxRows * 4;
+  if constexpr (NB > 0) _tile_stored(0, buf, ld);
+  if constexpr (NB > 1) _tile_stored(1, buf + tile_floats, ld);
+  if constexpr (NB > 2) _tile_stored(2, buf + 2 * tile_floats, ld);
+  if constexpr (NB > 3) _tile_stored(3, buf + 3 * tile_floats, ld);
+}
+
+#undef POLYSPEC_AMX_STEP
+#undef POLYSPEC_AMX_TAIL
+
+#pragma GCC pop_options
+
+struct AmxArgs {
+  const uint16_t* xp;  // [MB][KB][16][mt][2] packed x (module doc of this section)
+  int64_t M, mt, K, KB, kb_full, N;
+  const uint16_t* w;   // [N, K]
+  const uint16_t* w_last;  // [16][K] zero-padded copy of the last, partial column block, or nullptr
+  const uint16_t* tails;   // [N16 / 16][16][32] zero-padded last K blocks, or nullptr
+  const float* bias;
+  void* y;
+  bool y_bf16;
+};
+
+// Column blocks [b0, b1) of 16, in groups of 4 C tiles; every m block for each group, so the
+// group's weights are read from memory once and re-read from L2 for the other m blocks.
+void amx_columns(const AmxArgs& a, int64_t b0, int64_t b1) {
+  amx_configure(a.mt);
+  const int64_t full_blocks = a.N / kAmxCols;
+  const int64_t mblocks = (a.M + a.mt - 1) / a.mt;
+  alignas(64) float buf[kAmxGroup * kAmxCols * kAmxRows];
+  for (int64_t g = b0; g < b1; g += kAmxGroup) {
+    const int nb = static_cast<int>(std::min<int64_t>(kAmxGroup, b1 - g));
+    ASource src[kAmxGroup];
+    for (int i = 0; i < nb; ++i) {
+      const int64_t b = g + i;
+      const bool partial = b >= full_blocks;
+      src[i] = {partial ? a.w_last : a.w + b * kAmxCols * a.K, a.K * 2,
+                a.tails ? a.tails + b * kAmxCols * kAmxK : nullptr};
+    }
+    // No software prefetch, and no repacking of the weights (ci/bench_amx_layouts.cpp, a whole
+    // SmolLM2 step's linears at M = 1 on a 2-core Sapphire Rapids): prefetching the next
+    // group into L2 while one runs made it slower (15.8 ms vs 11.8 ms), and weights repacked
+    // into tile order were only 2 % faster (11.6 ms), not worth a second copy of every weight.
+    for (int64_t mb = 0; mb < mblocks; ++mb) {
+      const uint16_t* xb = a.xp + mb * a.KB * kAmxK * a.mt;
+      const bool tail = a.tails != nullptr;
+      switch (nb) {
+        case 4: amx_group<4>(src, xb, a.mt, a.kb_full, tail, buf); break;
+        case 3: amx_group<3>(src, xb, a.mt, a.kb_full, tail, buf); break;
+        case 2: amx_group<2>(src, xb, a.mt, a.kb_full, tail, buf); break;
+        default: amx_group<1>(src, xb, a.mt, a.kb_full, tail, buf); break;
+      }
+      const int64_t m0 = mb * a.mt, rows = std::min(a.mt, a.M - m0);
+      for (int i = 0; i < nb; ++i) {
+        const int64_t n0 = (g + i) * kAmxCols, cols = std::min(kAmxCols, a.N - n0);
+        const float* c = buf + i * kAmxCols * kAmxRows;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = (m0 + r) * a.N + n0;
+          for (int64_t n = 0; n < cols; ++n) {
+            float v = c[n * kAmxRows + r];
+            if (a.bias) v += a.bias[n0 + n];
+            if (a.y_bf16) static_cast<uint16_t*>(a.y)[at + n] = bf16_rne(v);
+            else static_cast<float*>(a.y)[at + n] = v;
+          }
+        }
+      }
+    }
+  }
+  amx_release();
+}
+
+// x [M, K] bf16 -> [MB][KB][16][mt][2]: for m block mb and K block kb, pair row r holds, for
+// each x row m of the block, elements (32 kb + 2r, 32 kb + 2r + 1). Zero beyond K and beyond M.
+void amx_pack_x(const uint16_t* x, int64_t M, int64_t K, int64_t mt, int64_t KB, uint16_t* dst) {
+  const int64_t mblocks = (M + mt - 1) / mt;
+  std::memset(dst, 0, static_cast<size_t>(mblocks * KB * kAmxK * mt) * 2);
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* d = dst + (m / mt) * KB * kAmxK * mt + (m % mt) * 2;
+    const uint16_t* s = x + m * K;
+    for (int64_t k = 0; k < K; ++k) d[(k / 2) * mt * 2 + (k % 2)] = s[k];
+  }
+}
+
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t mt = std::min<int64_t>(M, kAmxRows);
+  const int64_t KB = (K + kAmxK - 1) / kAmxK, kb_full = K / kAmxK;
+  const int64_t mblocks = (M + mt - 1) / mt, nblocks = (N + kAmxCols - 1) / kAmxCols;
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> xp(static_cast<size_t>(mblocks * KB * kAmxK * mt));
+  amx_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, mt, KB, xp.data());
+  // Odd shapes only (not those of real models): zero-padded copies, so no tile load reads past
+  // a weight row or past the tensor.
+  std::vector<uint16_t> w_last, tails;
+  if (N % kAmxCols) {
+    w_last.assign(static_cast<size_t>(kAmxCols * K), 0);
+    std::memcpy(w_last.data(), wp + (N / kAmxCols) * kAmxCols * K, static_cast<size_t>((N % kAmxCols) * K) * 2);
+  }
+  if (K % kAmxK) {
+    tails.assign(static_cast<size_t>(nblocks * kAmxCols * kAmxK), 0);
+    for (int64_t n = 0; n < N; ++n)
+      std::memcpy(tails.data() + n * kAmxK, wp + n * K + kb_full * kAmxK, static_cast<size_t>(K % kAmxK) * 2);
+  }
+  const AmxArgs a{xp.data(), M, mt, K, KB, kb_full, N, wp,
+                  w_last.empty() ? nullptr : w_last.data(), tails.empty() ? nullptr : tails.data(),
+                  bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr(),
+                  y.scalar_type() == at::kBFloat16};
+  // Threads split whole column blocks; the grain keeps tiny problems on one thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kAmxCols * std::max<int64_t>(K, 32)));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) { amx_columns(a, b0, b1); });
+  return y;
+}
+
 // x [M, K] (bf16 or fp32) -> [M, Kp] fp32 in the even/odd order the weights take in registers:
 // within each K block of `block` (16 or 32) elements, the even ones, then the odd ones.
 void pack_x(const at::Tensor& x, int64_t block, int64_t Kp, float* dst) {
@@ -331,7 +547,8 @@ void pack_x(const at::Tensor& x, int64_t block, int64_t Kp, float* dst) {
   });
 }
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias_opt) {
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias_opt,
+                  bool out_fp32) {
   TORCH_CHECK(x_in.dim() == 2, "rowinv.linear: x must be 2-D [M, K], got ", x_in.sizes());
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
               "rowinv.linear: x must be bfloat16 or float32, got ", x_in.scalar_type());
@@ -349,10 +566,16 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const c10::option
                 "rowinv.linear: bias must be bfloat16 or float32, got ", bias_opt->scalar_type());
     bias = bias_opt->to(at::kFloat).contiguous();  // exact widening
   }
-  at::Tensor y = at::empty({M, N}, x_in.options());
+  // out_fp32: the fp32 sums before the final rounding (bf16 x), which makes 1-ulp differences
+  // in the accumulation visible to tests.
+  at::Tensor y = at::empty({M, N}, x_in.options().dtype(out_fp32 ? at::kFloat : x_in.scalar_type()));
   if (M == 0 || N == 0) return y;
 
-  const Isa isa = g_isa.load();
+  Isa isa = g_isa.load();
+  if (isa == Isa::kAmx) {
+    if (x_in.scalar_type() == at::kBFloat16) return linear_amx(x_in.contiguous(), w, bias, y);
+    isa = Isa::kAvx512;  // fp32 x: the tile unit multiplies bf16 only
+  }
   const int64_t block = isa == Isa::kAvx512 ? 32 : 16;
   const int64_t Kp = round_up(K, block);
   const at::Tensor x = x_in.contiguous();
@@ -376,13 +599,20 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const c10::option
   return y;
 }
 
-const char* isa_name(Isa isa) { return isa == Isa::kAvx512 ? "avx512" : "avx2"; }
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAmx: return "amx";
+    case Isa::kAvx512: return "avx512";
+    default: return "avx2";
+  }
+}
 
-Isa best_isa() { return cpu_has_avx512() ? Isa::kAvx512 : Isa::kAvx2; }
+Isa best_isa() { return cpu_has_amx() ? Isa::kAmx : cpu_has_avx512() ? Isa::kAvx512 : Isa::kAvx2; }
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> names{"avx2"};
   if (cpu_has_avx512()) names.push_back("avx512");
+  if (cpu_has_amx()) names.push_back("amx");
   return names;
 }
 
@@ -395,8 +625,13 @@ void set_isa(const std::string& name) {
     TORCH_CHECK(cpu_has_avx512(), "rowinv: the avx512 path needs AVX-512 F and BW, which this CPU lacks; ",
                 "its only path is avx2");
     g_isa = Isa::kAvx512;
+  } else if (name == "amx") {
+    TORCH_CHECK(cpu_has_amx(), "rowinv: the amx path needs AMX-TILE and AMX-BF16 (and AVX-512), and Linux's "
+                "permission to use them; this CPU or kernel lacks them. Paths here: avx2",
+                cpu_has_avx512() ? ", avx512" : "");
+    g_isa = Isa::kAmx;
   } else {
-    TORCH_CHECK(false, "rowinv: unknown ISA '", name, "'; use 'auto', 'avx2' or 'avx512'");
+    TORCH_CHECK(false, "rowinv: unknown ISA '", name, "'; use 'auto', 'avx2', 'avx512' or 'amx'");
   }
 }
 
@@ -758,12 +993,12 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   g_isa = best_isa();
-  m.def("available_isas", &available_isas, "the linear paths this CPU can run: 'avx2' and maybe 'avx512'");
+  m.def("available_isas", &available_isas, "the linear paths this CPU can run: 'avx2', maybe 'avx512' and 'amx'");
   m.def("isa", [] { return std::string(isa_name(g_isa.load())); }, "the path linear runs on now");
-  m.def("set_isa", &set_isa, "run linear on 'avx2', 'avx512' or 'auto' (the best available) from now on",
+  m.def("set_isa", &set_isa, "run linear on 'avx2', 'avx512', 'amx' or 'auto' (the best available) from now on",
         py::arg("name"));
   m.def("linear", &linear, "Row-invariant y = x @ w.T (+ bias); w bf16 [N, K], x bf16/fp32 [M, K]", py::arg("x"),
-        py::arg("w"), py::arg("bias") = py::none(), release_gil());
+        py::arg("w"), py::arg("bias") = py::none(), py::arg("out_fp32") = false, release_gil());
   m.def("attention", &attention, "Row-invariant CSR attention over a bf16 slot pool", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"),
         py::arg("out_fp32") = false, release_gil());

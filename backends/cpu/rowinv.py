@@ -7,12 +7,13 @@ N draft tokens in one forward gives exactly the greedy tokens of N one-token for
 The extension is JIT-built on first use (`load()`); on machines that cannot build or run it,
 `load()` returns None and `unavailable_reason()` says why, so callers can fall back to stock ops.
 
-`linear` has two paths: "avx2", and "avx512" (16-lane accumulators and taller tiles: a verify
-forward of 4-8 rows costs little more than one row). Each has its own fixed summation order, so
-their bits differ; a process runs every call on one path, by default the best the CPU has.
-POLYSPEC_ROWINV_ISA=avx2|avx512|auto (default auto) forces one, read when the extension loads:
-a wrong value, or avx512 on a CPU without AVX-512 (F + BW), is a ConfigError. `set_isa()`
-switches it later (tests, benchmarks); `isa()` says which path runs.
+`linear` has three paths: "avx2"; "avx512" (16-lane accumulators and taller tiles: a verify
+forward of 4-8 rows costs little more than one row); and "amx" (Intel AMX tiles, bf16 inputs
+only: up to 16 rows cost about what one does; fp32 inputs run the avx512 kernel). Each has its
+own fixed summation order, so their bits differ; a process runs every call on one path, by
+default the best the CPU has. POLYSPEC_ROWINV_ISA=avx2|avx512|amx|auto (default auto) forces
+one, read when the extension loads: a wrong value, or a path this CPU cannot run, is a
+ConfigError. `set_isa()` switches it later (tests, benchmarks); `isa()` says which path runs.
 """
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ def _missing_cpu_flags() -> list[str]:
 
 
 ISA_ENV = "POLYSPEC_ROWINV_ISA"
-ISA_CHOICES = ("auto", "avx2", "avx512")
+ISA_CHOICES = ("auto", "avx2", "avx512", "amx")
+
+
+_NEEDS = {
+    "avx512": "it needs AVX-512 F + BW",
+    "amx": "it needs AMX-TILE + AMX-BF16, AVX-512, and Linux 5.16+ to grant the tile state",
+}
 
 
 def _isa_request() -> str:
@@ -59,8 +66,8 @@ def _isa_request() -> str:
     value = os.environ.get(ISA_ENV, "auto").strip() or "auto"
     if value not in ISA_CHOICES:
         raise ConfigError(
-            f"{ISA_ENV}={value!r}: use 'auto' (AVX-512 where the CPU has it, else AVX2; the "
-            "default), 'avx2' or 'avx512'"
+            f"{ISA_ENV}={value!r}: use 'auto' (the best path the CPU has: AMX, else AVX-512, "
+            "else AVX2; the default), 'avx2', 'avx512' or 'amx'"
         )
     return value
 
@@ -69,8 +76,8 @@ def _apply_isa(module: ModuleType, request: str) -> None:
     available = module.available_isas()
     if request != "auto" and request not in available:
         raise ConfigError(
-            f"{ISA_ENV}={request!r}, but this CPU lacks AVX-512 (F + BW); the paths it can run: "
-            f"{', '.join(available)}"
+            f"{ISA_ENV}={request!r}, but this CPU cannot run it ({_NEEDS[request]}); the "
+            f"paths it can run: {', '.join(available)}"
         )
     module.set_isa(request)
 
@@ -134,34 +141,44 @@ def _module() -> ModuleType:
 
 
 def isa() -> str:
-    """The path `linear` runs on: "avx2" or "avx512"."""
+    """The path `linear` runs on: "avx2", "avx512" or "amx"."""
     return _module().isa()
 
 
 def available_isas() -> list[str]:
-    """The paths this CPU can run: ["avx2"] or ["avx2", "avx512"]."""
+    """The paths this CPU can run, in order of preference: "avx2", then "avx512", "amx"."""
     return _module().available_isas()
 
 
 def set_isa(name: str) -> None:
-    """Run `linear` on `name` ("avx2", "avx512" or "auto": the best available) from now on, in
+    """Run `linear` on `name` ("avx2", "avx512", "amx" or "auto": the best available) from now on, in
     this process. The paths differ in their bits: switch between runs, never within one."""
     if name not in ISA_CHOICES:
-        raise ValueError(f"set_isa({name!r}): use 'auto', 'avx2' or 'avx512'")
+        raise ValueError(f"set_isa({name!r}): use 'auto', 'avx2', 'avx512' or 'amx'")
     _module().set_isa(name)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Row-invariant y = x @ w.T + bias with fp32 accumulation.
 
     x:    [..., K] bfloat16 or float32
     w:    [N, K]   bfloat16, contiguous
     bias: [N]      bfloat16 / float32, or None
-    returns [..., N] in x's dtype (bf16 output is round-to-nearest-even of the fp32 sum).
+    out_dtype: None (x's dtype) or torch.float32 (the fp32 sums before the final rounding: what
+          tests compare, since a bf16 output hides almost every 1-ulp difference)
+    returns [..., N] (bf16 output is round-to-nearest-even of the fp32 sum).
     """
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be None, x's dtype or torch.float32, got {out_dtype}")
     lead = x.shape[:-1]
     # lead.numel() rather than -1: reshape(-1, 0) is ambiguous when K == 0
-    y = _module().linear(x.reshape(lead.numel(), x.shape[-1]), w, bias)  # [M, N]
+    x2 = x.reshape(lead.numel(), x.shape[-1])
+    y = _module().linear(x2, w, bias, out_dtype == torch.float32)  # [M, N]
     return y.reshape(*lead, w.shape[0])
 
 

@@ -1,6 +1,6 @@
 """The cpu backend's row-invariant bf16 kernels (backends/cpu/rowinv.cpp): exact against a
 reference, and a row's bits independent of the other rows, its position and the thread count.
-The linear tests run on each path the CPU has (avx2, and avx512 where present). The first run
+The linear tests run on each path the CPU has (avx2; avx512 and amx where present). The first run
 builds the extension (~40 s)."""
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ def num_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-@pytest.fixture(params=["avx2", "avx512"])
+NEEDS = {"avx512": "AVX-512 (F + BW)", "amx": "AMX-TILE + AMX-BF16 (or Linux's grant to use them)"}
+
+
+@pytest.fixture(params=["avx2", "avx512", "amx"])
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test on one path of rowinv.linear, then restore the one that ran before."""
     name = request.param
     if name not in rowinv.available_isas():
-        pytest.skip(f"this CPU lacks AVX-512 (F + BW), so the {name} path cannot run here")
+        pytest.skip(f"this CPU lacks {NEEDS[name]}, so the {name} path cannot run here")
     saved = rowinv.isa()
     rowinv.set_isa(name)
     try:
@@ -102,8 +105,10 @@ def test_linear_bf16_within_one_ulp(m: int, n: int, k: int) -> None:
     # bf16 has 8 significant bits: one ulp at |ref| is 2^(floor(log2|ref|) - 7).
     ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
     assert ((y.double() - ref).abs() <= ulp).all()
-    # The bf16 output is exactly the RNE rounding of the fp32-path result.
-    assert same(y, rowinv.linear(x.float(), w, b).bfloat16())
+    # The bf16 output is exactly the RNE rounding of the same path's fp32 sums.
+    assert same(y, rowinv.linear(x, w, b, out_dtype=torch.float32).bfloat16())
+    if rowinv.isa() != "amx":  # fp32 x runs the same sums (amx: fp32 x runs the avx512 kernel)
+        assert same(y, rowinv.linear(x.float(), w, b).bfloat16())
 
 
 def emulate_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lanes: int):
@@ -136,84 +141,119 @@ def emulate_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lan
 @pytest.mark.parametrize("m,n,k", [(1, 24, 576), (7, 40, 100), (9, 13, 37), (3, 10, 1536)])
 def test_linear_exact_op_sequence(isa: str, m: int, n: int, k: int) -> None:
     # Bitwise the documented order of each path (which makes their bits differ from each other).
+    # amx: fp32 x runs the avx512 kernel; its bf16 sums are the tile unit's own (next test).
     x, w, b = bf16_rand(m, k, seed=40), bf16_rand(n, k, seed=41), bf16_rand(n, seed=42)
-    lanes = {"avx2": 8, "avx512": 16}[isa]
+    lanes = {"avx2": 8, "avx512": 16, "amx": 16}[isa]
     assert same(rowinv.linear(x.float(), w, b), emulate_linear(x, w, b, lanes))
     assert same(rowinv.linear(x.float(), w), emulate_linear(x, w, None, lanes))
-    assert same(rowinv.linear(x, w, b), emulate_linear(x, w, b, lanes).bfloat16())
+    if isa != "amx":
+        assert same(rowinv.linear(x, w, b), emulate_linear(x, w, b, lanes).bfloat16())
 
 
-# Invariance tests run on fp32 x as well: fp32 output has no final rounding to hide a 1-ulp
-# difference in the accumulation order (bf16 output would mask almost all of them).
+@pytest.mark.parametrize("m,n,k", LINEAR_CASES)
+def test_linear_amx_accuracy(m: int, n: int, k: int) -> None:
+    """The amx path's fp32 sums against float64. TDPBF16PS's internal summation order is not
+    documented bit for bit (fp32 emulations of pair sums, trees of them and exact block sums
+    each match it on only 8-12 of 16 dot products of length 576), so its bits are checked for
+    invariance in the other tests and its error here: fp32-level, like the other paths'."""
+    if "amx" not in rowinv.available_isas():
+        pytest.skip(f"this CPU lacks {NEEDS['amx']}, so the amx path cannot run here")
+    x, w, b = bf16_rand(m, k, seed=46), bf16_rand(n, k, seed=47), bf16_rand(n, seed=48)
+    saved = rowinv.isa()
+    rowinv.set_isa("amx")
+    try:
+        y = rowinv.linear(x, w, b, out_dtype=torch.float32)
+    finally:
+        rowinv.set_isa(saved)
+    ref = F.linear(x.double(), w.double(), b.double())
+    mag = F.linear(x.double().abs(), w.double().abs()) + b.double().abs()
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert ((y.double() - ref).abs() <= 1e-6 * mag + 1e-30).all()
+
+
+# Invariance tests run with fp32 output as well: it has no final rounding to hide a 1-ulp
+# difference in the accumulation order (bf16 output would mask almost all of them). KINDS: x in
+# fp32; x in bf16 (bf16 out); x in bf16 with fp32 out (the amx path's own sums: fp32 x runs the
+# avx512 kernel there).
+KINDS = ["fp32", "bf16", "bf16->fp32"]
+
+
+def lin(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kind: str) -> torch.Tensor:
+    if kind == "fp32":
+        return rowinv.linear(x.float(), w, b)
+    out = torch.float32 if kind == "bf16->fp32" else None
+    return rowinv.linear(x.bfloat16(), w, b, out_dtype=out)
+
+
 @pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("k", [576, 1536, 37])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_row_invariance(k: int, dtype: torch.dtype) -> None:
-    x, w, b = bf16_rand(7, k, seed=7).to(dtype), bf16_rand(72, k, seed=8), bf16_rand(72, seed=9)
-    y = rowinv.linear(x, w, b)
+@pytest.mark.parametrize("kind", KINDS)
+def test_linear_row_invariance(k: int, kind: str) -> None:
+    x, w, b = bf16_rand(7, k, seed=7), bf16_rand(72, k, seed=8), bf16_rand(72, seed=9)
+    y = lin(x, w, b, kind)
     for i in range(7):
-        assert same(rowinv.linear(x[i : i + 1], w, b), y[i : i + 1]), f"row {i} alone differs"
+        assert same(lin(x[i : i + 1], w, b, kind), y[i : i + 1]), f"row {i} alone differs"
     perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
     inv = torch.argsort(perm)
-    assert same(rowinv.linear(x[perm], w, b)[inv], y)
+    assert same(lin(x[perm], w, b, kind)[inv], y)
     for m in range(1, 8):  # every row-block plan (tile heights and their mixes) sees the same rows
-        assert same(rowinv.linear(x[:m], w, b), y[:m]), f"prefix M={m} differs"
+        assert same(lin(x[:m], w, b, kind), y[:m]), f"prefix M={m} differs"
     for pos in range(5):  # row 0 surrounded by unrelated rows, at each position
-        others = bf16_rand(4, k, seed=100 + pos).to(dtype)
+        others = bf16_rand(4, k, seed=100 + pos)
         xx = torch.cat([others[:pos], x[:1], others[pos:]])
-        assert same(rowinv.linear(xx, w, b)[pos], y[0])
+        assert same(lin(xx, w, b, kind)[pos], y[0])
 
 
 @pytest.mark.usefixtures("isa")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_every_m_matches_single_rows(dtype: torch.dtype) -> None:
-    # M = 1..17 at two offsets: every tile height, two-block split and remainder of either path;
-    # N = 21 adds column leftovers, K = 100 a K tail.
-    x, w, b = (
-        bf16_rand(20, 100, seed=43).to(dtype),
-        bf16_rand(21, 100, seed=44),
-        bf16_rand(21, seed=45),
-    )
-    singles = torch.cat([rowinv.linear(x[i : i + 1], w, b) for i in range(20)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_linear_every_m_matches_single_rows(kind: str) -> None:
+    # M = 1..17 at two offsets: every tile height, two-block split and remainder of each path
+    # (amx: B tiles of 1..16 rows, then two m blocks); N = 21 adds column leftovers (a partial
+    # 16-column block), K = 100 a K tail.
+    x, w, b = bf16_rand(20, 100, seed=43), bf16_rand(21, 100, seed=44), bf16_rand(21, seed=45)
+    singles = torch.cat([lin(x[i : i + 1], w, b, kind) for i in range(20)])
     for m in range(1, 18):
         for start in (0, 3):
-            got = rowinv.linear(x[start : start + m], w, b)
+            got = lin(x[start : start + m], w, b, kind)
             assert same(got, singles[start : start + m]), f"M={m} from row {start} differs"
 
 
 @pytest.mark.usefixtures("isa")
-def test_linear_row_invariance_large_m() -> None:
-    # M = 300 with K = 1536 runs in several row chunks; every row must still match M = 1.
-    x, w = bf16_rand(300, 1536, seed=10).float(), bf16_rand(24, 1536, seed=11)
-    y = rowinv.linear(x, w)
-    singles = torch.cat([rowinv.linear(x[i : i + 1], w) for i in range(300)])
+@pytest.mark.parametrize("kind", ["fp32", "bf16->fp32"])
+def test_linear_row_invariance_large_m(kind: str) -> None:
+    # M = 300 with K = 1536 runs in several row chunks (amx: 19 m blocks); every row must still
+    # match M = 1.
+    x, w = bf16_rand(300, 1536, seed=10), bf16_rand(24, 1536, seed=11)
+    y = lin(x, w, None, kind)
+    singles = torch.cat([lin(x[i : i + 1], w, None, kind) for i in range(300)])
     assert same(y, singles)
-    assert same(rowinv.linear(x[:137], w), y[:137])
+    assert same(lin(x[:137], w, None, kind), y[:137])
 
 
 @pytest.mark.usefixtures("isa")
-def test_linear_column_path_invariance() -> None:
+@pytest.mark.parametrize("kind", ["fp32", "bf16->fp32"])
+def test_linear_column_path_invariance(kind: str) -> None:
     # N = 13: groups of 8 and 5 columns, so 4- or 2-wide tiles and a 1-wide leftover; each column
-    # must match the same column computed alone (always a 1-wide tile).
-    x, w = bf16_rand(9, 64, seed=12).float(), bf16_rand(13, 64, seed=13)
-    for m in (1, 2, 3, 5, 8, 9):
-        y = rowinv.linear(x[:m], w)
-        for j in range(13):
-            assert same(rowinv.linear(x[:m], w[j : j + 1].contiguous()), y[:, j : j + 1])
+    # must match the same column computed alone (always a 1-wide tile). N = 100 (amx): groups of
+    # 4, 2 and 1 C tiles, the last one partial, against each column alone (a padded copy).
+    for n in (13, 100):
+        x, w = bf16_rand(9, 64, seed=12), bf16_rand(n, 64, seed=13)
+        for m in (1, 2, 3, 5, 8, 9):
+            y = lin(x[:m], w, None, kind)
+            for j in range(n):
+                alone = lin(x[:m], w[j : j + 1].contiguous(), None, kind)
+                assert same(alone, y[:, j : j + 1]), f"N={n} column {j} at M={m} differs"
 
 
 @pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("m", [1, 6, 200])
-def test_linear_thread_count_invariance(m: int) -> None:
-    x, w, b = (
-        bf16_rand(m, 576, seed=14).float(),
-        bf16_rand(1000, 576, seed=15),
-        bf16_rand(1000, seed=16),
-    )
+@pytest.mark.parametrize("kind", ["fp32", "bf16->fp32"])
+def test_linear_thread_count_invariance(m: int, kind: str) -> None:
+    x, w, b = bf16_rand(m, 576, seed=14), bf16_rand(1000, 576, seed=15), bf16_rand(1000, seed=16)
     with num_threads(1):
-        y1 = rowinv.linear(x, w, b)
+        y1 = lin(x, w, b, kind)
     with num_threads(2):
-        y2 = rowinv.linear(x, w, b)
+        y2 = lin(x, w, b, kind)
     assert same(y1, y2)
 
 
@@ -429,7 +469,8 @@ def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     from polyspec.errors import ConfigError
 
     available = rowinv.available_isas()
-    assert available[0] == "avx2" and set(available) <= {"avx2", "avx512"}
+    assert available[0] == "avx2" and set(available) <= {"avx2", "avx512", "amx"}
+    assert "amx" not in available or "avx512" in available  # amx's fp32 inputs run avx512
     saved = rowinv.isa()
     try:
         rowinv.set_isa("auto")
@@ -439,14 +480,14 @@ def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
             assert rowinv.isa() == name
     finally:
         rowinv.set_isa(saved)
-    with pytest.raises(ValueError, match="'avx512bw'.*'auto', 'avx2' or 'avx512'"):
+    with pytest.raises(ValueError, match="'avx512bw'.*'auto', 'avx2', 'avx512' or 'amx'"):
         rowinv.set_isa("avx512bw")
-    with pytest.raises(RuntimeError, match="unknown ISA 'sse'.*'auto', 'avx2' or 'avx512'"):
+    with pytest.raises(RuntimeError, match="unknown ISA 'sse'.*'auto', 'avx2', 'avx512' or 'amx'"):
         rowinv.load().set_isa("sse")
 
     monkeypatch.setenv("POLYSPEC_ROWINV_ISA", "AVX-512")
     with pytest.raises(
-        ConfigError, match="POLYSPEC_ROWINV_ISA='AVX-512'.*'auto'.*'avx2'.*'avx512'"
+        ConfigError, match="POLYSPEC_ROWINV_ISA='AVX-512'.*'auto'.*'avx2'.*'avx512'.*'amx'"
     ):
         rowinv._build.__wrapped__()  # before any build: a typo is not a reason to fall back
     monkeypatch.setenv("POLYSPEC_ROWINV_ISA", " avx2 ")
@@ -459,8 +500,10 @@ def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         def set_isa(self, name: str) -> None:
             assert name in ("auto", "avx2")
 
-    with pytest.raises(ConfigError, match="'avx512', but this CPU lacks AVX-512.*: avx2$"):
+    with pytest.raises(ConfigError, match="'avx512', but this CPU cannot run it.*: avx2$"):
         rowinv._apply_isa(AVX2Only(), "avx512")
+    with pytest.raises(ConfigError, match="'amx', but this CPU cannot run it.*AMX-BF16.*: avx2$"):
+        rowinv._apply_isa(AVX2Only(), "amx")
     rowinv._apply_isa(AVX2Only(), "auto")
 
 

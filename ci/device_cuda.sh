@@ -18,11 +18,13 @@
 #   kernels    tests/kernels compiled on the GPU (POLYSPEC_TRITON_DEVICE=cuda, no interpreter)
 #   conformance  pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q
 #   bench      ci/bench_kernels.py -> $OUT/bench.json
+#   rowinv     ci/bench_rowinv_cuda.py: the row-invariant linear against cuBLAS, per tile config
 #   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
 #              and 16, per-phase times and the share of a round outside forwards
 #   size-smollm2  the same at SmolLM2-135M's shape with the shipped tree (S=3 K=2 N=6)
 #   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench, for each
-#              S-K-N in $E2E_SETTINGS (default "3-2-6")
+#              S-K-N in $E2E_SETTINGS (default "3-2-6"); transformers runs with the first
+#              setting only (its figure does not depend on the tree)
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
 # $OUT/summary.txt lists every step with its exit status; the script exits non-zero if any failed.
@@ -132,6 +134,7 @@ run_step 02-backends 60 "$PY" -m polyspec backends
 run_step 03-kernels 240 env POLYSPEC_TRITON_DEVICE=cuda "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
 run_step 04-conformance "${CONFORMANCE_TIMEOUT:-480}" "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda --maxfail=5 -q -p no:cacheprovider --durations=10
 run_step 05-bench 180 "$PY" ci/bench_kernels.py "$OUT/bench.json"
+run_step 05-rowinv 240 "$PY" ci/bench_rowinv_cuda.py "$OUT/bench-rowinv.json"
 run_step 06-size "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda --preset llama3-8b \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-llama3-8b"
 # SmolLM2's own shape with the shipped tree (S=3 K=2 N=6): the share of a round outside forwards
@@ -141,13 +144,15 @@ run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --
 
 e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the shipped 3-2-6)
   local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs skn s k n
-  for skn in ${E2E_SETTINGS:-3-2-6}; do
+  local settings="${E2E_SETTINGS:-3-2-6}" extra=()
+  for skn in $settings; do
     IFS=- read -r s k n <<< "$skn"
+    [ "$skn" = "${settings%% *}" ] && extra=() || extra=(--no-transformers)
     for bs in 1 16; do
       polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
         --draft core/heads/smollm2-135m-eagle3 --num-steps "$s" --topk "$k" --num-draft-tokens "$n" \
         --dataset "$data" --max-new-tokens 128 --batch-size "$bs" \
-        --num-prompts "$([ "$bs" = 1 ] && echo 10 || echo 80)" --no-progress \
+        --num-prompts "$([ "$bs" = 1 ] && echo 10 || echo 80)" --no-progress "${extra[@]}" \
         --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" || return 1
     done
   done

@@ -1,7 +1,17 @@
-"""The CUDA backend: the cpu reference's allocator, KV pool and SDPA attention on a CUDA device,
-the portable Triton kernels in the KernelSet, and real CUDA graphs.
+"""The CUDA backend: the cpu reference's allocator, KV pool and attention metadata on a CUDA
+device, the portable Triton kernels in the KernelSet, and real CUDA graphs.
 
-Attention reuses :class:`polyspec.backends.cpu.attention.SDPAAttention`, which is plain torch and
+Kernels (``POLYSPEC_CUDA_KERNELS``):
+
+* ``rowinv`` (default): every linear layer runs :mod:`polyspec.kernels.triton.linear` and
+  every attention :mod:`polyspec.kernels.triton.list_attention`, both row-invariant: a token's
+  result does not depend on how many tokens share the forward, so a verify forward computes
+  bitwise what a decode step would, and greedy speculative output equals plain greedy output
+  in bf16 too.
+* ``torch``: cuBLAS through ``F.linear`` and the SDPA attention below (the kernels before
+  row-invariance; bf16 outputs may then part after a near-tie, docs/benchmarks.md).
+
+In ``torch`` mode attention reuses :class:`polyspec.backends.cpu.attention.SDPAAttention`, which is plain torch and
 device-agnostic: on CUDA, ``scaled_dot_product_attention`` dispatches to the flash / memory
 efficient kernels, and every mode (tree masks included) works over the paged KV cache. It reads
 host-side lengths while building metadata, so the attention metadata is built outside captured
@@ -45,6 +55,17 @@ def _chosen_overrides() -> dict:
     return {k: v for k, v in triton_kernel_overrides().items() if k not in names}
 
 
+def _kernel_mode() -> str:
+    """``POLYSPEC_CUDA_KERNELS``: "rowinv" (default) or "torch" (module doc)."""
+    mode = os.environ.get("POLYSPEC_CUDA_KERNELS", "rowinv").strip() or "rowinv"
+    if mode not in ("rowinv", "torch"):
+        raise ValueError(
+            f"POLYSPEC_CUDA_KERNELS={mode!r} is not a kernel mode; use 'rowinv' (row-invariant "
+            f"Triton linear and attention, the default) or 'torch' (cuBLAS and SDPA)"
+        )
+    return mode
+
+
 class CUDABackend(Backend):
     """NVIDIA GPUs through torch.cuda, with the Triton kernels of ``polyspec.kernels.triton``."""
 
@@ -69,6 +90,7 @@ class CUDABackend(Backend):
             )
         self.capabilities = CUDA_CAPABILITIES
         self.kernels = dataclasses.replace(KernelSet.reference(), **_chosen_overrides())
+        self.kernel_mode = _kernel_mode()
 
     def device(self, rank: int = 0) -> torch.device:
         """CUDA device ``rank`` (offset from the device this backend was created on)."""
@@ -90,6 +112,22 @@ class CUDABackend(Backend):
         free, total = torch.cuda.mem_get_info(self.device())
         return int(free), int(total)
 
+    def linear_fn(self, weight: torch.Tensor):  # weight [out, in]
+        """The row-invariant Triton linear for float weights in ``rowinv`` mode (module doc);
+        None (``F.linear``, cuBLAS) in ``torch`` mode."""
+        if self.kernel_mode != "rowinv" or weight.dim() != 2:
+            return None
+        if weight.dtype not in _DTYPES.values():
+            return None
+        from polyspec.kernels.triton.linear import row_invariant_linear
+
+        w = weight.contiguous()
+
+        def linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return row_invariant_linear(x, w, bias)
+
+        return linear
+
     def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
         """A token-slot (``page_size == 1``) or paged allocator; free lists stay on the host,
         slots are handed out on the device."""
@@ -108,12 +146,17 @@ class CUDABackend(Backend):
     def make_attention(
         self, kv_pool: TensorKVPool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
     ) -> SDPAAttention:
-        """SDPA attention over ``kv_pool`` (a pool made by :meth:`make_kv_pool`)."""
+        """Attention over ``kv_pool`` (a pool made by :meth:`make_kv_pool`): the row-invariant
+        list attention in ``rowinv`` mode, SDPA in ``torch`` mode (module doc)."""
         if not isinstance(kv_pool, TensorKVPool) or kv_pool.device.type != "cuda":
             raise TypeError(
                 f"cuda backend: make_attention needs a pool from make_kv_pool, got "
                 f"{type(kv_pool).__name__}"
             )
+        if self.kernel_mode == "rowinv":
+            from polyspec.kernels.triton.list_attention import RowInvariantAttention
+
+            return RowInvariantAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
         if os.environ.get("POLYSPEC_CUDA_TRITON_ATTENTION", "") == "1":
             # Checked against the oracle under the Triton interpreter, not yet measured on a
             # GPU: opt-in until a benchmark says it beats SDPA (docs/backends/cuda.md).

@@ -1,0 +1,137 @@
+"""Row-invariant linear: ``y = x @ W.T + b`` whose row ``m`` does not depend on the other rows.
+
+cuBLAS picks a kernel (tile shape, split-K) by the row count, so a verify forward over N rows
+rounds a token's logits differently from a one-row decode step, and bf16 greedy speculative
+output then parts from plain greedy output after a near-tie (docs/benchmarks.md, "bf16 and
+identity"). Here one compiled configuration per weight serves every row count: the tile is
+always ``BLOCK_M x BLOCK_N``, the reduction always walks K in ``BLOCK_K`` chunks in order, with fp32
+accumulation and no split-K. A row's result therefore depends only on its own input, its
+column block and K, never on how many rows came with it or where in the batch it sits (the
+zero rows padding a tile never mix into it: a matrix-multiply unit sums each output element
+over k alone).
+
+``M`` is never specialised (``do_not_specialize``): Triton would otherwise compile a separate
+variant for ``M == 1``. The grid runs row blocks fastest, so the programs that share a column
+block of ``W`` run together and ``W`` streams from memory once per call.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from polyspec.kernels.triton._util import check
+
+BLOCK_M = 16
+
+
+def tile_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for a weight [n, k]: a function of the weight alone, never
+    of the row count, so every call on that weight sums each output element in one order.
+
+    Chosen from ``ci/bench_rowinv_cuda.py`` on the H200 (inside CUDA graphs, SmolLM2 shapes,
+    1-16 rows): narrow 32-column tiles with 128-deep K steps for the layer weights (down
+    [576, 1536]: 4.5 us against 6.5 us for 64x64, cuBLAS 4.4-4.8 us), 64x64 for a vocabulary
+    head (lm_head [49152, 576]: 15.9 us, cuBLAS 16.1 us; 32x128 takes 20.4 us there)."""
+    if n >= 16384:
+        return 64, 64, 4
+    del k
+    return 32, 128, 4
+
+
+@triton.jit(do_not_specialize=["M"])
+def _row_invariant_linear_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (read only when HAS_BIAS)
+    y_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < M
+    col_ok = rn < N
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def row_invariant_linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:  # [..., N] in x's dtype
+    """``F.linear(x, weight, bias)`` with fp32 accumulation in a fixed order (module doc), for
+    fp32 (exact fp32 products, no TF32), bf16 and fp16 inputs of the weight's dtype.
+    ``config`` overrides :func:`tile_config` (benchmarks only: a weight must keep one)."""
+    check(weight.dim() == 2, f"linear: weight must be [N, K], got {list(weight.shape)}")
+    n, k = weight.shape
+    check(
+        x.shape[-1] == k,
+        f"linear: x has {x.shape[-1]} features but the weight [{n}, {k}] expects {k}",
+    )
+    check(
+        x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16),
+        f"linear: x and weight must share one of float32 / bfloat16 / float16, got "
+        f"{x.dtype} and {weight.dtype}",
+    )
+    check(
+        bias is None or tuple(bias.shape) == (n,),
+        f"linear: bias must be [{n}], got {None if bias is None else list(bias.shape)}",
+    )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    # Triton's interpreter multiplies with numpy, which has no bf16: there the 16-bit inputs are
+    # widened to fp32 first (their products are exact in fp32 either way).
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    block_n, block_k, num_warps = config or tile_config(n, k)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    _row_invariant_linear_kernel[grid](
+        x2, w, bias if bias is not None else w, y,
+        m, n, k, x2.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted,
+        UPCAST=interpreted,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    return y.reshape(*lead, n)

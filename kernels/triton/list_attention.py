@@ -1,0 +1,175 @@
+"""Row-invariant paged attention: each query token attends to its own ordered list of keys.
+
+Why: a draft token verified at tree depth d must get bitwise the attention output a plain
+decode step at the same position would get, or bf16 greedy speculative output parts from
+plain greedy output after a near-tie. SDPA (and :mod:`.attention`) split the keys into the
+cached prefix and the mode's block, so the same keys are summed in a different grouping in a
+verify forward than in a decode step. Here the metadata of the cpu backend's SDPA layout (any
+mode, eager or captured) is turned into one list per token: its visible key columns in column
+order, which is the prefix in position order and then, for a verify row, its ancestors root
+first (a tree node's parent always precedes it). That is exactly the list a plain decode step
+at that position has. The kernel walks every list in ``BLOCK_N`` chunks of the list index
+with an fp32 online softmax, so two equal lists give equal results, whatever else is in the
+batch.
+
+The lists are built with device ops only (a cumsum and a scatter, no ``nonzero``), so they are
+built inside captured graphs too: ``key_lists [T, L]`` (slot of the i-th visible key; the
+tail past ``key_lens`` is never read) and ``key_lens [T]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from polyspec.backend import ForwardBatch
+from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
+from polyspec.backends.cpu.kv_pool import write_kv
+from polyspec.kernels.triton.attention import _attend
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _list_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    out_ptr,  # [T, Hq, D] contiguous
+    lists_ptr,  # [T, *] slots, row stride list_stride
+    lens_ptr,  # [T]
+    list_stride,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    kvh = h // GROUP
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d).to(tl.float32) * scale
+    m_i = tl.full((), -1.0e30, tl.float32)
+    l_i = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)
+    n_keys = tl.load(lens_ptr + t).to(tl.int64)
+    for start in range(0, n_keys, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        valid = n < n_keys
+        slots = tl.load(lists_ptr + t * list_stride + n, mask=valid, other=0).to(tl.int64)
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slots, valid, kvh, stride_kt, stride_kh, d,
+                                m_i, l_i, acc)  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)
+    tl.store(out_ptr + t * HEAD_DIM * tl.num_programs(1) + h * HEAD_DIM + d, out)
+
+
+def list_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    key_lists: torch.Tensor,  # [T, L] slots in attention order (last dim contiguous)
+    key_lens: torch.Tensor,  # [T] keys of each list (>= 1)
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D] in q's dtype
+    """Attention of each query token over ``key_lists[t, :key_lens[t]]`` (module doc); query
+    head ``h`` reads kv head ``h // (Hq // Hkv)``."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if hq % hkv or d & (d - 1) or k_cache.shape[2] != d:
+        raise ValueError(
+            f"list attention: needs Hq % Hkv == 0 and a power-of-two head dim shared by q and the "
+            f"cache; got q {list(q.shape)}, k_cache {list(k_cache.shape)}"
+        )
+    if key_lists.stride(-1) != 1:
+        key_lists = key_lists.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    _list_attention_kernel[(t, hq)](
+        q, k_cache, v_cache, out, key_lists, key_lens, key_lists.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), float(scale),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    return out
+
+
+def key_lists_from(m: SDPAMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, L], [T])
+    """Each token's visible key slots in column order, and their count, from the SDPA layout
+    (device ops only: no host sync, so this runs inside graph capture)."""
+    kv = m.kv_index.view(m.batch_rows, m.kv_len)  # [B, L]
+    if m.mask is None and m.output_index is None:  # every token sees every column of its row
+        token_rows = torch.arange(m.num_tokens, device=kv.device) // m.max_queries
+        lens = torch.full((m.num_tokens,), m.kv_len, dtype=torch.int32, device=kv.device)
+        return kv.index_select(0, token_rows), lens
+    if m.output_index is None:
+        rows = torch.arange(m.batch_rows * m.max_queries, device=kv.device)  # [T]
+    else:
+        rows = m.output_index.to(torch.int64)  # [T] padded query row of each token
+    slots = kv.index_select(0, rows // m.max_queries)  # [T, L]
+    if m.mask is None:
+        return slots, torch.full_like(rows, m.kv_len, dtype=torch.int32)
+    visible = m.mask.reshape(m.batch_rows * m.max_queries, m.kv_len).index_select(0, rows)
+    rank = torch.cumsum(visible, 1, dtype=torch.int64) - 1  # [T, L] place in the list
+    dest = torch.where(visible, rank, m.kv_len)  # hidden columns go to a spare last column
+    lists = torch.zeros((rows.numel(), m.kv_len + 1), dtype=slots.dtype, device=kv.device)
+    lists.scatter_(1, dest, slots)
+    return lists[:, : m.kv_len], visible.sum(1, dtype=torch.int32)
+
+
+@dataclasses.dataclass
+class ListMetadata(SDPAMetadata):
+    """SDPA's layout plus the per-token key lists the kernel reads."""
+
+    key_lists: torch.Tensor | None = None  # [T, L] slots in attention order
+    key_lens: torch.Tensor | None = None  # [T] int32
+
+
+class RowInvariantAttention(SDPAAttention):
+    """SDPA's metadata (every mode, eager and captured), attended by :func:`list_attention`."""
+
+    def _with_key_lists(self, m: SDPAMetadata) -> ListMetadata:
+        lists, lens = key_lists_from(m)
+        fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(SDPAMetadata)}
+        return ListMetadata(**fields, key_lists=lists, key_lens=lens)
+
+    def _kv_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The kernel reads the pool directly: no gathered copies.
+        empty = torch.empty(0, self.num_kv_heads, self.head_dim, device=self.kv_pool.device)
+        return empty, empty
+
+    def build_metadata(self, batch: ForwardBatch) -> ListMetadata:
+        """SDPA's eager layout and the key lists of every token."""
+        return self._with_key_lists(self._build_metadata(batch))
+
+    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> ListMetadata:
+        """SDPA's captured-forward layout and the key lists (device ops only)."""
+        return self._with_key_lists(self._build_static_metadata(batch, max_prefix_len))
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        layer: int,
+        metadata: ListMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Store ``k``/``v`` at ``out_cache_loc`` of ``layer``, then :func:`list_attention`."""
+        m = metadata
+        if q.shape[0] != m.num_tokens:
+            raise ValueError(
+                f"attention: q has {q.shape[0]} tokens but the metadata was built for "
+                f"{m.num_tokens}; build_metadata must be called for this batch"
+            )
+        k_cache = self.kv_pool.k_cache(layer)
+        v_cache = self.kv_pool.v_cache(layer)
+        write_kv(k_cache, v_cache, m.out_cache_loc, k, v)
+        return list_attention(q, k_cache, v_cache, m.key_lists, m.key_lens, self.scale)

@@ -1,0 +1,173 @@
+"""The cuda backend's row-invariant kernels (kernels/triton/linear.py, list_attention.py):
+right values, and a token's result bitwise independent of the other tokens of its forward.
+Under ``TRITON_INTERPRET=1`` here (numpy arithmetic, so the invariance checked is the kernels'
+logic: fixed tiles, no data-dependent grouping); compiled on the GPU by ci/device_cuda.sh,
+where it is the hardware's arithmetic that is checked."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polyspec.backend import ForwardMode
+from polyspec.backends.cpu.backend import CPUBackend
+from polyspec.backends.cpu.kv_pool import TensorKVPool
+from polyspec.kernels.triton.linear import row_invariant_linear
+from polyspec.kernels.triton.list_attention import (
+    RowInvariantAttention,
+    key_lists_from,
+    list_attention,
+)
+from polyspec.testing.test_attention import (
+    MAX_CONTEXT,
+    SCENARIOS,
+    SlotSource,
+    build_batch,
+    make_requests,
+    on_device,
+    to_static,
+    visible_slots,
+)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _gen(name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (5, 100, 70), (37, 130, 200), (16, 48, 576)])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_linear_values(triton_device, dtype, m, n, k, bias):
+    """Against a float64 product of the same inputs: within one rounding of the output dtype
+    (fp32: exact products, no TF32), for K and N that are not multiples of the tiles."""
+    gen = _gen(f"lin/{dtype}/{m}/{n}/{k}/{bias}")
+    dt = DTYPES[dtype]
+    x = torch.randn(m, k, generator=gen).to(dt)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dt)
+    b = torch.randn(n, generator=gen).to(dt) if bias else None
+    dev = triton_device
+    y = row_invariant_linear(x.to(dev), w.to(dev), None if b is None else b.to(dev)).cpu()
+    assert y.shape == (m, n) and y.dtype == dt
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dt]
+    torch.testing.assert_close(y.double(), exact, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_linear_rows_do_not_depend_on_the_batch(triton_device, dtype):
+    """Each row of a 37-row call equals, bitwise, that row computed alone, in a 6-row call at
+    another position, and in a permuted batch: what keeps verify rows equal to decode rows."""
+    gen = _gen(f"lininv/{dtype}")
+    dt = DTYPES[dtype]
+    dev = triton_device
+    x = torch.randn(37, 200, generator=gen).to(dt).to(dev)
+    w = (torch.randn(130, 200, generator=gen) / 14).to(dt).to(dev)
+    b = torch.randn(130, generator=gen).to(dt).to(dev)
+    y = row_invariant_linear(x, w, b)
+    for i in (0, 5, 16, 36):
+        assert torch.equal(row_invariant_linear(x[i : i + 1], w, b), y[i : i + 1]), i
+    assert torch.equal(row_invariant_linear(x[10:16], w, b), y[10:16])
+    perm = torch.randperm(37, generator=gen).to(dev)
+    assert torch.equal(row_invariant_linear(x[perm], w, b), y[perm])
+
+
+def test_linear_shapes_and_errors(triton_device):
+    dev = triton_device
+    w = torch.randn(8, 16).to(dev)
+    y = row_invariant_linear(torch.randn(2, 3, 16).to(dev), w)
+    assert y.shape == (2, 3, 8)
+    assert row_invariant_linear(torch.randn(0, 16).to(dev), w).shape == (0, 8)
+    with pytest.raises(ValueError, match="x has 15 features but the weight"):
+        row_invariant_linear(torch.randn(2, 15).to(dev), w)
+    with pytest.raises(ValueError, match="must share one of"):
+        row_invariant_linear(torch.randn(2, 16).to(dev).bfloat16(), w)
+    with pytest.raises(ValueError, match="bias must be"):
+        row_invariant_linear(torch.randn(2, 16).to(dev), w, torch.randn(7).to(dev))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def test_list_attention_rows_do_not_depend_on_the_batch(triton_device):
+    """A token's output is bitwise the output of the same key list attended alone, with its
+    keys stored in other slots (a verify row against the decode step at its position), for
+    lists shorter and longer than one 64-key block."""
+    gen = _gen("listinv")
+    dev = triton_device
+    slots, hq, hkv, d = 600, 9, 3, 64
+    k_cache = torch.randn(slots, hkv, d, generator=gen).bfloat16()
+    v_cache = torch.randn(slots, hkv, d, generator=gen).bfloat16()
+    lens = [1, 5, 64, 65, 130, 7]
+    lists = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    for t, n in enumerate(lens):
+        lists[t, :n] = torch.randperm(300, generator=gen)[:n]
+    q = torch.randn(len(lens), hq, d, generator=gen).bfloat16()
+    key_lens = torch.tensor(lens, dtype=torch.int32)
+    out = list_attention(
+        q.to(dev), k_cache.to(dev), v_cache.to(dev), lists.to(dev), key_lens.to(dev), 0.125
+    ).cpu()
+    ref = _attend_float64(q, k_cache, v_cache, lists, lens, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    for t, n in enumerate(lens):
+        # the same keys copied to slots 300.. (another request's pages), attended alone
+        moved_k, moved_v = k_cache.clone(), v_cache.clone()
+        new = torch.arange(300, 300 + n)
+        moved_k[new], moved_v[new] = k_cache[lists[t, :n]], v_cache[lists[t, :n]]
+        alone = list_attention(
+            q[t : t + 1].to(dev),
+            moved_k.to(dev),
+            moved_v.to(dev),
+            new[None].to(dev),
+            torch.tensor([n], dtype=torch.int32).to(dev),
+            0.125,
+        ).cpu()
+        assert torch.equal(alone[0], out[t]), t
+
+
+def _attend_float64(q, k_cache, v_cache, lists, lens, scale) -> torch.Tensor:
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for t, n in enumerate(lens):
+        idx = lists[t, :n]
+        for h in range(q.shape[1]):
+            keys = k_cache[idx, h // group].double()
+            p = torch.softmax(keys @ q[t, h].double() * scale, 0)
+            out[t, h] = p @ v_cache[idx, h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_key_lists_are_the_visible_slots_in_order(scenario, static):
+    """The lists built from SDPA's layout (eager and captured) are, token by token, the slots
+    the ForwardMode contract makes visible, in attention order: the prefix, then the block's
+    visible tokens (a verify row's ancestors, root first)."""
+    mode, prefix, extend = SCENARIOS[scenario]
+    gen = _gen(f"lists/{scenario}")
+    reqs = make_requests([p + e for p, e in zip(prefix, extend)], SlotSource(16, gen), gen)
+    batch = build_batch(mode, prefix, extend, reqs, gen, chain=scenario.endswith("chain"))
+    backend = CPUBackend()
+    pool = TensorKVPool(reqs.req_to_token.max().item() + 1, 1, 2, 8, torch.float32, "cpu")
+    attn = RowInvariantAttention(pool, 4, 2, 8, 0.5)
+    expected = visible_slots(batch)
+    if static:
+        static_batch, rows = to_static(batch)
+        meta = attn.build_static_metadata(on_device(static_batch, backend, False), MAX_CONTEXT)
+    else:
+        rows = list(range(batch.num_tokens))
+        meta = attn.build_metadata(on_device(batch, backend))
+    lists, lens = key_lists_from(meta)
+    assert torch.equal(lists, meta.key_lists) and torch.equal(lens, meta.key_lens)
+    for t, row in enumerate(rows):
+        n = int(lens[row])
+        assert lists[row, :n].tolist() == expected[t], (scenario, t)
+    if mode is ForwardMode.TARGET_VERIFY:
+        assert max(int(lens[r]) for r in rows) > max(prefix)  # ancestors are in the lists

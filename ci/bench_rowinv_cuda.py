@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from polyspec.kernels.triton.linear import row_invariant_linear, tile_config
+from polyspec.kernels.triton.list_attention import list_attention
 
 SHAPES = {  # name: (N, K) of SmolLM2-135M-Instruct, qkv and gate/up fused as the model runs them
     "qkv": (960, 576),
@@ -75,6 +76,30 @@ def main() -> None:
             row["default"] = "x".join(map(str, tile_config(n, k)))
             results.append(row)
             print(json.dumps(row), flush=True)
+    attention = []
+    hq, hkv, d = 9, 3, 64  # SmolLM2's heads
+    k_cache = torch.randn(8192, hkv, d, device=dev).bfloat16()
+    v_cache = torch.randn(8192, hkv, d, device=dev).bfloat16()
+    for t in (1, 6, 96):
+        for length in (128, 400, 1000):
+            q = torch.randn(t, hq, d, device=dev).bfloat16()
+            lists = torch.stack([torch.randperm(8192, device=dev)[:length] for _ in range(t)])
+            lens = torch.full((t,), length, dtype=torch.int32, device=dev)
+            kv = k_cache.index_select(0, lists[0]).unsqueeze(0)  # SDPA on one gathered row
+            row = {"T": t, "L": length}
+            for block_n in (32, 64, 128):
+                row[f"list{block_n}_us"] = graph_time_us(
+                    lambda q=q, lists=lists, lens=lens, b=block_n: list_attention(
+                        q, k_cache, v_cache, lists, lens, 0.125, block_n=b
+                    )
+                )
+            qs = q[:1].transpose(0, 1).unsqueeze(0)  # [1, Hq, 1, D]
+            ks = kv.repeat_interleave(hq // hkv, 2).transpose(1, 2)  # [1, Hq, L, D]
+            row["sdpa_1query_us"] = graph_time_us(
+                lambda qs=qs, ks=ks: F.scaled_dot_product_attention(qs, ks, ks)
+            )
+            attention.append(row)
+            print(json.dumps(row), flush=True)
     # cuBLAS itself: does a row depend on the batch?
     w = (torch.randn(49152, 576, device=dev) / 24).bfloat16()
     x = torch.randn(96, 576, device=dev).bfloat16()
@@ -82,7 +107,11 @@ def main() -> None:
     cublas_invariant = {m: bool(torch.equal(F.linear(x[:m], w)[0], full[0])) for m in (1, 6, 16)}
     print("cuBLAS row 0 equal to the 96-row call, by row count:", cublas_invariant)
     with open(out_path, "w") as f:
-        json.dump({"rows": results, "cublas_invariant": cublas_invariant}, f, indent=1)
+        json.dump(
+            {"rows": results, "attention": attention, "cublas_invariant": cublas_invariant},
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@
 #   size-smollm2  the same at SmolLM2-135M's shape with the shipped tree (S=3 K=2 N=6)
 #   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench, for each
 #              S-K-N in $E2E_SETTINGS (default "3-2-6"); transformers runs with the first
-#              setting only (its figure does not depend on the tree)
+#              setting only (its figure does not depend on the tree; E2E_TRANSFORMERS=0: never)
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
 # $OUT/summary.txt lists every step with its exit status; the script exits non-zero if any failed.
@@ -147,7 +147,8 @@ e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the shipped 
   local settings="${E2E_SETTINGS:-3-2-6}" extra=()
   for skn in $settings; do
     IFS=- read -r s k n <<< "$skn"
-    [ "$skn" = "${settings%% *}" ] && extra=() || extra=(--no-transformers)
+    [ "$skn" = "${settings%% *}" ] && [ "${E2E_TRANSFORMERS:-1}" != 0 ] && extra=() ||
+      extra=(--no-transformers)
     for bs in 1 16; do
       polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
         --draft core/heads/smollm2-135m-eagle3 --num-steps "$s" --topk "$k" --num-draft-tokens "$n" \

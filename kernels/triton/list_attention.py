@@ -77,9 +77,11 @@ def list_attention(
     key_lists: torch.Tensor,  # [T, L] slots in attention order (last dim contiguous)
     key_lens: torch.Tensor,  # [T] keys of each list (>= 1)
     scale: float,
+    block_n: int = BLOCK_N,
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Attention of each query token over ``key_lists[t, :key_lens[t]]`` (module doc); query
-    head ``h`` reads kv head ``h // (Hq // Hkv)``."""
+    head ``h`` reads kv head ``h // (Hq // Hkv)``. ``block_n`` is for benchmarks: one process
+    must keep one value, or equal lists stop giving equal results."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if hq % hkv or d & (d - 1) or k_cache.shape[2] != d:
@@ -97,7 +99,7 @@ def list_attention(
     _list_attention_kernel[(t, hq)](
         q, k_cache, v_cache, out, key_lists, key_lens, key_lists.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), float(scale),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=BLOCK_N,
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n,
     )  # fmt: skip
     return out
 

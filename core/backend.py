@@ -369,6 +369,14 @@ class Backend(abc.ABC):
         a pinned, asynchronous copy. The default is the plain construction."""
         return torch.tensor(values, dtype=dtype, device=self.device())
 
+    def row_invariant(self, dtype: torch.dtype) -> bool:
+        """Whether this backend's model forwards in ``dtype`` give a token bitwise the same
+        logits whatever other tokens share the forward (an EXTEND row, a verify row and the
+        DECODE step at the same position agree), which makes greedy speculative output equal
+        plain greedy output token for token in that dtype, near-ties included. A claim the
+        conformance suite checks (``test_row_invariance.py``); the default makes none."""
+        return False
+
     def linear_fn(
         self,
         weight: torch.Tensor,  # [out, in], as returned by prepare_linear_weight

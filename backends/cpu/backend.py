@@ -95,6 +95,11 @@ class CPUBackend(Backend):
         except (ValueError, OSError, AttributeError):
             return (0, 0)
 
+    def row_invariant(self, dtype: torch.dtype) -> bool:
+        """bf16 where the row-invariant kernels are built (module doc). fp32 runs oneDNN and
+        SDPA, whose results are close across row counts but not claimed bitwise."""
+        return dtype == torch.bfloat16 and self.row_invariant_kernels() is not None
+
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in]
         """fp32 weights column-major: oneDNN/MKL run ``x @ W.T`` with a contiguous ``W.T`` up to
         2x faster for the 1-16 row inputs of decode and verify (docs/benchmarks.md)."""

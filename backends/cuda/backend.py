@@ -112,6 +112,10 @@ class CUDABackend(Backend):
         free, total = torch.cuda.mem_get_info(self.device())
         return int(free), int(total)
 
+    def row_invariant(self, dtype: torch.dtype) -> bool:
+        """Every float dtype in ``rowinv`` mode (module doc); no claim in ``torch`` mode."""
+        return self.kernel_mode == "rowinv" and dtype in _DTYPES.values()
+
     def linear_fn(self, weight: torch.Tensor):  # weight [out, in]
         """The row-invariant Triton linear for float weights in ``rowinv`` mode (module doc);
         None (``F.linear``, cuBLAS) in ``torch`` mode."""

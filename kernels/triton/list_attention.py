@@ -10,7 +10,9 @@ order, which is the prefix in position order and then, for a verify row, its anc
 first (a tree node's parent always precedes it). That is exactly the list a plain decode step
 at that position has. The kernel walks every list in ``BLOCK_N`` chunks of the list index
 with an fp32 online softmax, so two equal lists give equal results, whatever else is in the
-batch.
+batch. One program serves the query heads of one kv head (GQA): their scores and weighted
+values are two small matrix products per key block, so each key block is read once for the
+group; the probabilities enter the second product in the value dtype, as in flash attention.
 
 The lists are built with device ops only (a cumsum and a scatter, no ``nonzero``), so they are
 built inside captured graphs too: ``key_lists [T, L]`` (slot of the i-th visible key; the
@@ -20,6 +22,7 @@ tail past ``key_lens`` is never read) and ``key_lens [T]``.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -28,7 +31,7 @@ import triton.language as tl
 from polyspec.backend import ForwardBatch
 from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
 from polyspec.backends.cpu.kv_pool import write_kv
-from polyspec.kernels.triton.attention import _attend
+from polyspec.kernels.triton._util import next_pow2
 
 BLOCK_N = 128
 """Keys per online-softmax step. On the H200 (ci/bench_rowinv_cuda.py, SmolLM2's 9/3 heads,
@@ -51,26 +54,59 @@ def _list_attention_kernel(
     stride_kh,
     scale,
     GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
+    # One program per (token, kv head): the GROUP query heads that share a kv head read each key
+    # block once, as the rows of one matrix product (padded to GROUP_PAD >= 16 rows for the MMA;
+    # the padding rows are zeros and never mix into the real ones).
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    kvh = h // GROUP
+    kvh = tl.program_id(1).to(tl.int64)
+    g = tl.arange(0, GROUP_PAD)
+    g_ok = g < GROUP
+    h = kvh * GROUP + g
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d).to(tl.float32) * scale
-    m_i = tl.full((), -1.0e30, tl.float32)
-    l_i = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros((HEAD_DIM,), tl.float32)
+    q_off = t * stride_qt + h[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0.0)  # [GROUP_PAD, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
     n_keys = tl.load(lens_ptr + t).to(tl.int64)
     for start in range(0, n_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         valid = n < n_keys
         slots = tl.load(lists_ptr + t * list_stride + n, mask=valid, other=0).to(tl.int64)
-        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, slots, valid, kvh, stride_kt, stride_kh, d,
-                                m_i, l_i, acc)  # fmt: skip
-    out = acc / tl.where(l_i > 0, l_i, 1.0)
-    tl.store(out_ptr + t * HEAD_DIM * tl.num_programs(1) + h * HEAD_DIM + d, out)
+        kv_off = slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, -1.0e30)  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.where(valid[None, :], tl.exp(s - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        pv = p.to(v.dtype)  # the probabilities in the value dtype, as flash attention does
+        if UPCAST:
+            pv = pv.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_off = t * HEAD_DIM * GROUP * tl.num_programs(1) + h[:, None] * HEAD_DIM + d[None, :]
+    tl.store(out_ptr + o_off, out, mask=g_ok[:, None])
 
 
 def list_attention(
@@ -87,10 +123,11 @@ def list_attention(
     must keep one value, or equal lists stop giving equal results."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if hq % hkv or d & (d - 1) or k_cache.shape[2] != d:
+    if hq % hkv or d & (d - 1) or d < 16 or k_cache.shape[2] != d:
         raise ValueError(
-            f"list attention: needs Hq % Hkv == 0 and a power-of-two head dim shared by q and the "
-            f"cache; got q {list(q.shape)}, k_cache {list(k_cache.shape)}"
+            f"list attention: needs Hq % Hkv == 0 and a power-of-two head dim >= 16 (the matrix "
+            f"units' smallest K) shared by q and the cache; got q {list(q.shape)}, k_cache "
+            f"{list(k_cache.shape)}; POLYSPEC_CUDA_KERNELS=torch runs other head dims on SDPA"
         )
     if key_lists.stride(-1) != 1:
         key_lists = key_lists.contiguous()
@@ -99,10 +136,15 @@ def list_attention(
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    _list_attention_kernel[(t, hq)](
+    # Triton's interpreter multiplies with numpy, which has no bf16: there 16-bit inputs are
+    # widened to fp32 first.
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    group = hq // hkv
+    _list_attention_kernel[(t, hkv)](
         q, k_cache, v_cache, out, key_lists, key_lens, key_lists.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), float(scale),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_N=block_n,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32 or interpreted, UPCAST=interpreted,
     )  # fmt: skip
     return out
 

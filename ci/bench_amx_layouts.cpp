@@ -64,6 +64,14 @@ static void linear(const uint16_t* xp, int M, int K, const uint16_t* w, int N, f
       for (int kb = 0; kb < KB; kb++) {
         if (!Packed && pf == 1)
           for (int j = 0; j < 64; j++) _mm_prefetch(next + (kb * 64 + j) * 64, _MM_HINT_T1);
+        if (!Packed && (pf == 2 || pf == 3) && kb + (pf == 2 ? 4 : 8) < KB) {
+          // each of the group's 64 rows, a few 64-byte k-steps ahead
+          const char* ahead = reinterpret_cast<const char*>(wg + (kb + (pf == 2 ? 4 : 8)) * 32);
+          if (pf == 2)
+            for (int j = 0; j < 64; j++) _mm_prefetch(ahead + static_cast<int64_t>(j) * K * 2, _MM_HINT_T0);
+          else
+            for (int j = 0; j < 64; j++) _mm_prefetch(ahead + static_cast<int64_t>(j) * K * 2, _MM_HINT_T1);
+        }
         if (Packed && pf > 0) {
           const char* at = reinterpret_cast<const char*>(wg + kb * 2048);
           const int dist = pf == 1 ? 8192 : pf == 2 ? 16384 : 32768;
@@ -130,6 +138,8 @@ int main() {
     for (Shape s : shapes) xs.emplace_back(s.K * 16 * 2, to_bf16(0.1f)), ys.emplace_back(static_cast<size_t>(M) * s.N);
     struct Variant { bool packed; int pf; const char* name; };
     const Variant variants[] = {{false, 0, "strided, no prefetch"}, {false, 1, "strided, next group into L2"},
+                                {false, 2, "strided, 4 k-steps ahead into L1"},
+                                {false, 3, "strided, 8 k-steps ahead into L2"},
                                 {true, 0, "packed, no prefetch"},   {true, 1, "packed, 8 KB ahead into L2"},
                                 {true, 2, "packed, 16 KB ahead"},   {true, 3, "packed, 32 KB ahead"},
                                 {true, 4, "packed, 32 KB into L2 + 2 KB into L1"}};

@@ -1,19 +1,26 @@
-"""Where a plain bf16 decode step of SmolLM2 goes on the CPU: wall time per token, then the
-torch ops by self time (the row-invariant C++ kernels are not torch ops: their time is the
-wall time minus what the table lists).
+"""Where a bf16 decode step of SmolLM2 goes on the CPU.
 
-    python ci/profile_cpu_decode.py [--tokens 48] [--threads 2]
+Plain decoding: wall time per token, then the torch ops by self time (the row-invariant C++
+kernels are not torch ops: their time is the wall time minus what the table lists).
+``--spec``: speculative decoding with the shipped head (S=3 K=2 N=6): wall time per round, then
+a cProfile of the rounds by cumulative time (the worker's verify / draft / draft extend, the
+model forward, the C++ kernels).
+
+    python ci/profile_cpu_decode.py [--tokens 48] [--threads 2] [--spec]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from polyspec.config import SamplingParams
+from polyspec.config import SamplingParams, SpeculativeConfig
+from polyspec.engine.defaults import shipped_head_path
 from polyspec.engine.llm import LLM
 
 
@@ -21,12 +28,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--spec", action="store_true", help="profile speculative rounds instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(backend="cpu", dtype="bfloat16", max_batch_size=1, max_context=512)
+    spec = {}
+    if args.spec:
+        spec = dict(
+            draft=shipped_head_path(),
+            speculative=SpeculativeConfig(
+                algorithm="eagle3", topk=2, num_steps=3, num_draft_tokens=6
+            ),
+        )
+    llm = LLM(backend="cpu", dtype="bfloat16", max_batch_size=1, max_context=512, **spec)
     prompt = ["Write a story about a dragon."]
     llm.chat(["Warm up please."], SamplingParams(max_new_tokens=8))
     sp = SamplingParams(max_new_tokens=args.tokens)
+    if args.spec:
+        start = time.perf_counter()
+        out = llm.chat(prompt, sp)[0]
+        wall = time.perf_counter() - start
+        rounds = len(out.stats.accepted_per_round)
+        print(
+            f"{len(out.token_ids)} tokens in {rounds} rounds, {1000 * wall / rounds:.2f} ms/round"
+        )
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.chat(prompt, sp)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
+        return
     start = time.perf_counter()
     n = len(llm.chat(prompt, sp)[0].token_ids)
     wall = time.perf_counter() - start

@@ -34,9 +34,10 @@ from polyspec.backends.cpu.kv_pool import write_kv
 from polyspec.kernels.triton._util import next_pow2
 
 BLOCK_N = 128
-"""Keys per online-softmax step. On the H200 (ci/bench_rowinv_cuda.py, SmolLM2's 9/3 heads,
-in graphs) a 400-key list takes 18.5 / 14.5 / 11.6 us with 32 / 64 / 128: the loop is
-latency-bound, so fewer, wider steps win."""
+"""Keys per online-softmax step. Chosen on the H200 for this kernel's first, one-program-per-
+query-head form (ci/bench_rowinv_cuda.py, SmolLM2's 9/3 heads, in graphs): a 400-key list
+took 18.5 / 14.5 / 11.6 us with 32 / 64 / 128, the loop being latency-bound. The grouped form
+that replaced it was measured end to end only (docs/benchmarks.md, "Seventh session")."""
 
 
 @triton.jit

@@ -5,8 +5,10 @@
 //   packed:  weights re-laid out once so that each group's tiles are contiguous, in the order
 //            the kernel reads them;
 // each with no prefetch, or software prefetch into L2 of the next 64-row group (strided) or of
-// 8/16/32 KB ahead in the packed stream (plus 2 KB ahead into L1 for "pf=4"). Four C tiles (64
-// output columns) share each B tile (the x rows), as in rowinv.cpp.
+// 8/16/32 KB ahead in the packed stream (plus 2 KB ahead into L1 for "pf=4"), or of each row a
+// few k-steps ahead (strided). Four C tiles (64 output columns) share each B tile (the x rows),
+// as in rowinv.cpp; two more strided variants use 1 or 2 C tiles per group (fewer concurrent
+// weight-row streams for the hardware prefetchers, more B tile loads).
 //
 //   g++ -O3 -march=native -fopenmp ci/bench_amx_layouts.cpp -o /tmp/amx_layouts
 //   OMP_NUM_THREADS=2 /tmp/amx_layouts        # needs AMX-BF16 and Linux 5.16+
@@ -103,6 +105,32 @@ static void linear(const uint16_t* xp, int M, int K, const uint16_t* w, int N, f
   }
 }
 
+template <int G>
+static void linear_g(const uint16_t* xp, int M, int K, const uint16_t* w, int N, float* y) {
+  const int KB = K / 32;
+#pragma omp parallel
+  {
+    configure(M);
+    alignas(64) float buf[4][16][16];
+#pragma omp for schedule(static)
+    for (int g = 0; g < N / (16 * G); g++) {
+      const int n0 = g * 16 * G;
+      _tile_zero(0); if (G > 1) _tile_zero(1);
+      const uint16_t* wg = w + static_cast<int64_t>(n0) * K;
+      for (int kb = 0; kb < KB; kb++) {
+        _tile_loadd(6, xp + kb * 16 * M * 2, M * 4);
+        _tile_loadd(4, wg + kb * 32, K * 2); _tile_dpbf16ps(0, 4, 6);
+        if (G > 1) { _tile_loadd(5, wg + 16 * K + kb * 32, K * 2); _tile_dpbf16ps(1, 5, 6); }
+      }
+      _tile_stored(0, buf[0], 64); if (G > 1) _tile_stored(1, buf[1], 64);
+      for (int t = 0; t < G; t++)
+        for (int n = 0; n < 16; n++)
+          for (int m = 0; m < M; m++) y[static_cast<int64_t>(m) * N + n0 + t * 16 + n] = buf[t][n][m];
+    }
+    _tile_release();
+  }
+}
+
 // [N, K] -> [N/64][K/32][4][16][32]: each group's tiles in reading order.
 static void pack(const uint16_t* w, int N, int K, uint16_t* out) {
   for (int g = 0; g < N / 64; g++)
@@ -137,7 +165,8 @@ int main() {
     std::vector<std::vector<float>> ys;
     for (Shape s : shapes) xs.emplace_back(s.K * 16 * 2, to_bf16(0.1f)), ys.emplace_back(static_cast<size_t>(M) * s.N);
     struct Variant { bool packed; int pf; const char* name; };
-    const Variant variants[] = {{false, 0, "strided, no prefetch"}, {false, 1, "strided, next group into L2"},
+    const Variant variants[] = {{false, 0, "strided, no prefetch"}, {false, 10, "strided, 1 C tile per group"},
+                                {false, 11, "strided, 2 C tiles per group"}, {false, 1, "strided, next group into L2"},
                                 {false, 2, "strided, 4 k-steps ahead into L1"},
                                 {false, 3, "strided, 8 k-steps ahead into L2"},
                                 {true, 0, "packed, no prefetch"},   {true, 1, "packed, 8 KB ahead into L2"},
@@ -148,6 +177,8 @@ int main() {
       for (size_t v = 0; v < std::size(variants); v++) {
         const auto t0 = std::chrono::steady_clock::now();
         for (size_t i = 0; i < shapes.size(); i++) {
+          if (variants[v].pf == 10) { linear_g<1>(xs[i].data(), M, shapes[i].K, strided[i].data(), shapes[i].N, ys[i].data()); continue; }
+          if (variants[v].pf == 11) { linear_g<2>(xs[i].data(), M, shapes[i].K, strided[i].data(), shapes[i].N, ys[i].data()); continue; }
           if (variants[v].packed)
             linear<true>(xs[i].data(), M, shapes[i].K, packed[i].data(), shapes[i].N, ys[i].data(), variants[v].pf);
           else

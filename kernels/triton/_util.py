@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -11,6 +12,13 @@ def check(condition: bool, message: str) -> None:
     """Raise ValueError with ``message`` unless ``condition`` (shape checks only: no host sync)."""
     if not condition:
         raise ValueError(message)
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, CI on the CPU).
+    The interpreter multiplies with numpy, which has no bf16, so kernels with ``tl.dot`` widen
+    16-bit inputs to fp32 there (their products are exact in fp32 either way)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def next_pow2(n: int) -> int:

@@ -17,13 +17,11 @@ block of ``W`` run together and ``W`` streams from memory once per call.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from polyspec.kernels.triton._util import check
+from polyspec.kernels.triton._util import check, interpreted
 
 BLOCK_M = 16
 
@@ -122,16 +120,14 @@ def row_invariant_linear(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    # Triton's interpreter multiplies with numpy, which has no bf16: there the 16-bit inputs are
-    # widened to fp32 first (their products are exact in fp32 either way).
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    upcast = interpreted()  # numpy has no bf16 (see interpreted())
     block_n, block_k, num_warps = config or tile_config(n, k)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
     _row_invariant_linear_kernel[grid](
         x2, w, bias if bias is not None else w, y,
         m, n, k, x2.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or interpreted,
-        UPCAST=interpreted,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or upcast,
+        UPCAST=upcast,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     return y.reshape(*lead, n)

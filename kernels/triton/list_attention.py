@@ -22,7 +22,6 @@ tail past ``key_lens`` is never read) and ``key_lens [T]``.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -31,7 +30,7 @@ import triton.language as tl
 from polyspec.backend import ForwardBatch
 from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
 from polyspec.backends.cpu.kv_pool import write_kv
-from polyspec.kernels.triton._util import next_pow2
+from polyspec.kernels.triton._util import interpreted, next_pow2
 
 BLOCK_N = 128
 """Keys per online-softmax step. Chosen on the H200 for this kernel's first, one-program-per-
@@ -137,15 +136,13 @@ def list_attention(
     out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    # Triton's interpreter multiplies with numpy, which has no bf16: there 16-bit inputs are
-    # widened to fp32 first.
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    upcast = interpreted()  # numpy has no bf16 (see interpreted())
     group = hq // hkv
     _list_attention_kernel[(t, hkv)](
         q, k_cache, v_cache, out, key_lists, key_lens, key_lists.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), float(scale),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32 or interpreted, UPCAST=interpreted,
+        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
     )  # fmt: skip
     return out
 

@@ -203,7 +203,8 @@ def _onednn_bf16() -> bool:
 def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
     """The decoder-layer kernels (norms, rotary, SiLU-and-mul): the C++ ones for bf16 inputs
     once the extension is built, the reference for every other dtype. The extension is only
-    built when a bf16 input first arrives, so fp32 runs never wait for the compiler."""
+    built when a bf16 input first arrives, so fp32 runs never wait for the compiler. Also
+    greedy tree verification: the C++ loop whenever the extension is already loaded."""
 
     def pick(name: str, is_bf16):
         ref = getattr(reference, name)
@@ -218,8 +219,19 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
         kernel.__doc__ = ref.__doc__
         return kernel
 
+    def verify_tree_greedy(*args, **kwargs):
+        # The C++ loop once the extension is loaded (a bf16 model loads it); the reference
+        # otherwise, so fp32 runs never wait for the compiler.
+        if rowinv.loaded() is not None and all(
+            not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args
+        ):
+            return rowinv.verify_tree_greedy(*args, **kwargs)
+        return reference.verify_tree_greedy(*args, **kwargs)
+
+    verify_tree_greedy.__doc__ = reference.verify_tree_greedy.__doc__
     bf16 = torch.bfloat16
     return {
+        "verify_tree_greedy": verify_tree_greedy,
         "rms_norm": pick("rms_norm", lambda x, w, *_: x.dtype == bf16 and w.dtype == bf16),
         "fused_add_rms_norm": pick(
             "fused_add_rms_norm",

@@ -1020,6 +1020,65 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 
 // The GIL is released while the kernels run (arguments are converted before, the result after),
 // so a Python thread (e.g. a drafter) is not blocked by a long prefill.
+// Greedy tree verification, polyspec.kernels.reference.verify_tree_greedy's semantics on int64
+// CPU tensors: a walk of at most S depths over at most N - 1 children each. The reference runs
+// it as ~S * N masked torch ops per call (~1 ms a round on 2 cores); here it is a loop.
+// Returns (predicts [bs * N], accept_index [bs, S + 1], accept_length [bs]).
+std::vector<at::Tensor> verify_tree_greedy(const at::Tensor& candidates, const at::Tensor& retrive_index,
+                                           const at::Tensor& next_token, const at::Tensor& next_sibling,
+                                           const at::Tensor& target_predict, int64_t steps) {
+  for (const at::Tensor* t : {&candidates, &retrive_index, &next_token, &next_sibling, &target_predict}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 2 &&
+                    t->sizes() == candidates.sizes(),
+                "rowinv.verify_tree_greedy: every input must be a contiguous int64 CPU tensor [bs, N]");
+  }
+  TORCH_CHECK(steps >= 0, "rowinv.verify_tree_greedy: steps must be >= 0");
+  const int64_t bs = candidates.size(0), n = candidates.size(1);
+  at::Tensor predicts = at::zeros({bs * n}, candidates.options());
+  at::Tensor accept_index = at::full({bs, steps + 1}, -1, candidates.options());
+  at::Tensor accept_length = at::zeros({bs}, candidates.options());
+  const int64_t* cand = candidates.data_ptr<int64_t>();
+  const int64_t* gidx = retrive_index.data_ptr<int64_t>();
+  const int64_t* first = next_token.data_ptr<int64_t>();
+  const int64_t* sibling = next_sibling.data_ptr<int64_t>();
+  const int64_t* target = target_predict.data_ptr<int64_t>();
+  int64_t* pred = predicts.data_ptr<int64_t>();
+  int64_t* path = accept_index.data_ptr<int64_t>();
+  int64_t* length = accept_length.data_ptr<int64_t>();
+  auto link = [n](int64_t v) { return v >= 0 && v < n ? v : int64_t{-1}; };
+  std::vector<char> on_path(static_cast<size_t>(n));
+  for (int64_t b = 0; b < bs; ++b) {
+    const int64_t row = b * n;
+    std::fill(on_path.begin(), on_path.end(), 0);
+    on_path[0] = 1;
+    path[b * (steps + 1)] = gidx[row];
+    int64_t cur = 0;
+    for (int64_t depth = 1; depth <= steps; ++depth) {
+      const int64_t want = target[row + cur];
+      int64_t child = link(first[row + cur]), accepted = -1;
+      for (int64_t i = 0; i < n - 1 && child >= 0; ++i) {
+        if (cand[row + child] == want) {
+          accepted = child;
+          break;
+        }
+        child = link(sibling[row + child]);
+      }
+      if (accepted < 0) break;
+      cur = accepted;
+      length[b] += 1;
+      path[b * (steps + 1) + depth] = gidx[row + cur];
+      on_path[cur] = 1;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t g = gidx[row + j];
+      TORCH_CHECK(g >= 0 && g < bs * n, "rowinv.verify_tree_greedy: retrive_index[", b, ", ", j, "] = ", g,
+                  " is outside [0, bs * N)");
+      pred[g] = on_path[j] ? target[row + j] : 0;
+    }
+  }
+  return {predicts, accept_index, accept_length};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   g_isa = best_isa();
@@ -1036,5 +1095,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "(rms_norm(x + residual), x + residual), bf16", release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:], bf16", release_gil());
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, bf16, fp32 cos/sin cache",
+        release_gil());
+  m.def("verify_tree_greedy", &verify_tree_greedy, "greedy tree verification, int64 [bs, N] inputs",
         release_gil());
 }

@@ -133,6 +133,14 @@ def unavailable_reason() -> str:
     return _build()[1]
 
 
+def loaded() -> ModuleType | None:
+    """The extension if a caller has already built or loaded it in this process, else None
+    (never compiles: for kernels that fp32 runs use too, which must not wait for a compiler)."""
+    if _build.cache_info().currsize == 0:
+        return None
+    return _build()[0]
+
+
 def _module() -> ModuleType:
     module = load()
     if module is None:
@@ -247,3 +255,38 @@ def rotary_embedding(
     """``polyspec.kernels.reference.rotary_embedding`` in one call (bf16 q / k only)."""
     q_out, k_out = _module().rotary_embedding(positions, q, k, cos_sin_cache, bool(is_neox))
     return q_out, k_out
+
+
+def verify_tree_greedy(
+    candidates: torch.Tensor,  # [bs, N]
+    retrive_index: torch.Tensor,  # [bs, N]
+    retrive_next_token: torch.Tensor,  # [bs, N]
+    retrive_next_sibling: torch.Tensor,  # [bs, N]
+    target_predict: torch.Tensor,  # [bs, N]
+    predicts: torch.Tensor,  # out: [bs * N]
+    accept_index: torch.Tensor,  # out: [bs, S + 1]
+    accept_length: torch.Tensor,  # out: [bs]
+) -> None:
+    """``polyspec.kernels.reference.verify_tree_greedy`` as one C++ loop (same checks, same
+    outputs, any integer dtypes)."""
+    from polyspec.kernels._tree import check_verify_args
+
+    check_verify_args(
+        candidates,
+        {
+            "retrive_index": retrive_index,
+            "retrive_next_token": retrive_next_token,
+            "retrive_next_sibling": retrive_next_sibling,
+            "target_predict": target_predict,
+        },
+        predicts,
+        accept_index,
+        accept_length,
+    )
+    args = (candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_predict)
+    pred, index, length = _module().verify_tree_greedy(
+        *(t.to(torch.int64).contiguous() for t in args), accept_index.shape[1] - 1
+    )
+    predicts.copy_(pred.view(predicts.shape))
+    accept_index.copy_(index)
+    accept_length.copy_(length.view(accept_length.shape))

@@ -372,6 +372,27 @@ class SDPAAttention(AttentionBackend):
 
     # ------------------------------------------------------------------ forward
 
+    def store_kv(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        layer: int,
+        metadata: SDPAMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([slots, Hkv, D], [slots, Hkv, D])
+        """Check that ``q`` matches the metadata, write ``k``/``v`` at ``out_cache_loc`` of
+        ``layer``, and return that layer's K and V caches: the first step of every forward
+        built on this layout (this class and the Triton attentions)."""
+        if q.shape[0] != metadata.num_tokens:
+            raise ValueError(
+                f"attention: q has {q.shape[0]} tokens but the metadata was built for "
+                f"{metadata.num_tokens}; build_metadata must be called for this batch"
+            )
+        k_cache = self.kv_pool.k_cache(layer)
+        v_cache = self.kv_pool.v_cache(layer)
+        write_kv(k_cache, v_cache, metadata.out_cache_loc, k, v)
+        return k_cache, v_cache
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -382,14 +403,7 @@ class SDPAAttention(AttentionBackend):
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``out_cache_loc`` of ``layer``, then attend (see module doc)."""
         m = metadata
-        if q.shape[0] != m.num_tokens:
-            raise ValueError(
-                f"attention: q has {q.shape[0]} tokens but the metadata was built for "
-                f"{m.num_tokens}; build_metadata must be called for this batch"
-            )
-        k_cache = self.kv_pool.k_cache(layer)  # [slots, Hkv, D]
-        v_cache = self.kv_pool.v_cache(layer)
-        write_kv(k_cache, v_cache, m.out_cache_loc, k, v)
+        k_cache, v_cache = self.store_kv(q, k, v, layer, m)  # [slots, Hkv, D] each
         if m.kv_indices is not None and self.exact_attention is not None:
             return self.exact_attention(
                 q.contiguous(), k_cache, v_cache, m.kv_indptr, m.kv_indices, self.scale

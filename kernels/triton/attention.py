@@ -24,7 +24,6 @@ import triton.language as tl
 
 from polyspec.backend import ForwardBatch, ForwardMode
 from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
-from polyspec.backends.cpu.kv_pool import write_kv
 from polyspec.kernels.triton._util import next_pow2
 
 
@@ -156,14 +155,7 @@ class TritonAttention(SDPAAttention):
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``out_cache_loc``, then the kernel over the pool."""
         m = metadata.sdpa
-        if q.shape[0] != m.num_tokens:
-            raise ValueError(
-                f"attention: q has {q.shape[0]} tokens but the metadata was built for "
-                f"{m.num_tokens}; build_metadata must be called for this batch"
-            )
-        k_cache = self.kv_pool.k_cache(layer)
-        v_cache = self.kv_pool.v_cache(layer)
-        write_kv(k_cache, v_cache, m.out_cache_loc, k, v)
+        k_cache, v_cache = self.store_kv(q, k, v, layer, m)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)

@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyspec.backend import ForwardBatch
 from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
-from polyspec.backends.cpu.kv_pool import write_kv
 from polyspec.kernels.triton._util import interpreted, next_pow2
 
 BLOCK_N = 128
@@ -179,7 +177,9 @@ class ListMetadata(SDPAMetadata):
 
 
 class RowInvariantAttention(SDPAAttention):
-    """SDPA's metadata (every mode, eager and captured), attended by :func:`list_attention`."""
+    """SDPA's metadata (every mode, eager and captured), attended by :func:`list_attention`.
+    The base class's ``build_metadata`` and ``build_static_metadata`` both end in
+    ``_with_key_lists``, which here adds the per-token key lists."""
 
     def _with_key_lists(self, m: SDPAMetadata) -> ListMetadata:
         lists, lens = key_lists_from(m)
@@ -191,14 +191,6 @@ class RowInvariantAttention(SDPAAttention):
         empty = torch.empty(0, self.num_kv_heads, self.head_dim, device=self.kv_pool.device)
         return empty, empty
 
-    def build_metadata(self, batch: ForwardBatch) -> ListMetadata:
-        """SDPA's eager layout and the key lists of every token."""
-        return self._with_key_lists(self._build_metadata(batch))
-
-    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> ListMetadata:
-        """SDPA's captured-forward layout and the key lists (device ops only)."""
-        return self._with_key_lists(self._build_static_metadata(batch, max_prefix_len))
-
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
@@ -209,12 +201,5 @@ class RowInvariantAttention(SDPAAttention):
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``out_cache_loc`` of ``layer``, then :func:`list_attention`."""
         m = metadata
-        if q.shape[0] != m.num_tokens:
-            raise ValueError(
-                f"attention: q has {q.shape[0]} tokens but the metadata was built for "
-                f"{m.num_tokens}; build_metadata must be called for this batch"
-            )
-        k_cache = self.kv_pool.k_cache(layer)
-        v_cache = self.kv_pool.v_cache(layer)
-        write_kv(k_cache, v_cache, m.out_cache_loc, k, v)
+        k_cache, v_cache = self.store_kv(q, k, v, layer, m)
         return list_attention(q, k_cache, v_cache, m.key_lists, m.key_lens, self.scale)

@@ -55,7 +55,9 @@ def main() -> None:
         prof.enable()
         llm.chat(prompt, sp)
         prof.disable()
-        pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
+        stats = pstats.Stats(prof).sort_stats("cumtime")
+        stats.print_stats(40)
+        stats.print_stats("verify_tree_greedy|build_tree")  # the tree kernels, wherever they rank
         return
     start = time.perf_counter()
     n = len(llm.chat(prompt, sp)[0].token_ids)

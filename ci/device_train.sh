@@ -21,6 +21,9 @@
 # and a larger value grows it).
 # SEED=1 draws other self-written prompts (and sampled answers) than the default seed 0;
 # EXTRA_ANSWERS=FILE adds an earlier run's answers.jsonl to the training text.
+# OPENERS=builtin|FILE starts the self-written prompts with task openings (--self-prompt-openers).
+# The bench runs polyspec plain and speculative only (transformers' figure does not depend on the
+# head; BENCH_TRANSFORMERS=1 adds it).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/out}"
@@ -35,7 +38,8 @@ BACKEND="${BACKEND:-cuda}"
 COMMON=(--target "$MODEL" ${PROMPTS:+--prompts "$PROMPTS"} --out "$HEAD_DIR" --backend "$BACKEND"
         --dtype bfloat16 --num-prompts "${NUM_PROMPTS:-1400}" --self-prompts "${SELF_PROMPTS:-12000}"
         --samples-per-prompt "${SAMPLES:-2}" --sample-temperature 0.8 --max-new-tokens "${MAX_NEW_TOKENS:-384}"
-        --gen-batch-size "${GEN_BATCH:-256}" --seed "${SEED:-0}" --graphs "${GRAPHS:-auto}")
+        --gen-batch-size "${GEN_BATCH:-256}" --seed "${SEED:-0}" --graphs "${GRAPHS:-auto}"
+        ${OPENERS:+--self-prompt-openers "$OPENERS"})
 bench_head() {  # bench_head S-K-N ...: batch 1 and 16 for each setting, JSON into $OUT
   for skn in "$@"; do
     IFS=- read -r s k n <<< "$skn"
@@ -44,6 +48,7 @@ bench_head() {  # bench_head S-K-N ...: batch 1 and 16 for each setting, JSON in
         --algorithm eagle3 --draft "$HEAD_DIR" --num-steps "$s" --topk "$k" --num-draft-tokens "$n" \
         --dataset "$MT_BENCH" --max-new-tokens "${BENCH_TOKENS:-128}" --batch-size "$bs" \
         --num-prompts "$([ "$bs" = 1 ] && echo "${BENCH_PROMPTS_1:-10}" || echo "${BENCH_PROMPTS_16:-80}")" --no-progress \
+        $([ "${BENCH_TRANSFORMERS:-0}" = 1 ] || echo --no-transformers) \
         --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" 2>&1 | tail -n 14
     done
   done

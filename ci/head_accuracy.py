@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--depths", default="3,6", help="chain lengths S to simulate")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--by-category", action="store_true", help="also print chain S per MT-bench category"
+    )
     args = ap.parse_args()
     if not args.dataset.is_file():
         raise SystemExit(f"head_accuracy: {args.dataset} not found; pass --dataset FILE.jsonl")
@@ -59,7 +62,9 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     steps = max(depths)
 
-    prompts = [json.loads(line)["turns"][0] for line in args.dataset.open()]
+    rows = [json.loads(line) for line in args.dataset.open()]
+    prompts = [r["turns"][0] for r in rows]
+    categories = [r.get("category", "all") for r in rows]
     llm = LLM(dtype="float32", backend="cpu", max_batch_size=16)
     outs = llm.chat(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
     seqs = [(list(o.prompt_token_ids) + list(o.token_ids), len(o.prompt_token_ids)) for o in outs]
@@ -78,7 +83,8 @@ def main() -> None:
         in_vocab[draft_ids] = True
         hits, seen, oov, n_answer = [0] * steps, [0] * steps, 0, 0
         rounds: dict[int, list[int]] = {d: [] for d in depths}
-        for f in feats:
+        by_cat: dict[str, list[int]] = {}
+        for f, cat in zip(feats, categories):
             ids, first = f.ids, f.prompt_len - 1
             nxt = torch.cat([ids[1:], ids[:1]])  # token p + 1 at position p (last: unused)
             with torch.no_grad():
@@ -92,11 +98,15 @@ def main() -> None:
             n_answer += len(ids) - f.prompt_len
             for d in depths:
                 rounds[d] += chain_acceptance(preds, ids, first, d)
+            by_cat.setdefault(cat, []).extend(chain_acceptance(preds, ids, first, depths[0]))
         accs = ", ".join(f"{h / max(s, 1):.3f}" for h, s in zip(hits, seen))
         chains = "\t".join(f"{sum(r) / len(r):.3f}" for r in rounds.values())
         print(
             f"{head_dir}\t{draft_ids.numel()}\t{oov / n_answer:.1%}\t{accs}\t{chains}", flush=True
         )
+        if args.by_category:
+            for cat, r in by_cat.items():
+                print(f"  {cat}\tchain S={depths[0]} {sum(r) / len(r):.3f} over {len(r)} rounds")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,14 @@ def add_parser(subparsers) -> None:
         dest="self_prompt_temperature",
         help="temperature of the self-written prompts (top-p 0.95)",
     )
+    p.add_argument(
+        "--self-prompt-openers",
+        dest="self_prompt_openers",
+        metavar="builtin|FILE",
+        help="start each self-written prompt with one of these openings in turn ('builtin': "
+        "writing, role-play, reasoning, math, code, extraction, STEM and humanities tasks, "
+        "see polyspec/train/openers.py; FILE: one opening per line); default: none",
+    )
     p.add_argument("--out", required=True, help="output directory (head, log, checkpoint)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument(
@@ -155,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.train.export import export_eagle3
     from polyspec.train.features import extract_features
     from polyspec.train.head import Eagle3Trainable
+    from polyspec.train.openers import load_openers
     from polyspec.train.self_prompts import generate_self_prompts
     from polyspec.train.trainer import TrainConfig, train_head
     from polyspec.train.vocab import choose_draft_vocab, grow_draft_vocab, vocab_coverage
@@ -180,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.max_answers is not None and args.max_answers < 1:
         raise ConfigError(f"--max-answers must be >= 1, got {args.max_answers}")
+    openers = load_openers(args.self_prompt_openers)  # checked before loading the model
     prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else []
     llm = LLM(target=args.target, backend=args.backend, dtype=args.dtype,
               max_batch_size=args.gen_batch_size, max_context=4096,
@@ -214,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
             prompts += generate_self_prompts(
                 llm, args.self_prompts, out / "self_prompts.jsonl", args.gen_batch_size,
                 temperature=args.self_prompt_temperature, seed=args.seed, progress=bar.update,
+                openers=openers,
             )  # fmt: skip
     if not prompts:
         raise ConfigError(

@@ -49,12 +49,23 @@ def generate_self_prompts(
     seed: int = 0,
     min_words: int = 3,
     progress: Callable[[int], None] | None = None,
+    openers: tuple[str, ...] = ("",),
 ) -> list[str]:
     """``num_prompts`` sampling jobs (seeded: a rerun writes the same text); returns the kept,
-    de-duplicated prompts in job order."""
+    de-duplicated prompts in job order. Job ``j`` starts the user's text with
+    ``openers[j % len(openers)]`` (see ``openers.py``); the kept prompt includes it."""
     if num_prompts < 1:
         raise ConfigError(f"--self-prompts must be >= 1, got {num_prompts}")
+    if not openers:
+        raise ConfigError("self prompts: openers must hold at least one entry ('' is a plain draw)")
     prefix = user_turn_prefix(llm.tokenizer)
+    opener_ids = {
+        o: llm.tokenizer.encode(o, add_special_tokens=False) if o else [] for o in openers
+    }
+
+    def opener(j: int) -> str:
+        return openers[j % len(openers)]
+
     done: dict[int, dict] = {}
     if out_file.is_file():
         for line in out_file.read_text().splitlines():
@@ -62,7 +73,8 @@ def generate_self_prompts(
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 break  # a line cut short by an interruption: regenerate from here
-            done[rec["index"]] = rec
+            if rec.get("opener", "") == opener(rec["index"]):  # else: another opener list
+                done[rec["index"]] = rec
     todo = [j for j in range(num_prompts) if j not in done]
     if progress:
         progress(num_prompts - len(todo))
@@ -81,9 +93,13 @@ def generate_self_prompts(
                 )  # fmt: skip
                 for j in chunk
             ]
-            outs = llm.generate(prompt_token_ids=[prefix] * len(chunk), sampling_params=params)
+            ids = [prefix + opener_ids[opener(j)] for j in chunk]
+            outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
             for j, o in zip(chunk, outs):
-                rec = {"index": j, "prompt": o.text.strip(), "finish_reason": o.finish_reason}
+                text = (opener(j) + o.text).strip()
+                rec = {"index": j, "prompt": text, "finish_reason": o.finish_reason}
+                if opener(j):
+                    rec["opener"] = opener(j)
                 done[j] = rec
                 f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -93,7 +109,8 @@ def generate_self_prompts(
     for j in range(num_prompts):
         rec = done[j]
         text = rec["prompt"]
-        if rec["finish_reason"] != "stop" or len(text.split()) < min_words or text in seen:
+        too_short = len(text.split()) < min_words + len(opener(j).split())
+        if rec["finish_reason"] != "stop" or too_short or text in seen:
             continue
         seen.add(text)
         kept.append(text)

@@ -4,6 +4,7 @@ steps included), the exported checkpoint loads and drafts losslessly, and the CL
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -178,6 +179,39 @@ def test_self_prompts_prefix_and_generation(setup, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": f"other {i}"}) + "\n" for i in range(3)))
     assert main(argv + ["--out", str(tmp_path / "a")]) == 2
     assert (tmp_path / "a" / "answers.jsonl").read_text().splitlines() == answers
+
+
+def test_self_prompt_openers(setup, tmp_path):
+    """--self-prompt-openers: job j's prompt starts with opener j mod len (an empty line is a
+    plain draw), the opener is recorded, a resume with another list regenerates the jobs it
+    changes, and a missing openers file is a clear error before any model work."""
+    from polyspec.cli import main
+
+    _, _, _, target_path, *_ = setup
+    openers = tmp_path / "openers.txt"
+    openers.write_text("Write a poem\n\nImagine you are\n")
+    argv = ["train-draft", "--target", str(target_path), "--self-prompts", "6",
+            "--max-new-tokens", "4", "--gen-batch-size", "4", "--generate-only",
+            "--out", str(tmp_path / "h"), "--self-prompt-openers", str(openers)]  # fmt: skip
+    assert main(argv) == 0
+    recs = {r["index"]: r for r in map(json.loads, (tmp_path / "h" / "self_prompts.jsonl").open())}
+    want = ["Write a poem", "", "Imagine you are"] * 2
+    for j, opener in enumerate(want):
+        assert recs[j].get("opener", "") == opener
+        assert recs[j]["prompt"].startswith(opener)
+    # Another list over the same self_prompts.jsonl (a file prompt keeps the run from
+    # failing if the tiny target keeps none of its prompts)
+    (tmp_path / "h2").mkdir()
+    shutil.copy(tmp_path / "h" / "self_prompts.jsonl", tmp_path / "h2")
+    openers.write_text("Solve\n")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "question"}) + "\n")
+    argv2 = [x if x != str(tmp_path / "h") else str(tmp_path / "h2") for x in argv]
+    assert main(argv2 + ["--resume", "--prompts", str(prompts)]) == 0
+    recs = [json.loads(x) for x in (tmp_path / "h2" / "self_prompts.jsonl").open()]
+    latest = {r["index"]: r for r in recs}  # the last record of a job wins
+    assert all(latest[j].get("opener") == "Solve" for j in range(6))
+    assert main(argv[:-1] + [str(tmp_path / "missing.txt")]) == 2
 
 
 def test_train_time_budget_sets_the_step_count(setup, tmp_path):

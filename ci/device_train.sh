@@ -6,7 +6,7 @@
 #                                   # end-to-end bench of the new head (another call;
 #                                   # BENCH=0 skips the bench)
 #   bash ci/device_train.sh bench   # the bench alone: batch 1 and 16 for each S-K-N in
-#                                   # $BENCH_SETTINGS (default "3-2-6 5-4-16")
+#                                   # $BENCH_SETTINGS (default "3-3-8 5-4-16")
 #
 # Expects the model at $MODEL (default /root/m/model.gguf), the prompt file at $PROMPTS
 # (default /root/train.jsonl: ../shared/data/prompts/train.jsonl, carried over) and MT-bench at
@@ -96,12 +96,12 @@ case "${1:-}" in
     if [ -f "$HEAD_DIR/model.safetensors" ]; then
       split -b 12000000 "$HEAD_DIR/model.safetensors" "$OUT/model.safetensors.part_"
       sha256sum "$HEAD_DIR/model.safetensors" > "$OUT/model.sha256"
-      [ "${BENCH:-1}" = 1 ] && bench_head 3-2-6
+      [ "${BENCH:-1}" = 1 ] && bench_head 3-3-8
     fi
     ;;
   bench)
     # shellcheck disable=SC2086
-    bench_head ${BENCH_SETTINGS:-3-2-6 5-4-16}
+    bench_head ${BENCH_SETTINGS:-3-3-8 5-4-16}
     ;;
   *) echo "usage: $0 gen|train|bench"; exit 2 ;;
 esac

@@ -885,6 +885,20 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
 // fixed sequential order per row, so they are row-invariant as well.
 // ============================================================================================
 
+// 8 fp32 -> 8 bf16 exactly as bf16_rne does lane by lane (NaNs quieted, the rest rounded to
+// nearest even), in natural order.
+inline __m128i bf16_rne8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                         _mm256_set1_epi32(0x7F800000));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);  // every lane in [0, 0xFFFF]
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 constexpr int64_t kRowGrain = 16;  // rows per task: below this, threading costs more than it saves
 
 void check_bf16_rows(const at::Tensor& x, const char* name) {
@@ -904,7 +918,15 @@ void rms_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t T, in
       }
       const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
       uint16_t* o = out + t * H;
-      for (int64_t h = 0; h < H; ++h) {
+      const __m256 rv = _mm256_set1_ps(r);
+      int64_t h = 0;
+      for (; h + 8 <= H; h += 8) {  // the scalar loop's roundings, 8 lanes at a time
+        const __m256i normed = _mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(bf16_rne8(_mm256_mul_ps(load_bf16x8(xr + h), rv))), 16);
+        const __m256 y = _mm256_mul_ps(load_bf16x8(w + h), _mm256_castsi256_ps(normed));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + h), bf16_rne8(y));
+      }
+      for (; h < H; ++h) {
         const float normed = bf16_to_f32(bf16_rne(bf16_to_f32(xr[h]) * r));
         o[h] = bf16_rne(bf16_to_f32(w[h]) * normed);
       }
@@ -933,11 +955,17 @@ std::vector<at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor
   const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const uint16_t* b = reinterpret_cast<const uint16_t*>(residual.data_ptr());
   uint16_t* s = reinterpret_cast<uint16_t*>(total.data_ptr());
-  for (int64_t i = 0; i < n; ++i) s[i] = bf16_rne(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(s + i),
+                     bf16_rne8(_mm256_add_ps(load_bf16x8(a + i), load_bf16x8(b + i))));
+  for (; i < n; ++i) s[i] = bf16_rne(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
   return {rms_norm(total, w, eps), total};
 }
 
-// out[t, :I] = bf16(silu(x[t, :I]) * x[t, I:]), silu(v) = v / (1 + exp(-v)).
+// out[t, :I] = bf16(silu(x[t, :I]) * x[t, I:]), silu(v) = v / (1 + exp(-v)). Element-wise, so
+// the work is split over (row, 512-column chunk) pieces: a verify's few rows still use every
+// thread, and an element's arithmetic never depends on the split.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_bf16_rows(x, "silu_and_mul: x");
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dim must be even, got ", x.size(1));
@@ -945,22 +973,24 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({T, I}, x.options());
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-    alignas(32) float e[8];
-    for (int64_t t = t0; t < t1; ++t) {
+  constexpr int64_t kChunk = 512;  // a multiple of 8: chunk edges never split a vector
+  const int64_t chunks = (I + kChunk - 1) / kChunk;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  // grain 4 pieces (2,048 elements, ~2 us): below that a second thread costs more than it saves
+  at::parallel_for(0, T * chunks, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t = p / chunks, i0 = (p % chunks) * kChunk, i1 = std::min(I, i0 + kChunk);
       const uint16_t* g = xp + t * 2 * I;
       const uint16_t* u = g + I;
       uint16_t* o = op + t * I;
-      int64_t i = 0;
-      for (; i + 8 <= I; i += 8) {  // element i always takes this path for a given I
+      int64_t i = i0;
+      for (; i + 8 <= i1; i += 8) {  // element i always takes this path for a given I
         const __m256 gv = load_bf16x8(g + i);
-        _mm256_store_ps(e, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
-        for (int j = 0; j < 8; ++j) {
-          const float gf = bf16_to_f32(g[i + j]);
-          o[i + j] = bf16_rne(gf / (1.0f + e[j]) * bf16_to_f32(u[i + j]));
-        }
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 r = _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), load_bf16x8(u + i));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), bf16_rne8(r));
       }
-      for (; i < I; ++i) {
+      for (; i < i1; ++i) {
         const float gf = bf16_to_f32(g[i]);
         o[i] = bf16_rne(gf / (1.0f + std::exp(-gf)) * bf16_to_f32(u[i]));
       }

@@ -569,6 +569,27 @@ def test_layer_ops_match_the_reference(rows):
         rowinv.rotary_embedding(torch.full((rows,), 300), q, k, cache, True)
 
 
+def test_layer_ops_are_row_invariant_and_keep_nans():
+    """SiLU-and-mul splits rows into column chunks across threads, and the norms round 8 lanes
+    at a time: a row's bits must not depend on the rows beside it, and a NaN stays a NaN."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 2 * 1540, generator=g).bfloat16() * 4
+    x[3, 17] = float("nan")
+    x[5, 1540 + 9] = float("inf")
+    together = rowinv.silu_and_mul(x)
+    assert all(same(together[i : i + 1], rowinv.silu_and_mul(x[i : i + 1])) for i in range(24))
+    assert together[3, 17].isnan() and not together[3, 16].isnan()
+    h = torch.randn(24, 576, generator=g).bfloat16()
+    res = torch.randn(24, 576, generator=g).bfloat16()
+    w = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
+    normed, total = rowinv.fused_add_rms_norm(h, res, w, 1e-5)
+    for i in range(24):
+        n1, t1 = rowinv.fused_add_rms_norm(h[i : i + 1], res[i : i + 1], w, 1e-5)
+        assert same(n1, normed[i : i + 1]) and same(t1, total[i : i + 1])
+    h[2, 5] = float("nan")
+    assert rowinv.rms_norm(h, w, 1e-5)[2].isnan().all()
+
+
 def test_cpu_backend_layer_ops_dispatch_by_dtype():
     """bf16 inputs take the C++ ops; fp32 inputs the reference, bit for bit."""
     from polyspec.backends.cpu.backend import CPUBackend

@@ -758,6 +758,72 @@ inline void weighted_sum(const float* p, int64_t L, const uint16_t* v, const int
 }
 
 constexpr int64_t kMaxD = 512;
+constexpr int64_t kMaxDPacked = 512;  // per-head stride of the grouped kernels' q and o buffers
+
+// The same two kernels for the G query heads that share one kv head (GQA): each key or value
+// row is loaded and widened once for all G heads, and every (head, key) or (head, lane) chain
+// performs exactly the op sequence of scores<> / weighted_sum<> above, so the bits are those of
+// the one-head kernels.
+template <int G, int NK>
+inline void scores_group(const float* qp, int64_t D, const uint16_t* const* k, float scale, float* const* s,
+                         int64_t j0) {
+  __m256 acc[G][NK];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < NK; ++j) acc[h][j] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    for (int j = 0; j < NK; ++j) {
+      const EvenOdd kv = load_bf16x16(k[j] + d);
+      for (int h = 0; h < G; ++h) {
+        acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxDPacked + d), kv.e, acc[h][j]);
+        acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxDPacked + d + 8), kv.o, acc[h][j]);
+      }
+    }
+  }
+  if (d < D) {
+    for (int j = 0; j < NK; ++j) {
+      const __m256 kt = load_bf16x8(k[j] + d);
+      for (int h = 0; h < G; ++h) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxDPacked + d), kt, acc[h][j]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < NK; ++j) s[h][j0 + j] = scale * hsum8(acc[h][j]);
+}
+
+template <int G, int NV>
+inline void weighted_sum_group(const float* const* p, int64_t L, const uint16_t* v, const int64_t* slots,
+                               int64_t vstride, int64_t d0, float* o, float* l) {
+  __m256 acc[G][NV];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i) acc[h][i] = _mm256_setzero_ps();
+  float sum[G];
+  for (int h = 0; h < G; ++h) sum[h] = 0.0f;
+  for (int64_t j = 0; j < L; ++j) {
+    if (j + kAhead < L) prefetch_bytes(v + slots[j + kAhead] * vstride + d0, NV * 16);
+    const uint16_t* row = v + slots[j] * vstride + d0;
+    if (NV >= 2) {  // NV even: pairs of 8 lanes in the even/odd order of weighted_sum
+      for (int i = 0; i + 1 < NV; i += 2) {
+        const EvenOdd vv = load_bf16x16(row + 8 * i);
+        for (int h = 0; h < G; ++h) {
+          const __m256 pj = _mm256_set1_ps(p[h][j]);
+          acc[h][i] = _mm256_fmadd_ps(pj, vv.e, acc[h][i]);
+          acc[h][i + 1] = _mm256_fmadd_ps(pj, vv.o, acc[h][i + 1]);
+        }
+      }
+    } else {
+      const __m256 vt = load_bf16x8(row);
+      for (int h = 0; h < G; ++h) acc[h][0] = _mm256_fmadd_ps(_mm256_set1_ps(p[h][j]), vt, acc[h][0]);
+    }
+    if (l)
+      for (int h = 0; h < G; ++h) sum[h] += p[h][j];
+  }
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + h * kMaxDPacked + d0 + 8 * i, acc[h][i]);
+  if (l)
+    for (int h = 0; h < G; ++h) l[h] = sum[h];
+}
+
+
 
 void check_cache(const at::Tensor& c, const char* name, int64_t D) {
   TORCH_CHECK(c.dim() == 3 && c.scalar_type() == at::kBFloat16, "rowinv.attention: ", name,
@@ -769,6 +835,65 @@ void check_cache(const at::Tensor& c, const char* name, int64_t D) {
 
 // out_fp32 returns o / l unrounded: the bf16 rounding hides most 1-ulp differences, so the
 // invariance tests use it; the model path uses bf16.
+// Attention of the G query heads h0 .. h0 + G - 1 of token t, which share kv head g: the
+// per-head steps of attention() below (scores, max, exp, sums, weighted values, divide), with
+// each key and value row read once for the group.
+template <int G>
+void attend_group(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, int64_t slot_k, int64_t slot_v,
+                  const int64_t* slots, int64_t L, int64_t D, int64_t h0, int64_t g, int64_t Hq, int64_t t,
+                  float scale, float* sbuf, uint16_t* ob, float* of) {
+  alignas(32) float qp[G * kMaxDPacked];
+  alignas(32) float o[G * kMaxDPacked];
+  const int64_t Lp = round_up(L, 8);
+  float* s[G];
+  for (int h = 0; h < G; ++h) {
+    s[h] = sbuf + h * Lp;
+    const uint16_t* qh = qb + (t * Hq + h0 + h) * D;
+    for (int64_t d = 0; d < D; ++d) qp[h * kMaxDPacked + packed_pos(d, D)] = bf16_to_f32(qh[d]);
+  }
+  const uint16_t* kg = kb + g * D;
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) {  // 4 keys x G heads: enough independent FMA chains
+    const uint16_t* rows[4];
+    for (int a = 0; a < 4; ++a) {
+      rows[a] = kg + slots[j + a] * slot_k;
+      if (j + a + kAhead < L) prefetch_bytes(kg + slots[j + a + kAhead] * slot_k, D * 2);
+    }
+    scores_group<G, 4>(qp, D, rows, scale, s, j);
+  }
+  for (; j < L; ++j) {
+    const uint16_t* row = kg + slots[j] * slot_k;
+    scores_group<G, 1>(qp, D, &row, scale, s, j);
+  }
+  float l[G];
+  const float* pc[G];
+  for (int h = 0; h < G; ++h) {
+    float* sh = s[h];
+    for (j = L; j < Lp; ++j) sh[j] = -INFINITY;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (j = 0; j < Lp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sh + j));
+    const __m256 m = _mm256_set1_ps(hmax8(mv));
+    for (j = 0; j < Lp; j += 8) _mm256_storeu_ps(sh + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m)));
+    pc[h] = sh;
+  }
+  const uint16_t* vg = vb + g * D;
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) weighted_sum_group<G, 4>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+  if (d0 + 16 <= D) {
+    weighted_sum_group<G, 2>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+    d0 += 16;
+  }
+  if (d0 < D) weighted_sum_group<G, 1>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+  for (int h = 0; h < G; ++h) {
+    const int64_t i = t * Hq + h0 + h;
+    for (int64_t d = 0; d < D; ++d) {
+      const float r = o[h * kMaxDPacked + packed_pos(d, D)] / l[h];
+      if (of) of[i * D + d] = r;
+      else ob[i * D + d] = bf16_rne(r);
+    }
+  }
+}
+
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& kv_indptr_in, const at::Tensor& kv_indices_in, double scale_d,
                      bool out_fp32) {
@@ -821,6 +946,24 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
   auto* ob = out_fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   float* of = out_fp32 ? out.data_ptr<float>() : nullptr;
 
+  if (group >= 2 && group <= 4) {
+    // One (t, kv head) per work item, its query heads together (same bits as one per head).
+    at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> sbuf(static_cast<size_t>(group * round_up(max_len, 8)));
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / Hkv, g = i % Hkv;
+        const int64_t* slots = idx + indptr[t];
+        const int64_t L = indptr[t + 1] - indptr[t];
+        const auto run = [&](auto fn) {
+          fn(qb, kb, vb, slot_k, slot_v, slots, L, D, g * group, g, Hq, t, scale, sbuf.data(), ob, of);
+        };
+        if (group == 2) run(attend_group<2>);
+        else if (group == 3) run(attend_group<3>);
+        else run(attend_group<4>);
+      }
+    });
+    return out;
+  }
   // One (t, h) per work item: its result never depends on who computes it or what comes next.
   at::parallel_for(0, T * Hq, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> sbuf(static_cast<size_t>(round_up(max_len, 8)));

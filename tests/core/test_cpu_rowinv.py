@@ -590,6 +590,36 @@ def test_layer_ops_are_row_invariant_and_keep_nans():
     assert rowinv.rms_norm(h, w, 1e-5)[2].isnan().all()
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 40), (8, 4, 72), (6, 1, 16), (4, 2, 128)])
+def test_grouped_attention_equals_one_head_at_a_time(hq, hkv, d):
+    """Query heads that share a kv head are attended together (each key row read once for the
+    group); every head's bits must be those of attending it alone (a one-head call, where the
+    group size is 1 and the per-head path runs), in bf16 and in the fp32 view."""
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    t, slots = 5, 200
+    q = torch.randn(t, hq, d, generator=g).bfloat16()
+    k = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    v = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    lens = torch.randint(1, 90, (t,), generator=g)
+    indptr = torch.zeros(t + 1, dtype=torch.long)
+    indptr[1:] = lens.cumsum(0)
+    indices = torch.randint(0, slots, (int(indptr[-1]),), generator=g)
+    for dtype in (torch.bfloat16, torch.float32):
+        together = rowinv.attention(q, k, v, indptr, indices, 0.125, dtype)
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            alone = rowinv.attention(
+                q[:, h : h + 1].contiguous(),
+                k[:, kv : kv + 1].contiguous(),
+                v[:, kv : kv + 1].contiguous(),
+                indptr,
+                indices,
+                0.125,
+                dtype,
+            )
+            assert same(together[:, h : h + 1], alone), (h, dtype)
+
+
 def test_cpu_backend_layer_ops_dispatch_by_dtype():
     """bf16 inputs take the C++ ops; fp32 inputs the reference, bit for bit."""
     from polyspec.backends.cpu.backend import CPUBackend

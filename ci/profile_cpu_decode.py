@@ -2,11 +2,12 @@
 
 Plain decoding: wall time per token, then the torch ops by self time (the row-invariant C++
 kernels are not torch ops: their time is the wall time minus what the table lists).
-``--spec``: speculative decoding with the shipped head (S=3 K=2 N=6): wall time per round, then
-a cProfile of the rounds by cumulative time (the worker's verify / draft / draft extend, the
-model forward, the C++ kernels).
+``--spec``: speculative decoding with the shipped head and its default tree
+(``polyspec.json``): wall time per round, then a cProfile of the rounds by cumulative time (the
+worker's verify / draft / draft extend, the model forward, the C++ kernels); ``--sort
+tottime`` lists them by self time instead (where the Python between the kernels goes).
 
-    python ci/profile_cpu_decode.py [--tokens 48] [--threads 2] [--spec]
+    python ci/profile_cpu_decode.py [--tokens 48] [--threads 2] [--spec [--sort tottime]]
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from polyspec.config import SamplingParams, SpeculativeConfig
-from polyspec.engine.defaults import shipped_head_path
+from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
 from polyspec.engine.llm import LLM
 
 
@@ -29,15 +30,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spec", action="store_true", help="profile speculative rounds instead")
+    ap.add_argument("--sort", default="cumtime", choices=["cumtime", "tottime"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     spec = {}
     if args.spec:
         spec = dict(
             draft=shipped_head_path(),
-            speculative=SpeculativeConfig(
-                algorithm="eagle3", topk=2, num_steps=3, num_draft_tokens=6
-            ),
+            speculative=SpeculativeConfig(algorithm="eagle3", **shipped_head_settings()),
         )
     llm = LLM(backend="cpu", dtype="bfloat16", max_batch_size=1, max_context=512, **spec)
     prompt = ["Write a story about a dragon."]
@@ -55,7 +55,7 @@ def main() -> None:
         prof.enable()
         llm.chat(prompt, sp)
         prof.disable()
-        stats = pstats.Stats(prof).sort_stats("cumtime")
+        stats = pstats.Stats(prof).sort_stats(args.sort)
         stats.print_stats(40)
         stats.print_stats("verify_tree_greedy|build_tree")  # the tree kernels, wherever they rank
         return

@@ -46,6 +46,14 @@ class RequestSampler:
         return torch.empty(shape, device=device).exponential_(generator=self.generator)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n] int64
+    """The argmax of each row, first index on ties (``torch.max`` over a dim returns the
+    first maximal index, as ``argmax`` does). ``max(...).indices`` rather than ``argmax``
+    because its CPU kernel is ~3x faster over a 49k vocabulary on 2 threads (one row: 25 vs
+    70 us; a verify's 8 rows: 90 vs 280-350 us)."""
+    return logits.max(dim=-1).indices
+
+
 class SamplingBatch:
     """Tensors of the sampling settings of a batch, each request repeated ``rows_per_request``
     times (N tree nodes per request when verifying)."""
@@ -77,7 +85,7 @@ class SamplingBatch:
         logits = logits.float()
         probs = torch.softmax(logits / self.temperature[:, None], dim=-1)
         probs = kernels.top_k_top_p_renorm(probs, self.top_k, self.top_p)
-        onehot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        onehot = torch.zeros_like(probs).scatter_(1, greedy_ids(logits)[:, None], 1.0)
         return torch.where(self.greedy_mask[:, None], onehot, probs)
 
     def exponential(self, vocab: int) -> torch.Tensor:
@@ -103,6 +111,6 @@ class SamplingBatch:
     def sample(self, logits: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
         """One token per row of ``logits`` [bs * rows, V] -> [bs * rows] int64."""
         if self.all_greedy:
-            return logits.argmax(-1)
+            return greedy_ids(logits)
         probs = self.probs(logits, kernels)
         return kernels.sample(probs, self.exponential(probs.shape[-1]))

@@ -26,7 +26,7 @@ from polyspec.errors import ConfigError
 from polyspec.runtime.graphs import block_slots, static_batch
 from polyspec.runtime.kv_cache import OutOfKVSlots
 from polyspec.runtime.model_runner import ModelRunner
-from polyspec.runtime.sampling import SamplingBatch
+from polyspec.runtime.sampling import SamplingBatch, greedy_ids
 from polyspec.spec.base import SeqState, WorkerBase
 
 ROUND_GREEDY = "round_greedy"
@@ -278,7 +278,7 @@ class EagleWorker(WorkerBase):
             accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
             accept_length = torch.empty(bs, dtype=idx, device=dev)
             if sb.all_greedy:
-                target_predict = logits.argmax(-1).view(bs, N)
+                target_predict = greedy_ids(logits).view(bs, N)
                 self.kernels.verify_tree_greedy(
                     candidates, retrive_index, next_token, next_sibling, target_predict,
                     predicts, accept_index, accept_length,
@@ -422,7 +422,7 @@ class EagleWorker(WorkerBase):
         accept_length = torch.empty(bs, dtype=idx, device=dev)
         self.kernels.verify_tree_greedy(
             candidates, retrive_index, next_token, next_sibling,
-            logits.argmax(-1).view(bs, N), predicts, accept_index, accept_length,
+            greedy_ids(logits).view(bs, N), predicts, accept_index, accept_length,
         )  # fmt: skip
         return predicts, accept_index, accept_length
 

@@ -43,6 +43,9 @@ class TensorKVPool(KVPool):
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, slots, Hkv, D]
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, slots, Hkv, D]
+        # Per-layer views made once: every layer of every forward asks for its two caches.
+        self._k_layers = self._k.unbind(0)
+        self._v_layers = self._v.unbind(0)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
@@ -51,12 +54,12 @@ class TensorKVPool(KVPool):
     def k_cache(self, layer: int) -> torch.Tensor:  # [num_slots, Hkv, D]
         """The K tensor of ``layer`` (a view: writes to it land in the pool)."""
         self._check_layer(layer)
-        return self._k[layer]
+        return self._k_layers[layer]
 
     def v_cache(self, layer: int) -> torch.Tensor:  # [num_slots, Hkv, D]
         """The V tensor of ``layer`` (a view: writes to it land in the pool)."""
         self._check_layer(layer)
-        return self._v[layer]
+        return self._v_layers[layer]
 
     def write(
         self,

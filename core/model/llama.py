@@ -85,11 +85,11 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         """q/k/v projection (+ Qwen3 q/k norm), RoPE, backend attention, o_proj."""
         t = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # One view as heads, then head slices: Tensor.split goes through a Python wrapper that
+        # cost ~13 us a layer on the CPU, as much as the layer's norms.
+        qkv = linear(x, self.qkv_proj, self.qkv_bias).view(t, -1, self.head_dim)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
         if self.qk_norm:
             rms = self.kernels.rms_norm
             q = rms(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view(q.shape)

@@ -711,59 +711,14 @@ inline int64_t packed_pos(int64_t d, int64_t D) {
   return d < full ? d / 16 * 16 + (d % 2) * 8 + (d % 16) / 2 : d;
 }
 
-// s[j] = scale * dot(q, k_j) for NK keys: NK independent chains, each the same op sequence as
-// NK = 1 (acc = fma(q_even, k_even, acc); acc = fma(q_odd, k_odd, acc) per block; tail; hsum8).
-template <int NK>
-inline void scores(const float* qp, int64_t D, const uint16_t* const* k, float scale, float* s) {
-  __m256 acc[NK];
-  for (int j = 0; j < NK; ++j) acc[j] = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    const __m256 qe = _mm256_loadu_ps(qp + d), qo = _mm256_loadu_ps(qp + d + 8);
-    for (int j = 0; j < NK; ++j) {
-      const EvenOdd kv = load_bf16x16(k[j] + d);
-      acc[j] = _mm256_fmadd_ps(qe, kv.e, acc[j]);
-      acc[j] = _mm256_fmadd_ps(qo, kv.o, acc[j]);
-    }
-  }
-  if (d < D) {
-    const __m256 qt = _mm256_loadu_ps(qp + d);
-    for (int j = 0; j < NK; ++j) acc[j] = _mm256_fmadd_ps(qt, load_bf16x8(k[j] + d), acc[j]);
-  }
-  for (int j = 0; j < NK; ++j) s[j] = scale * hsum8(acc[j]);
-}
+constexpr int64_t kMaxD = 512;  // also the per-head stride of the q and o buffers below
 
-// o[d0 : d0 + 8*NV] (packed order) = sum_j p_j v_j, in order j, NV accumulators in registers.
-// If l is given, also l = sum_j p_j in the same order (a free scalar chain beside the FMAs).
-template <int NV>
-inline void weighted_sum(const float* p, int64_t L, const uint16_t* v, const int64_t* slots, int64_t vstride,
-                         int64_t d0, float* o, float* l) {
-  __m256 acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
-  float sum = 0.0f;
-  for (int64_t j = 0; j < L; ++j) {
-    if (j + kAhead < L) prefetch_bytes(v + slots[j + kAhead] * vstride + d0, NV * 16);
-    const uint16_t* row = v + slots[j] * vstride + d0;
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int i = 0; i + 1 < NV; i += 2) {
-      const EvenOdd vv = load_bf16x16(row + 8 * i);
-      acc[i] = _mm256_fmadd_ps(pj, vv.e, acc[i]);
-      acc[i + 1] = _mm256_fmadd_ps(pj, vv.o, acc[i + 1]);
-    }
-    if (NV % 2) acc[NV - 1] = _mm256_fmadd_ps(pj, load_bf16x8(row + 8 * (NV - 1)), acc[NV - 1]);
-    sum += p[j];
-  }
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
-  if (l) *l = sum;
-}
-
-constexpr int64_t kMaxD = 512;
-constexpr int64_t kMaxDPacked = 512;  // per-head stride of the grouped kernels' q and o buffers
-
-// The same two kernels for the G query heads that share one kv head (GQA): each key or value
-// row is loaded and widened once for all G heads, and every (head, key) or (head, lane) chain
-// performs exactly the op sequence of scores<> / weighted_sum<> above, so the bits are those of
-// the one-head kernels.
+// The G query heads that share one kv head (GQA) are computed together: each key or value row
+// is loaded and widened once for all G heads. Every (head, key) score and every (head, lane)
+// sum is its own chain whose op sequence does not depend on G or on the keys beside it, so
+// G = 1 gives a head the same bits as any G.
+// s[h][j] = scale * dot(q_h, k_j): acc = fma(q_even, k_even, acc); acc = fma(q_odd, k_odd, acc)
+// per 16-block; a trailing 8 in natural order; hsum8.
 template <int G, int NK>
 inline void scores_group(const float* qp, int64_t D, const uint16_t* const* k, float scale, float* const* s,
                          int64_t j0) {
@@ -775,21 +730,23 @@ inline void scores_group(const float* qp, int64_t D, const uint16_t* const* k, f
     for (int j = 0; j < NK; ++j) {
       const EvenOdd kv = load_bf16x16(k[j] + d);
       for (int h = 0; h < G; ++h) {
-        acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxDPacked + d), kv.e, acc[h][j]);
-        acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxDPacked + d + 8), kv.o, acc[h][j]);
+        acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxD + d), kv.e, acc[h][j]);
+        acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxD + d + 8), kv.o, acc[h][j]);
       }
     }
   }
   if (d < D) {
     for (int j = 0; j < NK; ++j) {
       const __m256 kt = load_bf16x8(k[j] + d);
-      for (int h = 0; h < G; ++h) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxDPacked + d), kt, acc[h][j]);
+      for (int h = 0; h < G; ++h) acc[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qp + h * kMaxD + d), kt, acc[h][j]);
     }
   }
   for (int h = 0; h < G; ++h)
     for (int j = 0; j < NK; ++j) s[h][j0 + j] = scale * hsum8(acc[h][j]);
 }
 
+// o_h[d0 : d0 + 8*NV] (packed order) = sum_j p_h[j] v_j in order j; if l is given, also
+// l[h] = sum_j p_h[j] in the same order (a free scalar chain beside the FMAs).
 template <int G, int NV>
 inline void weighted_sum_group(const float* const* p, int64_t L, const uint16_t* v, const int64_t* slots,
                                int64_t vstride, int64_t d0, float* o, float* l) {
@@ -818,7 +775,7 @@ inline void weighted_sum_group(const float* const* p, int64_t L, const uint16_t*
       for (int h = 0; h < G; ++h) sum[h] += p[h][j];
   }
   for (int h = 0; h < G; ++h)
-    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + h * kMaxDPacked + d0 + 8 * i, acc[h][i]);
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(o + h * kMaxD + d0 + 8 * i, acc[h][i]);
   if (l)
     for (int h = 0; h < G; ++h) l[h] = sum[h];
 }
@@ -835,31 +792,33 @@ void check_cache(const at::Tensor& c, const char* name, int64_t D) {
 
 // out_fp32 returns o / l unrounded: the bf16 rounding hides most 1-ulp differences, so the
 // invariance tests use it; the model path uses bf16.
-// Attention of the G query heads h0 .. h0 + G - 1 of token t, which share kv head g: the
-// per-head steps of attention() below (scores, max, exp, sums, weighted values, divide), with
-// each key and value row read once for the group.
+// Attention of the G query heads h0 .. h0 + G - 1 of token t, which share kv head g: the steps
+// of Kernel 2 above for each head (scores, max, exp, sums, weighted values, divide), with each
+// key and value row read once for the group.
 template <int G>
 void attend_group(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, int64_t slot_k, int64_t slot_v,
                   const int64_t* slots, int64_t L, int64_t D, int64_t h0, int64_t g, int64_t Hq, int64_t t,
                   float scale, float* sbuf, uint16_t* ob, float* of) {
-  alignas(32) float qp[G * kMaxDPacked];
-  alignas(32) float o[G * kMaxDPacked];
+  alignas(32) float qp[G * kMaxD];
+  alignas(32) float o[G * kMaxD];
   const int64_t Lp = round_up(L, 8);
   float* s[G];
   for (int h = 0; h < G; ++h) {
     s[h] = sbuf + h * Lp;
     const uint16_t* qh = qb + (t * Hq + h0 + h) * D;
-    for (int64_t d = 0; d < D; ++d) qp[h * kMaxDPacked + packed_pos(d, D)] = bf16_to_f32(qh[d]);
+    for (int64_t d = 0; d < D; ++d) qp[h * kMaxD + packed_pos(d, D)] = bf16_to_f32(qh[d]);
   }
   const uint16_t* kg = kb + g * D;
   int64_t j = 0;
-  for (; j + 4 <= L; j += 4) {  // 4 keys x G heads: enough independent FMA chains
-    const uint16_t* rows[4];
-    for (int a = 0; a < 4; ++a) {
+  // Enough independent FMA chains without spilling: 8 keys for one head, 4 keys x G heads.
+  constexpr int NK = G == 1 ? 8 : 4;
+  for (; j + NK <= L; j += NK) {
+    const uint16_t* rows[NK];
+    for (int a = 0; a < NK; ++a) {
       rows[a] = kg + slots[j + a] * slot_k;
       if (j + a + kAhead < L) prefetch_bytes(kg + slots[j + a + kAhead] * slot_k, D * 2);
     }
-    scores_group<G, 4>(qp, D, rows, scale, s, j);
+    scores_group<G, NK>(qp, D, rows, scale, s, j);
   }
   for (; j < L; ++j) {
     const uint16_t* row = kg + slots[j] * slot_k;
@@ -878,6 +837,8 @@ void attend_group(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, in
   }
   const uint16_t* vg = vb + g * D;
   int64_t d0 = 0;
+  if constexpr (G == 1)  // 64 lanes per pass for one head, 32 for a group
+    for (; d0 + 64 <= D; d0 += 64) weighted_sum_group<G, 8>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
   for (; d0 + 32 <= D; d0 += 32) weighted_sum_group<G, 4>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
   if (d0 + 16 <= D) {
     weighted_sum_group<G, 2>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
@@ -887,7 +848,7 @@ void attend_group(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, in
   for (int h = 0; h < G; ++h) {
     const int64_t i = t * Hq + h0 + h;
     for (int64_t d = 0; d < D; ++d) {
-      const float r = o[h * kMaxDPacked + packed_pos(d, D)] / l[h];
+      const float r = o[h * kMaxD + packed_pos(d, D)] / l[h];
       if (of) of[i * D + d] = r;
       else ob[i * D + d] = bf16_rne(r);
     }
@@ -947,7 +908,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
   float* of = out_fp32 ? out.data_ptr<float>() : nullptr;
 
   if (group >= 2 && group <= 4) {
-    // One (t, kv head) per work item, its query heads together (same bits as one per head).
+    // One (t, kv head) per work item, its query heads together.
     at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> sbuf(static_cast<size_t>(group * round_up(max_len, 8)));
       for (int64_t i = i0; i < i1; ++i) {
@@ -964,56 +925,14 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
     });
     return out;
   }
-  // One (t, h) per work item: its result never depends on who computes it or what comes next.
+  // Other group sizes: one (t, h) per work item. Its result never depends on who computes it.
   at::parallel_for(0, T * Hq, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> sbuf(static_cast<size_t>(round_up(max_len, 8)));
-    alignas(32) float qp[kMaxD];
-    alignas(32) float o[kMaxD];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / Hq, g = (i % Hq) / group;
-      const int64_t* slots = idx + indptr[t];
-      const int64_t L = indptr[t + 1] - indptr[t], Lp = round_up(L, 8);
-      for (int64_t d = 0; d < D; ++d) qp[packed_pos(d, D)] = bf16_to_f32(qb[i * D + d]);
-      const uint16_t* kg = kb + g * D;
-      float* s = sbuf.data();
-      int64_t j = 0;
-      for (; j + 8 <= L; j += 8) {
-        const uint16_t* rows[8];
-        for (int a = 0; a < 8; ++a) {
-          rows[a] = kg + slots[j + a] * slot_k;
-          if (j + a + kAhead < L) prefetch_bytes(kg + slots[j + a + kAhead] * slot_k, D * 2);
-        }
-        scores<8>(qp, D, rows, scale, s + j);
-      }
-      for (; j < L; ++j) {
-        const uint16_t* row = kg + slots[j] * slot_k;
-        scores<1>(qp, D, &row, scale, s + j);
-      }
-      for (j = L; j < Lp; ++j) s[j] = -INFINITY;  // padding: exp(-inf - m) = 0, never the max
-      __m256 mv = _mm256_set1_ps(-INFINITY);
-      for (j = 0; j < Lp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-      const __m256 m = _mm256_set1_ps(hmax8(mv));
-      for (j = 0; j < Lp; j += 8) _mm256_storeu_ps(s + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), m)));
-      float l = 0.0f;
-      const uint16_t* vg = vb + g * D;
-      for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 8 accumulators per pass; D = 128 takes two
-        float* lp = d0 == 0 ? &l : nullptr;
-        switch (std::min<int64_t>(8, (D - d0) / 8)) {
-          case 8: weighted_sum<8>(s, L, vg, slots, slot_v, d0, o, lp); break;
-          case 7: weighted_sum<7>(s, L, vg, slots, slot_v, d0, o, lp); break;
-          case 6: weighted_sum<6>(s, L, vg, slots, slot_v, d0, o, lp); break;
-          case 5: weighted_sum<5>(s, L, vg, slots, slot_v, d0, o, lp); break;
-          case 4: weighted_sum<4>(s, L, vg, slots, slot_v, d0, o, lp); break;
-          case 3: weighted_sum<3>(s, L, vg, slots, slot_v, d0, o, lp); break;
-          case 2: weighted_sum<2>(s, L, vg, slots, slot_v, d0, o, lp); break;
-          default: weighted_sum<1>(s, L, vg, slots, slot_v, d0, o, lp); break;
-        }
-      }
-      for (int64_t d = 0; d < D; ++d) {
-        const float r = o[packed_pos(d, D)] / l;
-        if (of) of[i * D + d] = r;
-        else ob[i * D + d] = bf16_rne(r);
-      }
+      const int64_t t = i / Hq, h = i % Hq;
+      const int64_t L = indptr[t + 1] - indptr[t];
+      attend_group<1>(qb, kb, vb, slot_k, slot_v, idx + indptr[t], L, D, h, h / group, Hq, t, scale, sbuf.data(),
+                      ob, of);
     }
   });
   return out;

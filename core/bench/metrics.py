@@ -35,11 +35,14 @@ def acceptance_histogram(rounds: Sequence[int], max_length: int) -> dict[int, in
 
 
 def spec_phase_fractions(seconds: Mapping[str, float]) -> dict[str, float]:
-    """Share of the speculative round per reported phase (sums to 1; zeros when untimed)."""
+    """Share of the speculative run's timed work per reported phase: the round's draft,
+    verify and draft extend, the prompts' prefill, and everything else (sums to 1; zeros
+    when untimed)."""
     grouped = {
         "draft": seconds.get("draft", 0.0),
         "verify": seconds.get("verify", 0.0),
         "draft_extend": seconds.get("draft_extend", 0.0),
+        "prefill": seconds.get("prefill", 0.0),
     }
     grouped["other"] = sum(seconds.values()) - sum(grouped.values())
     total = sum(grouped.values())

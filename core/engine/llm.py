@@ -210,6 +210,7 @@ class LLM:
             page_size=ps,
             graphs=cfg.graphs,
             max_graph_batch_size=cfg.max_graph_batch_size,
+            max_graph_prefill_tokens=cfg.max_tokens_per_step,
         )
         if self.draft is None:
             from polyspec.spec.plain_worker import PlainWorker

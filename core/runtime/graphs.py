@@ -67,9 +67,29 @@ class CapturedForwards:
         self.needs_prepare = backend.capabilities.graph_needs_prepare
         self.max_graphs = backend.capabilities.max_graph_shapes
         self.num_captured = 0
+        self.captured: list[tuple[str, int, int]] = []  # (name, batch bucket, prefix bucket)
         # name -> (fn, {input: (rows per request, trailing shape, dtype, device)}), from the
-        # first run of each computation, so that capture_all can record the other buckets.
+        # first run of each computation (or :meth:`declare`), so that capture_all can record
+        # the other buckets.
         self._templates: dict[str, tuple[Callable, dict[str, tuple]]] = {}
+        # name -> the largest batch bucket worth capturing (a prefill width's token budget)
+        self._max_batch: dict[str, int] = {}
+
+    def declare(
+        self,
+        name: str,
+        fn: Callable[[Mapping[str, torch.Tensor], int, int], Any],
+        template: Mapping[str, tuple[int, tuple[int, ...], torch.dtype, torch.device]],
+        max_batch: int | None = None,
+    ) -> None:
+        """Make ``name`` known before its first run, so that :meth:`capture_all` records it too
+        (a computation some timed run will need, like another prefill width). ``template``:
+        input name -> (rows per request, trailing shape, dtype, device). ``max_batch``: record
+        no batch bucket above it (the computation runs eagerly there)."""
+        if name not in self._templates:
+            self._templates[name] = (fn, dict(template))
+        if max_batch is not None:
+            self._max_batch[name] = max_batch
 
     def fits(self, bs: int, max_prefix: int) -> bool:
         """True when a batch of ``bs`` requests with prefixes up to ``max_prefix`` can replay."""
@@ -122,6 +142,7 @@ class CapturedForwards:
         }
         self.runner.capture(key, lambda s: fn(s, b, p), static)
         self.num_captured += 1
+        self.captured.append(key)
         return True
 
     @torch.inference_mode()
@@ -133,9 +154,10 @@ class CapturedForwards:
         top_b = self.buckets.batch_bucket(max_batch_size) or self.buckets.batch_sizes[-1]
         top_p = self.buckets.prefix_bucket(max_prefix) or self.buckets.prefix_lens[-1]
         for name in self._templates:
+            name_b = min(top_b, self._max_batch.get(name, top_b))
             for b in self.buckets.batch_sizes:
                 for p in self.buckets.prefix_lens:
-                    if b <= top_b and p <= top_p and not self._capture(name, b, p):
+                    if b <= name_b and p <= top_p and not self._capture(name, b, p):
                         return self.num_captured - before
         return self.num_captured - before
 

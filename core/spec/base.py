@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ import torch
 
 from polyspec.backend import Backend, ForwardMode
 from polyspec.runtime.batch_builder import BatchBuilder
-from polyspec.runtime.graphs import CapturedForwards, GraphBuckets
+from polyspec.runtime.graphs import CapturedForwards, GraphBuckets, block_slots, static_batch
 from polyspec.runtime.kv_cache import KVCacheManager
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.req_pool import ReqToTokenPool
@@ -65,6 +66,8 @@ class WorkerBase:
     # Positions a decode round allocates ahead of its need (within the request's reservation):
     # one allocation (and its host-to-device copies) every several rounds, not every round.
     kv_lookahead = 64
+    # Per-request token widths a prefill chunk is padded to when its forwards replay a graph.
+    prefill_widths = (16, 32, 64, 128, 256, 512)
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class WorkerBase:
         capture_layers: tuple[int, ...] = (),
         graphs: str = "off",
         max_graph_batch_size: int = 32,
+        max_graph_prefill_tokens: int = 2048,
     ):
         self.backend = backend
         self.kernels = backend.kernels
@@ -99,6 +103,9 @@ class WorkerBase:
             graphs == "on" or (graphs == "auto" and caps.graph_capture)
         )
         self.graphs: CapturedForwards | None = None
+        # Prefill graphs only where the graph budget is unbounded: a backend that can hold a
+        # few shapes (max_graph_shapes) keeps them for the decode rounds, which run far more.
+        self.graph_prefill_tokens = max_graph_prefill_tokens if caps.max_graph_shapes is None else 0
         if use_graphs:
             width = self.req_pool.req_to_token.shape[1]
             buckets = GraphBuckets.default(max_batch_size, max_graph_batch_size, width)
@@ -144,12 +151,101 @@ class WorkerBase:
         lens = [e - s for s, e in zip(starts, ends)]
         self.kv.ensure(rows, list(ends))
         ids = [t for s, e in zip(sts, ends) for t in s.prompt[s.prefilled : e]]
-        batch = self.builder.build(ForwardMode.EXTEND, rows, starts, lens, self.builder.long(ids))
-        hidden, aux = self.target_runner.forward_target(batch)
+        hidden, aux = self._extend(self.target_runner, rows, starts, lens, ids)
         for s, e in zip(sts, ends):
             s.prefilled = e
             s.seq_len = e
         return hidden, aux, starts, lens
+
+    def _extend(
+        self,
+        runner: ModelRunner,
+        rows: Sequence[int],
+        starts: Sequence[int],
+        lens: Sequence[int],
+        ids: Sequence[int],
+        features: torch.Tensor | None = None,  # [T, F]: a draft's input features
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """EXTEND (the target runner) or DRAFT_EXTEND (``features`` given, or a standalone
+        draft) over ``lens[i]`` tokens of row ``rows[i]`` from ``starts[i]``; ``ids`` [T]
+        concatenated. -> the runner's two outputs for the T tokens, concatenated.
+
+        Replays a graph when the batch fits one: each request's chunk is padded to the
+        smallest of :attr:`prefill_widths` that holds the longest, so that a prefill costs one
+        replay instead of a launch per kernel per layer."""
+        draft = runner is not self.target_runner
+        out = self._extend_graphed(runner, draft, rows, starts, lens, ids, features)
+        if out is not None:
+            return out
+        mode = ForwardMode.DRAFT_EXTEND if draft else ForwardMode.EXTEND
+        batch = self.builder.build(mode, rows, starts, lens, self.builder.long(ids))
+        if draft:
+            return runner.forward_draft(batch, features)
+        return runner.forward_target(batch)
+
+    def _prefill_width(self, bs: int, max_len: int, max_start: int) -> int | None:
+        """The padded per-request width of a captured prefill; None to run it eagerly."""
+        if self.graphs is None or not self.graph_prefill_tokens:
+            return None
+        b = self.graphs.buckets.batch_bucket(bs)
+        width = next((w for w in self.prefill_widths if w >= max_len), None)
+        if b is None or width is None or b * width > self.graph_prefill_tokens:
+            return None
+        if self.graphs.buckets.prefix_bucket(max_start) is None:
+            return None
+        return width
+
+    def _extend_graphed(self, runner, draft: bool, rows, starts, lens, ids, features):
+        bs = len(rows)
+        width = self._prefill_width(bs, max(lens), max(starts))
+        if width is None:
+            return None
+        graphs = self.graphs
+        kind = "draft_prefill" if draft else "prefill"
+        fn = functools.partial(self._extend_graph, runner, draft)
+        dev = self.device
+        template = {"host": (1, (4,), torch.int64, dev), "input_ids": (0, (), torch.int64, dev)}
+        if features is not None:
+            template["features"] = (0, tuple(features.shape[1:]), features.dtype, dev)
+        for w in self.prefill_widths:  # every width, so that capture_all records them all
+            t = {n: (w if per == 0 else per, *rest) for n, (per, *rest) in template.items()}
+            graphs.declare(f"{kind}_{w}", fn, t, max_batch=self.graph_prefill_tokens // w)
+        padded = [0] * (bs * width)
+        keep: list[int] = []
+        at = 0
+        for i, n in enumerate(lens):
+            padded[i * width : i * width + n] = ids[at : at + n]
+            keep.extend(range(i * width, i * width + n))
+            at += n
+        keep_t = self.builder.long(keep)
+        inputs = {
+            "host": self.builder.long([*rows, *starts, *lens, *[0] * bs]).view(4, bs).t(),
+            "input_ids": self.builder.long(padded),
+        }
+        if features is not None:
+            spread = features.new_zeros(bs * width, *features.shape[1:])
+            inputs["features"] = spread.index_copy_(0, keep_t, features)
+        out = graphs.run(f"{kind}_{width}", bs, max(starts), inputs, fn)
+        if out is None:
+            return None
+        first, second = out
+        return first.index_select(0, keep_t), (
+            None if second is None else second.index_select(0, keep_t)
+        )
+
+    def _extend_graph(self, runner, draft: bool, s, bs: int, max_prefix: int):
+        """A captured prefill forward over ``bs`` requests of a fixed width each (the padding
+        tokens past ``lens`` write the padding slot 0)."""
+        table = self.req_pool.req_to_token
+        host = s["host"].t().to(self.backend.index_dtype)
+        rows, starts, lens = host[0], host[1], host[2]
+        width = s["input_ids"].shape[0] // bs
+        slots, positions = block_slots(table, rows, starts, lens, width)
+        mode = ForwardMode.DRAFT_EXTEND if draft else ForwardMode.EXTEND
+        batch = static_batch(mode, table, rows, starts, lens, s["input_ids"], positions, slots)
+        if draft:
+            return runner.forward_draft(batch, s.get("features"), static_prefix=max_prefix)
+        return runner.forward_target(batch, static_prefix=max_prefix)
 
     def _sample_first(self, rids: Sequence[int], last_hidden: torch.Tensor) -> list[int]:
         """First generated token of requests whose prompt is now complete."""

@@ -135,6 +135,7 @@ class EagleWorker(WorkerBase):
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
         """Target extend over a prompt chunk, then draft extend over the shifted chunk."""
+        self.timer.start()
         hidden, aux, starts, lens = self._target_extend(rids, ends)
         sts = [self.states[r] for r in rids]
         done = [i for i, s in enumerate(sts) if ends[i] == len(s.prompt)]
@@ -149,14 +150,15 @@ class EagleWorker(WorkerBase):
                 ids.extend(s.prompt[st:e])
             else:  # an EAGLE head pairs the target feature at position p with token p + 1
                 ids.extend(s.prompt[st + 1 : e] + [first[r] if r in first else s.prompt[e]])
-        batch = self.builder.build(
-            ForwardMode.DRAFT_EXTEND, [s.row for s in sts], starts, lens, self.builder.long(ids)
+        features = None if self.root_forward else (aux if self.use_aux else hidden)
+        logit_h, next_feat = self._extend(
+            self.draft_runner, [s.row for s in sts], starts, lens, ids, features
         )
-        logit_h, next_feat = self.draft_runner.forward_draft(batch, aux if self.use_aux else hidden)
         if done and not self.root_forward:
             topk_p, topk_index = self.draft.topk(logit_h[last[done]], self.topk)
             for i, p, t, f in zip(done, topk_p, topk_index, next_feat[last[done]]):
                 sts[i].topk_p, sts[i].topk_index, sts[i].draft_feature = p, t, f
+        self.timer.lap("prefill")
         return first
 
     # -- the draft's state between rounds -----------------------------------------------------

@@ -21,13 +21,16 @@ class PlainWorker(WorkerBase):
 
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
         """Prefill prompt[prefilled:end]; returns the first token of requests now complete."""
+        self.timer.start()
         hidden, _, starts, lens = self._target_extend(rids, ends)
         done = [i for i, r in enumerate(rids) if ends[i] == len(self.states[r].prompt)]
-        if not done:
-            return {}
-        last = [sum(lens[: i + 1]) - 1 for i in done]
-        tokens = self._sample_first([rids[i] for i in done], hidden[last])
-        return {rids[i]: t for i, t in zip(done, tokens)}
+        first = {}
+        if done:
+            last = [sum(lens[: i + 1]) - 1 for i in done]
+            tokens = self._sample_first([rids[i] for i in done], hidden[last])
+            first = {rids[i]: t for i, t in zip(done, tokens)}
+        self.timer.lap("prefill")
+        return first
 
     def decode(self, rids: Sequence[int]) -> list[list[int]]:
         sts = [self.states[r] for r in rids]

@@ -105,3 +105,41 @@ def test_captured_rounds_equal_eager_plain(
     assert [o.token_ids for o in outs] == plain_outputs[:batch]
     assert llm.kv_slots_free == free_before, "KV slots leaked"
     assert llm.worker.graphs is not None and llm.worker.graphs.num_captured > 0
+
+
+@pytest.mark.parametrize("algorithm", [None, "eagle3", "self"])
+def test_captured_prefill_equals_eager(backend, backend_name, tiny_models, algorithm):
+    """Prompts prefilled through captured forwards (chunks padded to a prefill width, a chunked
+    prompt whose second chunk has a prefix, batches padded to a bucket) give the tokens of an
+    engine that prefills and decodes eagerly."""
+    from polyspec.engine.llm import LLM
+
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(
+        backend.capabilities.max_graph_shapes is None,
+        "an unbounded graph budget (prefill is captured only then)",
+    )
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 70, 17, 150, 3)]
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    outs = {}
+    for graphs in ("off", "on"):
+        speculative = draft = None
+        if algorithm is not None:
+            draft = tiny_models["target" if algorithm == "self" else algorithm]
+            algo = "standalone" if algorithm == "self" else algorithm
+            speculative = SpeculativeConfig(algorithm=algo, num_steps=3, topk=1)
+        llm = LLM(
+            target=tiny_models["target"], draft=draft, speculative=speculative,
+            backend=backend_name, dtype="float32", page_size=default_page_size(backend),
+            max_batch_size=3, max_context=256, graphs=graphs, prefill_chunk_size=64,
+        )  # fmt: skip
+        free_before = llm.kv_slots_free
+        done = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        outs[graphs] = [o.token_ids for o in done]
+        assert llm.kv_slots_free == free_before, "KV slots leaked"
+    captured = {name for name, _, _ in llm.worker.graphs.captured}
+    assert {"prefill_64", "prefill_32"} <= captured, captured
+    if algorithm == "eagle3":
+        assert "draft_prefill_64" in captured, captured
+    assert outs["on"] == outs["off"]

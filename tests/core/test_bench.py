@@ -55,7 +55,7 @@ def test_bench_end_to_end_eagle3(tiny, tmp_path, capsys):
     assert spec["mean_acceptance_length"] >= 1.0
     assert len(spec["acceptance_per_position"]) == 3
     assert sum(spec["acceptance_length_histogram"].values()) == spec["num_rounds"] > 0
-    assert set(spec["phase_fractions"]) == {"draft", "verify", "draft_extend", "other"}
+    assert set(spec["phase_fractions"]) == {"draft", "verify", "draft_extend", "prefill", "other"}
     assert sum(spec["phase_fractions"].values()) == pytest.approx(1.0)
     # Per category where the dataset names one (the third prompt has none).
     assert set(spec["acceptance_by_category"]) == {"writing", "math"}
@@ -147,9 +147,12 @@ def test_metrics():
     assert metrics.position_acceptance(rounds, 3) == [0.75, 0.5, 0.25]
     assert metrics.acceptance_histogram(rounds, 4) == {1: 1, 2: 1, 3: 1, 4: 1}
     frac = metrics.spec_phase_fractions(
-        {"draft": 1.0, "verify": 2.0, "accept": 0.5, "draft_extend": 0.25, "other": 0.25}
-    )
-    assert frac == {"draft": 0.25, "verify": 0.5, "draft_extend": 0.0625, "other": 0.1875}
+        {"draft": 1.0, "verify": 1.5, "accept": 0.5, "draft_extend": 0.25, "other": 0.25,
+         "prefill": 0.5}
+    )  # fmt: skip
+    assert frac == {
+        "draft": 0.25, "verify": 0.375, "draft_extend": 0.0625, "prefill": 0.125, "other": 0.1875
+    }  # fmt: skip
     assert metrics.speedup(3.0, 2.0) == 1.5 and metrics.speedup(3.0, None) is None
 
 
@@ -224,6 +227,8 @@ def test_phase_times_run_apart_on_async_backends(tiny, async_execution):
     res = run_polyspec(llm, "spec", ids, SamplingParams(max_new_tokens=6), progress=False)
     # warm-up (untimed, timer off), then the timed run, then (async only) the phase run
     assert timed_with == ([False, False, True] if async_execution else [False, True])
-    assert set(res.phase_seconds) == {"draft", "verify", "accept", "draft_extend", "other"}
+    assert set(res.phase_seconds) == {
+        "draft", "verify", "accept", "draft_extend", "prefill", "other"
+    }  # fmt: skip
     assert all(res.phase_seconds[k] > 0 for k in ("draft", "verify", "draft_extend"))
     assert res.num_tokens == sum(len(o) for o in res.outputs) > 0

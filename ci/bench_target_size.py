@@ -221,6 +221,7 @@ class Probe:
     rounds: int = 0
     graph_calls: Counter = dataclasses.field(default_factory=Counter)  # (name, b, p) -> calls
     eager_calls: Counter = dataclasses.field(default_factory=Counter)  # name -> graph refused
+    in_decode: bool = False  # inside the worker's decode (graph calls of a round are counted)
 
 
 def instrument(llm: LLM) -> Probe:
@@ -233,7 +234,11 @@ def instrument(llm: LLM) -> Probe:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             sync()
             t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
+            probe.in_decode = count
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                probe.in_decode = False
             sync()
             setattr(probe, attr, getattr(probe, attr) + time.perf_counter() - t0)
             if count:
@@ -250,6 +255,8 @@ def instrument(llm: LLM) -> Probe:
 
         def counted_run(name: str, bs: int, max_prefix: int, inputs: Any, fn: Callable) -> Any:
             out = run(name, bs, max_prefix, inputs, fn)
+            if not probe.in_decode:  # a captured prefill: not part of a round
+                return out
             if out is None:
                 probe.eager_calls[name] += 1
             else:
@@ -337,6 +344,7 @@ def measure(
 
     wall_b, _ = timed_run(True)
     phase_s = dict(llm.worker.timer.seconds)
+    phase_s.pop("prefill", None)  # per-round phases only (prefill_s is reported apart)
     rounds_b = max(probe.rounds, 1)
     phase_ms = {k: 1e3 * v / rounds_b for k, v in phase_s.items()}
 

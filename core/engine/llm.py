@@ -210,7 +210,7 @@ class LLM:
             page_size=ps,
             graphs=cfg.graphs,
             max_graph_batch_size=cfg.max_graph_batch_size,
-            max_graph_prefill_tokens=cfg.max_tokens_per_step,
+            max_graph_prefill_tokens=2 * cfg.max_tokens_per_step,  # padded to widths
         )
         if self.draft is None:
             from polyspec.spec.plain_worker import PlainWorker

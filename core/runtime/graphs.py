@@ -75,6 +75,11 @@ class CapturedForwards:
         # name -> the largest batch bucket worth capturing (a prefill width's token budget)
         self._max_batch: dict[str, int] = {}
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The computations run or declared so far (what :meth:`capture_all` records)."""
+        return tuple(self._templates)
+
     def declare(
         self,
         name: str,

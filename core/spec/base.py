@@ -185,8 +185,6 @@ class WorkerBase:
 
     def _prefill_width(self, bs: int, max_len: int, max_start: int) -> int | None:
         """The padded per-request width of a captured prefill; None to run it eagerly."""
-        if self.graphs is None or not self.graph_prefill_tokens:
-            return None
         b = self.graphs.buckets.batch_bucket(bs)
         width = next((w for w in self.prefill_widths if w >= max_len), None)
         if b is None or width is None or b * width > self.graph_prefill_tokens:
@@ -196,20 +194,24 @@ class WorkerBase:
         return width
 
     def _extend_graphed(self, runner, draft: bool, rows, starts, lens, ids, features):
-        bs = len(rows)
-        width = self._prefill_width(bs, max(lens), max(starts))
-        if width is None:
+        if self.graphs is None or not self.graph_prefill_tokens:
             return None
         graphs = self.graphs
         kind = "draft_prefill" if draft else "prefill"
         fn = functools.partial(self._extend_graph, runner, draft)
+        # Every width is declared at the first prefill, whichever it runs, so that a warm-up's
+        # capture_all records them all (a lazy capture would land in a timed run).
         dev = self.device
         template = {"host": (1, (4,), torch.int64, dev), "input_ids": (0, (), torch.int64, dev)}
         if features is not None:
             template["features"] = (0, tuple(features.shape[1:]), features.dtype, dev)
-        for w in self.prefill_widths:  # every width, so that capture_all records them all
+        for w in self.prefill_widths:
             t = {n: (w if per == 0 else per, *rest) for n, (per, *rest) in template.items()}
             graphs.declare(f"{kind}_{w}", fn, t, max_batch=self.graph_prefill_tokens // w)
+        bs = len(rows)
+        width = self._prefill_width(bs, max(lens), max(starts))
+        if width is None:
+            return None
         padded = [0] * (bs * width)
         keep: list[int] = []
         at = 0

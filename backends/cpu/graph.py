@@ -10,6 +10,12 @@ buffers reads their *current* values here, whereas a captured graph reads whatev
 their captured addresses. Both only agree while such tensors are updated in place; code that
 rebinds them works eagerly but breaks under a real graph runner. Pass every per-step input
 through ``static_inputs``.
+
+What it imitates on purpose: graphs that share one memory pool (as the cuda runner's do) may
+reuse, for a later capture's outputs, memory that an earlier capture used for intermediates,
+so replaying a graph can overwrite the outputs of every graph captured after it. ``replay``
+therefore poisons those outputs (NaN, or an out-of-range index), so that engine code which
+holds a graph's outputs across another replay fails here instead of on the device.
 """
 
 from __future__ import annotations
@@ -83,6 +89,9 @@ class EagerGraphRunner(GraphRunner):
             buf[:n].copy_(new)
             if n < buf.shape[0]:
                 buf[n:].zero_()
+        later = list(self._graphs)
+        for other in later[later.index(key) + 1 :]:
+            _poison(self._graphs[other].outputs)
         fresh = graph.fn(graph.inputs)
         _copy_outputs(key, graph.outputs, fresh)
         return graph.outputs
@@ -126,6 +135,22 @@ def _check_fits(key: Any, name: str, new: Any, static: Mapping[str, torch.Tensor
             f"buffer {list(buf.shape)}: the leading dim must be <= {buf.shape[0]} and the others "
             f"equal; capture a larger key for bigger inputs"
         )
+
+
+def _poison(outputs: Any) -> None:
+    """Overwrite recorded outputs with values no computation gives: NaN, or an index past any
+    table (booleans are left alone)."""
+    if isinstance(outputs, torch.Tensor):
+        if outputs.is_floating_point():
+            outputs.fill_(float("nan"))
+        elif outputs.dtype != torch.bool:
+            outputs.fill_(torch.iinfo(outputs.dtype).max)
+    elif isinstance(outputs, (tuple, list)):
+        for t in outputs:
+            _poison(t)
+    elif isinstance(outputs, Mapping):
+        for t in outputs.values():
+            _poison(t)
 
 
 def _copy_outputs(key: Any, static: Any, fresh: Any) -> None:

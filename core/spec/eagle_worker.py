@@ -75,8 +75,10 @@ class _DraftBatch:
     """The draft's view of each request after the last round's draft extend, kept batched in
     that round's request order: when the next round has the same requests in the same order
     (no request joined or left), it reads these tensors as they are. They may be a graph's
-    static outputs, which the next replay of the same graph overwrites: the next round reads
-    them before that, and a round with other requests copies what it needs."""
+    static outputs, which the next replay of the same graph overwrites, and so may the replay
+    of a graph captured before it (graphs share one memory pool): the next round reads them
+    before any replay, a round with other requests copies what it needs, and a prefill, which
+    replays graphs of its own in between, first copies them (:meth:`_own_draft_batch`)."""
 
     rids: tuple[int, ...]
     topk_p: torch.Tensor  # [bs, K]
@@ -136,6 +138,7 @@ class EagleWorker(WorkerBase):
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
         """Target extend over a prompt chunk, then draft extend over the shifted chunk."""
         self.timer.start()
+        self._own_draft_batch()
         hidden, aux, starts, lens = self._target_extend(rids, ends)
         sts = [self.states[r] for r in rids]
         done = [i for i, s in enumerate(sts) if ends[i] == len(s.prompt)]
@@ -183,6 +186,18 @@ class EagleWorker(WorkerBase):
             for r, s in zip(rids, sts)
         ]
         return tuple(torch.stack(col) for col in zip(*parts))
+
+    def _own_draft_batch(self) -> None:
+        """Copy the kept draft state out of the round graph's static outputs before other
+        graphs replay (a prefill's): a graph captured earlier may reuse that memory."""
+        last = self._draft_batch
+        if last is not None and self.graphs is not None:
+            self._draft_batch = dataclasses.replace(
+                last,
+                topk_p=last.topk_p.clone(),
+                topk_index=last.topk_index.clone(),
+                feature=last.feature.clone(),
+            )
 
     def _keep_draft_state(self, rids: Sequence[int], topk_p, topk_index, feature) -> None:
         self._draft_batch = _DraftBatch(tuple(rids), topk_p, topk_index, feature)

@@ -222,15 +222,18 @@ class RoundOpCounter:
         self._patch(runner, "capture", paused_capture)
         # The eager runner's copy of fresh results into the static outputs: no device graph
         # does that, so it is not round overhead either.
+        # Nor is its poisoning of later graphs' outputs (what a shared pool may do on a device).
         module = _runner_module(runner)
-        if module is not None and hasattr(module, "_copy_outputs"):
-            copy_outputs = module._copy_outputs
+        for helper in ("_copy_outputs", "_poison"):
+            if module is not None and hasattr(module, helper):
+                self._patch(module, helper, self._paused_helper(getattr(module, helper)))
 
-            def paused_copy(*args):
-                with counter.pause():
-                    return copy_outputs(*args)
+    def _paused_helper(self, fn: Any) -> Any:
+        def paused(*args):
+            with self.pause():
+                return fn(*args)
 
-            self._patch(module, "_copy_outputs", paused_copy)
+        return paused
 
     def _paused(self, fn: Any) -> Any:
         counter = self

@@ -146,3 +146,34 @@ def test_captured_prefill_equals_eager(backend, backend_name, tiny_models, algor
     if algorithm == "eagle3":
         assert "draft_prefill_64" in captured, captured
     assert outs["on"] == outs["off"]
+
+
+def test_round_state_survives_prefill_replays(backend, backend_name, tiny_models):
+    """The draft state a captured round leaves for the next one lives in that graph's outputs;
+    a prefill that joins between two rounds replays graphs of its own, captured earlier,
+    which may reuse that memory (one pool). Rounds in a prefix bucket first captured after the
+    prefill graphs (by capture_all, as a benchmark's warm-up does), with requests joining
+    between them, must still give the eager engine's tokens."""
+    from polyspec.engine.llm import LLM
+
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    rng = random.Random(11)
+    short = [[rng.randrange(3, 250) for _ in range(rng.randrange(5, 20))] for _ in range(3)]
+    long = [[rng.randrange(3, 250) for _ in range(rng.randrange(230, 300))] for _ in range(9)]
+    # different lengths, so that requests join while others keep decoding
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in range(12, 39, 3)]
+    outs = {}
+    for graphs in ("off", "on"):
+        llm = LLM(
+            target=tiny_models["target"], draft=tiny_models["eagle3"],
+            speculative=SpeculativeConfig(algorithm="eagle3", num_steps=3, topk=2,
+                                          num_draft_tokens=6),
+            backend=backend_name, dtype="float32", page_size=default_page_size(backend),
+            max_batch_size=3, max_context=480, graphs=graphs,
+        )  # fmt: skip
+        llm.generate(prompt_token_ids=short, sampling_params=params[:3])  # warm-up: short prefixes
+        if llm.worker.graphs is not None:
+            llm.worker.graphs.capture_all(3, 340)
+        done = llm.generate(prompt_token_ids=long, sampling_params=params)
+        outs[graphs] = [o.token_ids for o in done]
+    assert outs["on"] == outs["off"]

@@ -33,3 +33,30 @@ def test_declared_computations_are_captured_within_their_batch_limit():
     out = graphs.run("narrow", 3, 10, {"x": torch.ones(3)}, _double)
     assert out.tolist() == [2.0, 2.0, 2.0, 0.0]
     assert graphs.capture_all(max_batch_size=4, max_prefix=300) == 0  # nothing new
+
+
+def test_prefill_width_buckets_and_limits():
+    """A prefill chunk is padded to the smallest width that holds the longest; steps whose
+    padded tokens pass the cap, chunks over the widest width, and engines without graphs or
+    with a bounded graph budget run eagerly."""
+    from polyspec import LLM
+    from polyspec.testing.builders import build_bigram_models
+
+    backend = create_backend("cpu")
+    target, _ = build_bigram_models(backend)
+    llm = LLM.from_modules(
+        target, backend=backend, max_batch_size=8, max_context=1024, graphs="on",
+        max_tokens_per_step=512,
+    )  # fmt: skip
+    worker = llm.worker
+    assert worker.graph_prefill_tokens == 1024  # twice the step budget
+    assert worker._prefill_width(1, 5, 0) == 16
+    assert worker._prefill_width(3, 17, 0) == 32
+    assert worker._prefill_width(1, 512, 0) == 512
+    assert worker._prefill_width(1, 513, 0) is None  # wider than any width
+    assert worker._prefill_width(2, 512, 0) == 512
+    assert worker._prefill_width(3, 300, 0) is None  # bucket 4 x 512 > 1024
+    assert worker._prefill_width(8, 128, 0) == 128
+    assert worker._prefill_width(1, 20, 5000) is None  # past every prefix bucket
+    eager = LLM.from_modules(target, backend=backend, max_batch_size=8, graphs="off")
+    assert eager.worker.graphs is None

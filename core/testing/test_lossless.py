@@ -107,8 +107,9 @@ def test_captured_rounds_equal_eager_plain(
     assert llm.worker.graphs is not None and llm.worker.graphs.num_captured > 0
 
 
-@pytest.mark.parametrize("algorithm", [None, "eagle3", "self"])
-def test_captured_prefill_equals_eager(backend, backend_name, tiny_models, algorithm):
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("algorithm", [None, "eagle", "eagle3", "self"])
+def test_captured_prefill_equals_eager(backend, backend_name, tiny_models, algorithm, page_size):
     """Prompts prefilled through captured forwards (chunks padded to a prefill width, a chunked
     prompt whose second chunk has a prefix, batches padded to a bucket) give the tokens of an
     engine that prefills and decodes eagerly."""
@@ -119,6 +120,7 @@ def test_captured_prefill_equals_eager(backend, backend_name, tiny_models, algor
         backend.capabilities.max_graph_shapes is None,
         "an unbounded graph budget (prefill is captured only then)",
     )
+    page_size = resolve_page_size(backend, page_size)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 70, 17, 150, 3)]
     params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -131,7 +133,7 @@ def test_captured_prefill_equals_eager(backend, backend_name, tiny_models, algor
             speculative = SpeculativeConfig(algorithm=algo, num_steps=3, topk=1)
         llm = LLM(
             target=tiny_models["target"], draft=draft, speculative=speculative,
-            backend=backend_name, dtype="float32", page_size=default_page_size(backend),
+            backend=backend_name, dtype="float32", page_size=page_size,
             max_batch_size=3, max_context=256, graphs=graphs, prefill_chunk_size=64,
         )  # fmt: skip
         free_before = llm.kv_slots_free

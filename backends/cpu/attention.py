@@ -144,6 +144,11 @@ class SDPAAttention(AttentionBackend):
         q_max = max(extend)
         uniform_q = min(extend) == q_max
 
+        if bs == 1 and self._row_invariant():
+            lists = self._single_request_lists(batch, rows[0], prefix[0], extend[0])
+            if lists is not None:
+                return lists
+
         if mode is ForwardMode.DECODE and uniform_q and min(prefix) == max(prefix):
             # Hot path (batch-1 decode above all): every row has the same keys count and sees
             # all of them, so no mask and no padding.
@@ -271,9 +276,62 @@ class SDPAAttention(AttentionBackend):
             *self._kv_buffers(kv_index.numel()),
         )
 
+    def _row_invariant(self) -> bool:
+        return self.exact_attention is not None and self.kv_pool.dtype == torch.bfloat16
+
+    def _single_request_lists(
+        self,
+        batch: ForwardBatch,
+        row: torch.Tensor,  # [width] the request's req_to_token columns
+        prefix: int,
+        extend: int,
+    ) -> SDPAMetadata | None:
+        """Row-invariant key lists of a one-request batch built directly (the batch-1 decode
+        round's four forwards), with the lists :meth:`_with_key_lists` gives but a handful of
+        ops instead of the general layout and its mask. None: take the general path."""
+        mode, dev = batch.mode, row.device
+        if mode is ForwardMode.DRAFT_DECODE:
+            lanes, lane_lens = batch.lane_locs, batch.lane_lens_cpu
+            if lanes is None or lane_lens is None or lanes.dim() != 3:
+                return None
+            width = lane_lens[0]
+            if lanes.shape[:2] != (1, extend) or not 1 <= width <= lanes.shape[2]:
+                return None
+            block = lanes[0, :, :width].to(
+                device=dev, dtype=torch.int64
+            )  # [K, W]: query k sees its own lane
+            keys = torch.cat([row[:prefix].expand(extend, prefix), block], 1)  # [K, P + W]
+            indices = keys.reshape(-1)
+            per_token = torch.full((extend,), prefix + width, dtype=torch.int64, device=dev)
+        else:
+            block = row[prefix : prefix + extend]  # [E] the new tokens' slots, in order
+            if mode is ForwardMode.TARGET_VERIFY:
+                tree = batch.tree_mask
+                if tree is None or tuple(tree.shape) != (1, extend, extend):
+                    return None  # the general path raises the clear error
+                visible_block = tree[0].to(device=dev, dtype=torch.bool)  # [N, N]: ancestors
+            else:  # EXTEND, DRAFT_EXTEND, DECODE: causal
+                j = torch.arange(extend, device=dev)
+                visible_block = j[None, :] <= j[:, None]
+            keys = torch.cat([row[:prefix].expand(extend, prefix), block.expand(extend, extend)], 1)
+            visible = torch.cat(
+                [torch.ones(extend, prefix, dtype=torch.bool, device=dev), visible_block], 1
+            )  # [E, P + E]
+            indices = keys[visible]  # row-major: token order, then column order
+            per_token = visible_block.sum(1) + prefix
+        indptr = torch.zeros(extend + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(per_token, 0, out=indptr[1:])
+        empty = torch.empty(
+            0, self.num_kv_heads, self.head_dim, dtype=self.kv_pool.dtype, device=dev
+        )
+        return SDPAMetadata(
+            mode, extend, 1, extend, batch.out_cache_loc.to(torch.int64), indices,
+            int(indices.numel()), None, None, None, empty, empty, indptr, indices,
+        )  # fmt: skip
+
     def _with_key_lists(self, m: SDPAMetadata) -> SDPAMetadata:
         """Fill ``kv_indptr`` / ``kv_indices`` in row-invariant mode (see the module doc)."""
-        if self.exact_attention is None or self.kv_pool.dtype != torch.bfloat16:
+        if not self._row_invariant() or m.kv_indices is not None:
             return m
         kv = m.kv_index.view(m.batch_rows, m.kv_len)  # [B, Lmax]
         # Padded query row of each token, in token order (all rows when nothing is padded).

@@ -665,3 +665,65 @@ def test_verify_tree_greedy_rejects_bad_index():
             z, bad, z - 1, z - 1, z, torch.zeros(3, dtype=torch.int64),
             torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    "mode", ["EXTEND", "DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_DECODE"]
+)
+def test_single_request_key_lists(mode, page_size):
+    """A one-request batch's key lists (built directly, the batch-1 round's fast path) are
+    each token's visible slots in attention order, exactly as the contract's oracle lists
+    them; lane lengths only on the device send DRAFT_DECODE down the general path, same
+    lists."""
+    from polyspec.backend import ForwardBatch, ForwardMode
+    from polyspec.backends.cpu.backend import CPUBackend
+    from polyspec.testing.test_attention import (
+        SlotSource,
+        build_batch,
+        make_requests,
+        visible_slots,
+    )
+
+    gen = torch.Generator().manual_seed(page_size * 7 + len(mode))
+    backend = CPUBackend()
+    pool = backend.make_kv_pool(4096, 1, 2, 8, torch.bfloat16)
+    attn = backend.make_attention(pool, 6, 2, 8, 0.35)
+    m = ForwardMode[mode]
+    source = SlotSource(page_size, gen)
+    for prefix, extend in ((0, 7), (37, 1), (90, 6), (16, 3)):
+        if m is ForwardMode.DECODE:
+            extend = 1
+        if m is ForwardMode.TARGET_VERIFY and prefix == 0:
+            continue
+        if m is ForwardMode.DRAFT_DECODE:
+            reqs = make_requests([prefix], source, gen)
+            width = 4
+            lane_locs = torch.tensor([[source.take(width) for _ in range(extend)]])
+            batch = ForwardBatch(
+                mode=m,
+                input_ids=torch.zeros(extend, dtype=torch.int64),
+                positions=torch.full((extend,), prefix, dtype=torch.int64),
+                out_cache_loc=lane_locs[0, :, 1],
+                req_pool_indices=torch.tensor(reqs.rows),
+                req_to_token=reqs.req_to_token,
+                prefix_lens=torch.tensor([prefix]),
+                extend_lens=torch.tensor([extend]),
+                lane_locs=lane_locs,
+                lane_lens=torch.tensor([2]),
+                topk=extend,
+            )
+            batch.lane_lens_cpu = [2]
+        else:
+            reqs = make_requests([prefix + extend], source, gen)
+            batch = build_batch(m, [prefix], [extend], reqs, gen, chain=False)
+        want = visible_slots(batch)
+        for host_lanes in (True, False):
+            if not host_lanes:
+                if m is not ForwardMode.DRAFT_DECODE:
+                    continue
+                batch.lane_lens_cpu = None  # the general path
+            meta = attn.build_metadata(batch)
+            ptr, idx = meta.kv_indptr.tolist(), meta.kv_indices.tolist()
+            got = [idx[ptr[t] : ptr[t + 1]] for t in range(len(ptr) - 1)]
+            assert got == want, (mode, prefix, extend, host_lanes)

@@ -194,25 +194,28 @@ class WorkerBase:
         return width
 
     def _extend_graphed(self, runner, draft: bool, rows, starts, lens, ids, features):
+        """:meth:`_extend` through a graph replay; None when this batch runs eagerly."""
         if self.graphs is None or not self.graph_prefill_tokens:
             return None
         graphs = self.graphs
         kind = "draft_prefill" if draft else "prefill"
         fn = functools.partial(self._extend_graph, runner, draft)
-        # Every width is declared at the first prefill, whichever it runs, so that a warm-up's
-        # capture_all records them all (a lazy capture would land in a timed run).
-        dev = self.device
-        template = {"host": (1, (4,), torch.int64, dev), "input_ids": (0, (), torch.int64, dev)}
-        if features is not None:
-            template["features"] = (0, tuple(features.shape[1:]), features.dtype, dev)
-        for w in self.prefill_widths:
-            t = {n: (w if per == 0 else per, *rest) for n, (per, *rest) in template.items()}
-            graphs.declare(f"{kind}_{w}", fn, t, max_batch=self.graph_prefill_tokens // w)
+        if f"{kind}_{self.prefill_widths[0]}" not in graphs.names:
+            # Every width is declared at the first prefill, whichever it runs, so that a
+            # warm-up's capture_all records them all (a lazy capture would land in a timed run).
+            dev = self.device
+            host = {"host": (1, (4,), torch.int64, dev)}  # rows, starts, lens, 0 per request
+            per_token = {"input_ids": ((), torch.int64)}
+            if features is not None:
+                per_token["features"] = (tuple(features.shape[1:]), features.dtype)
+            for w in self.prefill_widths:
+                t = {**host, **{n: (w, shape, dt, dev) for n, (shape, dt) in per_token.items()}}
+                graphs.declare(f"{kind}_{w}", fn, t, max_batch=self.graph_prefill_tokens // w)
         bs = len(rows)
         width = self._prefill_width(bs, max(lens), max(starts))
         if width is None:
             return None
-        padded = [0] * (bs * width)
+        padded = [0] * (bs * width)  # request i's tokens at [i * width, i * width + lens[i])
         keep: list[int] = []
         at = 0
         for i, n in enumerate(lens):

@@ -204,7 +204,8 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
     """The decoder-layer kernels (norms, rotary, SiLU-and-mul): the C++ ones for bf16 inputs
     once the extension is built, the reference for every other dtype. The extension is only
     built when a bf16 input first arrives, so fp32 runs never wait for the compiler. Also
-    greedy tree verification: the C++ loop whenever the extension is already loaded."""
+    greedy tree verification and the tree build: C++ loops whenever the extension is already
+    loaded."""
 
     def pick(name: str, is_bf16):
         ref = getattr(reference, name)
@@ -229,9 +230,20 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
         return reference.verify_tree_greedy(*args, **kwargs)
 
     verify_tree_greedy.__doc__ = reference.verify_tree_greedy.__doc__
+
+    def build_tree(*args, **kwargs):
+        # As verify_tree_greedy: the C++ loop once the extension is loaded.
+        if rowinv.loaded() is not None and all(
+            not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args
+        ):
+            return rowinv.build_tree(*args, **kwargs)
+        return reference.build_tree(*args, **kwargs)
+
+    build_tree.__doc__ = reference.build_tree.__doc__
     bf16 = torch.bfloat16
     return {
         "verify_tree_greedy": verify_tree_greedy,
+        "build_tree": build_tree,
         "rms_norm": pick("rms_norm", lambda x, w, *_: x.dtype == bf16 and w.dtype == bf16),
         "fused_add_rms_norm": pick(
             "fused_add_rms_norm",

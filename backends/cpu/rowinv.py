@@ -292,3 +292,40 @@ def verify_tree_greedy(
     predicts.copy_(pred.view(predicts.shape))
     accept_index.copy_(index)
     accept_length.copy_(length.view(accept_length.shape))
+
+
+def build_tree(
+    parent_list: torch.Tensor,  # [bs, K*(S-1)+1] ([bs, 0] allowed when S == 1)
+    top_scores_index: torch.Tensor,  # [bs, N-1]
+    seq_lens: torch.Tensor,  # [bs]
+    topk: int,
+    num_steps: int,
+    num_draft_tokens: int,
+    tree_mask_mode,
+    tree_mask: torch.Tensor,  # out
+    positions: torch.Tensor,  # out: [bs*N]
+    retrive_index: torch.Tensor,  # out: [bs, N]
+    retrive_next_token: torch.Tensor,  # out: [bs, N]
+    retrive_next_sibling: torch.Tensor,  # out: [bs, N]
+) -> None:
+    """``polyspec.kernels.reference.build_tree`` with its parent search, links and ancestor
+    walk as one C++ loop (same checks, same outputs, every mask layout)."""
+    from polyspec.kernels._tree import _pack_mask, check_build_tree_args
+
+    check_build_tree_args(
+        parent_list, top_scores_index, seq_lens, topk, num_steps, num_draft_tokens,
+        tree_mask_mode, tree_mask, positions, retrive_index, retrive_next_token,
+        retrive_next_sibling,
+    )  # fmt: skip
+    bs, n = seq_lens.shape[0], num_draft_tokens
+    tree, depth, next_token, next_sibling = _module().build_tree(
+        parent_list.to(torch.int64).contiguous(),
+        top_scores_index.to(torch.int64).contiguous(),
+        int(topk),
+        int(num_steps),
+    )
+    tree_mask.copy_(_pack_mask(tree, seq_lens, tree_mask_mode, tree_mask).to(tree_mask.dtype))
+    positions.copy_((seq_lens.long().unsqueeze(1) + depth).flatten())
+    retrive_index.copy_(torch.arange(bs * n).view(bs, n))
+    retrive_next_token.copy_(next_token)
+    retrive_next_sibling.copy_(next_sibling)

@@ -655,6 +655,37 @@ def test_verify_tree_greedy_cxx_passes_the_conformance_fuzz(monkeypatch):
     assert len(calls) > 10  # the fuzz ran through the C++ path
 
 
+def test_build_tree_cxx_passes_the_conformance_tree_tests(monkeypatch):
+    """The cpu backend's C++ tree build (used once the extension is loaded) through the
+    conformance suite's fuzz (random, corrupted, duplicate-id trees, every mask layout,
+    compared with the reference) and its golden trees."""
+    from polyspec.backend import TreeMaskMode
+    from polyspec.backends.cpu.backend import CPUBackend
+    from polyspec.testing import test_tree_golden as golden
+    from polyspec.testing.test_tree_fuzz import test_build_tree_fuzz, test_wide_tree_bitpacked_words
+
+    if rowinv.load() is None:
+        pytest.skip(f"row-invariant cpu kernels unavailable: {rowinv.unavailable_reason()}")
+    calls = []
+    cxx = rowinv.build_tree
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return cxx(*args, **kwargs)
+
+    monkeypatch.setattr(rowinv, "build_tree", counted)
+    backend = CPUBackend()
+    test_build_tree_fuzz(backend=backend)
+    for mode in TreeMaskMode:
+        test_wide_tree_bitpacked_words(backend, mode)
+        golden.test_chain(backend, mode)
+        golden.test_topk_tree(backend, mode)
+        golden.test_missing_parent(backend, mode)
+    golden.test_parent_cycle_is_bounded(backend)
+    golden.test_out_of_range_and_duplicate_ids(backend)
+    assert len(calls) > 20  # the tests ran through the C++ path
+
+
 def test_verify_tree_greedy_rejects_bad_index():
     if rowinv.load() is None:
         pytest.skip(f"row-invariant cpu kernels unavailable: {rowinv.unavailable_reason()}")

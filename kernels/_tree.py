@@ -326,11 +326,34 @@ def build_tree(
         active = active & (up > 0)
         cur = torch.where(active, up, cur)
 
+    write_tree_outputs(
+        tree, depth, torch.where(first_child < n, first_child, -1),
+        torch.where(next_sib < n, next_sib, -1), seq_lens, tree_mask_mode, tree_mask, positions,
+        retrive_index, retrive_next_token, retrive_next_sibling,
+    )  # fmt: skip
+
+
+def write_tree_outputs(
+    tree: torch.Tensor,  # [bs, N, N] bool: each row's ancestors, itself and the root
+    depth: torch.Tensor,  # [bs, N]
+    next_token: torch.Tensor,  # [bs, N] first child, -1 for none
+    next_sibling: torch.Tensor,  # [bs, N] next sibling, -1 for none
+    seq_lens: torch.Tensor,  # [bs]
+    tree_mask_mode: TreeMaskMode,
+    tree_mask: torch.Tensor,  # out: layout of tree_mask_mode
+    positions: torch.Tensor,  # out: [bs*N]
+    retrive_index: torch.Tensor,  # out: [bs, N]
+    retrive_next_token: torch.Tensor,  # out: [bs, N]
+    retrive_next_sibling: torch.Tensor,  # out: [bs, N]
+) -> None:
+    """build_tree's outputs from its tree: the mask in the asked layout, positions (prefix
+    length + depth), retrive_index (``b*N + j``) and the links."""
+    bs, n = depth.shape
     tree_mask.copy_(_pack_mask(tree, seq_lens, tree_mask_mode, tree_mask).to(tree_mask.dtype))
     positions.copy_((seq_lens.long().unsqueeze(1) + depth).flatten())
-    retrive_index.copy_(torch.arange(bs * n, device=device).view(bs, n))
-    retrive_next_token.copy_(torch.where(first_child < n, first_child, -1))
-    retrive_next_sibling.copy_(torch.where(next_sib < n, next_sib, -1))
+    retrive_index.copy_(torch.arange(bs * n, device=depth.device).view(bs, n))
+    retrive_next_token.copy_(next_token)
+    retrive_next_sibling.copy_(next_sibling)
 
 
 def _link(links: torch.Tensor, at: torch.Tensor, n: int) -> torch.Tensor:

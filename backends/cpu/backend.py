@@ -220,30 +220,26 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
         kernel.__doc__ = ref.__doc__
         return kernel
 
-    def verify_tree_greedy(*args, **kwargs):
+    def once_loaded(name: str):
         # The C++ loop once the extension is loaded (a bf16 model loads it); the reference
         # otherwise, so fp32 runs never wait for the compiler.
-        if rowinv.loaded() is not None and all(
-            not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args
-        ):
-            return rowinv.verify_tree_greedy(*args, **kwargs)
-        return reference.verify_tree_greedy(*args, **kwargs)
+        ref = getattr(reference, name)
 
-    verify_tree_greedy.__doc__ = reference.verify_tree_greedy.__doc__
+        def kernel(*args, **kwargs):
+            if rowinv.loaded() is not None and all(
+                not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args
+            ):
+                return getattr(rowinv, name)(*args, **kwargs)
+            return ref(*args, **kwargs)
 
-    def build_tree(*args, **kwargs):
-        # As verify_tree_greedy: the C++ loop once the extension is loaded.
-        if rowinv.loaded() is not None and all(
-            not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args
-        ):
-            return rowinv.build_tree(*args, **kwargs)
-        return reference.build_tree(*args, **kwargs)
+        kernel.__name__ = kernel.__qualname__ = name
+        kernel.__doc__ = ref.__doc__
+        return kernel
 
-    build_tree.__doc__ = reference.build_tree.__doc__
     bf16 = torch.bfloat16
     return {
-        "verify_tree_greedy": verify_tree_greedy,
-        "build_tree": build_tree,
+        "verify_tree_greedy": once_loaded("verify_tree_greedy"),
+        "build_tree": once_loaded("build_tree"),
         "rms_norm": pick("rms_norm", lambda x, w, *_: x.dtype == bf16 and w.dtype == bf16),
         "fused_add_rms_norm": pick(
             "fused_add_rms_norm",

@@ -310,22 +310,20 @@ def build_tree(
 ) -> None:
     """``polyspec.kernels.reference.build_tree`` with its parent search, links and ancestor
     walk as one C++ loop (same checks, same outputs, every mask layout)."""
-    from polyspec.kernels._tree import _pack_mask, check_build_tree_args
+    from polyspec.kernels._tree import check_build_tree_args, write_tree_outputs
 
     check_build_tree_args(
         parent_list, top_scores_index, seq_lens, topk, num_steps, num_draft_tokens,
         tree_mask_mode, tree_mask, positions, retrive_index, retrive_next_token,
         retrive_next_sibling,
     )  # fmt: skip
-    bs, n = seq_lens.shape[0], num_draft_tokens
     tree, depth, next_token, next_sibling = _module().build_tree(
         parent_list.to(torch.int64).contiguous(),
         top_scores_index.to(torch.int64).contiguous(),
         int(topk),
         int(num_steps),
     )
-    tree_mask.copy_(_pack_mask(tree, seq_lens, tree_mask_mode, tree_mask).to(tree_mask.dtype))
-    positions.copy_((seq_lens.long().unsqueeze(1) + depth).flatten())
-    retrive_index.copy_(torch.arange(bs * n).view(bs, n))
-    retrive_next_token.copy_(next_token)
-    retrive_next_sibling.copy_(next_sibling)
+    write_tree_outputs(
+        tree, depth, next_token, next_sibling, seq_lens, tree_mask_mode, tree_mask, positions,
+        retrive_index, retrive_next_token, retrive_next_sibling,
+    )  # fmt: skip

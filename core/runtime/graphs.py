@@ -66,7 +66,6 @@ class CapturedForwards:
         self.runner = backend.make_graph_runner()
         self.needs_prepare = backend.capabilities.graph_needs_prepare
         self.max_graphs = backend.capabilities.max_graph_shapes
-        self.num_captured = 0
         self.captured: list[tuple[str, int, int]] = []  # (name, batch bucket, prefix bucket)
         # name -> (fn, {input: (rows per request, trailing shape, dtype, device)}), from the
         # first run of each computation (or :meth:`declare`), so that capture_all can record
@@ -74,6 +73,11 @@ class CapturedForwards:
         self._templates: dict[str, tuple[Callable, dict[str, tuple]]] = {}
         # name -> the largest batch bucket worth capturing (a prefill width's token budget)
         self._max_batch: dict[str, int] = {}
+
+    @property
+    def num_captured(self) -> int:
+        """Graphs captured so far."""
+        return len(self.captured)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -146,7 +150,6 @@ class CapturedForwards:
             for n, (per, rest, dtype, device) in template.items()
         }
         self.runner.capture(key, lambda s: fn(s, b, p), static)
-        self.num_captured += 1
         self.captured.append(key)
         return True
 

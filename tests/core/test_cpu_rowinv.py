@@ -634,6 +634,21 @@ def test_cpu_backend_layer_ops_dispatch_by_dtype():
     assert same(kernels.silu_and_mul(x16), rowinv.silu_and_mul(x16))
 
 
+def _count_cxx_calls(monkeypatch, name: str) -> list:
+    """Load the extension (skip without it) and count the calls of ``rowinv.<name>``."""
+    if rowinv.load() is None:
+        pytest.skip(f"row-invariant cpu kernels unavailable: {rowinv.unavailable_reason()}")
+    calls = []
+    cxx = getattr(rowinv, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return cxx(*args, **kwargs)
+
+    monkeypatch.setattr(rowinv, name, counted)
+    return calls
+
+
 def test_verify_tree_greedy_cxx_passes_the_conformance_fuzz(monkeypatch):
     """The cpu backend's C++ greedy verification (used once the extension is loaded) through
     the conformance suite's fuzz: random and corrupted trees, tiny vocabularies, compared with
@@ -641,16 +656,7 @@ def test_verify_tree_greedy_cxx_passes_the_conformance_fuzz(monkeypatch):
     from polyspec.backends.cpu.backend import CPUBackend
     from polyspec.testing.test_tree_fuzz import test_verify_tree_greedy_fuzz
 
-    if rowinv.load() is None:
-        pytest.skip(f"row-invariant cpu kernels unavailable: {rowinv.unavailable_reason()}")
-    calls = []
-    cxx = rowinv.verify_tree_greedy
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return cxx(*args, **kwargs)
-
-    monkeypatch.setattr(rowinv, "verify_tree_greedy", counted)
+    calls = _count_cxx_calls(monkeypatch, "verify_tree_greedy")
     test_verify_tree_greedy_fuzz(backend=CPUBackend())
     assert len(calls) > 10  # the fuzz ran through the C++ path
 
@@ -664,16 +670,7 @@ def test_build_tree_cxx_passes_the_conformance_tree_tests(monkeypatch):
     from polyspec.testing import test_tree_golden as golden
     from polyspec.testing.test_tree_fuzz import test_build_tree_fuzz, test_wide_tree_bitpacked_words
 
-    if rowinv.load() is None:
-        pytest.skip(f"row-invariant cpu kernels unavailable: {rowinv.unavailable_reason()}")
-    calls = []
-    cxx = rowinv.build_tree
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return cxx(*args, **kwargs)
-
-    monkeypatch.setattr(rowinv, "build_tree", counted)
+    calls = _count_cxx_calls(monkeypatch, "build_tree")
     backend = CPUBackend()
     test_build_tree_fuzz(backend=backend)
     for mode in TreeMaskMode:

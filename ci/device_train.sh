@@ -22,6 +22,7 @@
 # SEED=1 draws other self-written prompts (and sampled answers) than the default seed 0;
 # EXTRA_ANSWERS=FILE adds an earlier run's answers.jsonl to the training text.
 # OPENERS=builtin|FILE starts the self-written prompts with task openings (--self-prompt-openers).
+# TRAIN_DTYPE=float32 trains in fp32 (the default, bfloat16, is mixed precision: stages 1-7 ran fp32).
 # The bench runs polyspec plain and speculative only (transformers' figure does not depend on the
 # head; BENCH_TRANSFORMERS=1 adds it).
 set -u
@@ -91,6 +92,7 @@ case "${1:-}" in
     timeout "${TRAIN_TIMEOUT:-480}" polyspec train-draft "${COMMON[@]}" --max-answers "$answers" \
       --steps "${STEPS:-6000}" --time-budget "${TIME_BUDGET:-280}" --batch-tokens 16384 \
       --ttt-steps 6 ${VOCAB:+--draft-vocab-size "$VOCAB"} --lr "${LR:-1e-3}" --feature-batch-tokens 32768 \
+      --train-dtype "${TRAIN_DTYPE:-bfloat16}" \
       ${INIT_FROM:+--init-from "$INIT_FROM"} ${EXTRA_ANSWERS:+--extra-answers "$EXTRA_ANSWERS"} --resume 2>&1 | quiet 40
     cp "$HEAD_DIR"/{config.json,train_args.json,train_log.jsonl,summary.json} "$OUT/" 2>/dev/null
     if [ -f "$HEAD_DIR/model.safetensors" ]; then

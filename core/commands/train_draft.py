@@ -137,6 +137,14 @@ def add_parser(subparsers) -> None:
         "--ttt-steps", type=int, default=5, dest="ttt_steps", help="training-time-test unroll depth"
     )
     p.add_argument("--batch-tokens", type=int, default=4096, dest="batch_tokens")
+    p.add_argument(
+        "--train-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        dest="train_dtype",
+        help="matmul dtype of the head's training passes (mixed precision: weights and "
+        "optimizer state stay float32); float32 is several times slower on an accelerator",
+    )
     p.add_argument("--backend", help="backend for generation and features (default: auto)")
     p.add_argument(
         "--dtype",
@@ -181,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         )
     out.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, ttt_steps=args.ttt_steps,
-                      batch_tokens=args.batch_tokens)  # fmt: skip
+                      batch_tokens=args.batch_tokens, compute_dtype=args.train_dtype)  # fmt: skip
     t_start = time.perf_counter()
     if args.prompts is None and args.self_prompts <= 0:
         raise ConfigError(

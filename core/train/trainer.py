@@ -37,6 +37,10 @@ class TrainConfig:
     grad_clip: float = 0.5
     log_every: int = 25
     ckpt_every: int = 250
+    # Matmul dtype of the forward and backward passes (autocast; weights, AdamW state and the
+    # loss's softmax stay fp32). bf16 runs on tensor cores / AMX; float32 is exact but several
+    # times slower on an accelerator.
+    compute_dtype: str = "bfloat16"
 
 
 class Batches:
@@ -94,9 +98,16 @@ def _shift_left(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
 
 
-def ttt_loss(logits: list[torch.Tensor], tp, greedy_d, valid, cfg: TrainConfig):
-    """(weighted loss, per-step accuracies)."""
-    total = 0.0
+def ttt_loss(
+    logits: list[torch.Tensor],  # ttt_steps x [B, T, V_draft]
+    tp: torch.Tensor,  # [B, T, V_draft] target distribution
+    greedy_d: torch.Tensor,  # [B, T] draft id of the target's greedy token, -1 if none
+    valid: torch.Tensor,  # [B, T] bool
+    cfg: TrainConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss, per-step top-1 accuracies [ttt_steps]); both stay on the device, so a
+    step waits on the accelerator once (when the caller reads them), not once per TTT step."""
+    total = torch.zeros((), device=tp.device)
     accs = []
     for j, lg in enumerate(logits):
         mask = valid.clone()
@@ -105,9 +116,8 @@ def ttt_loss(logits: list[torch.Tensor], tp, greedy_d, valid, cfg: TrainConfig):
         logp = torch.log_softmax(lg.float(), dim=-1)
         ce = -(tp * logp).sum(-1)
         total = total + (cfg.step_decay**j) * (ce * mask).sum() / n
-        acc = ((lg.argmax(-1) == greedy_d) & mask).sum().float() / n
-        accs.append(float(acc))
-    return total, accs
+        accs.append(((lg.argmax(-1) == greedy_d) & mask).sum().float() / n)
+    return total, torch.stack(accs)
 
 
 def acceptance_estimate(accs: list[float]) -> float:
@@ -138,6 +148,11 @@ def train_head(
     step time)``, so the learning-rate schedule still decays to its floor. The total is logged
     and checkpointed (pass it as ``steps`` to repeat the run)."""
     torch.manual_seed(cfg.seed)
+    amp_dtype = _COMPUTE_DTYPES.get(cfg.compute_dtype)
+    if amp_dtype is None:
+        raise ValueError(
+            f"compute_dtype must be one of {sorted(_COMPUTE_DTYPES)}, got {cfg.compute_dtype!r}"
+        )
     head.to(device)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -181,18 +196,20 @@ def train_head(
         aux, embeds, tp, greedy_d, valid = make_tensors(
             batch, target, t2d_index, draft_ids_d, cfg, device, gen
         )
-        logits = head(aux, embeds, cfg.ttt_steps)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+            logits = head(aux, embeds, cfg.ttt_steps)
         loss, accs = ttt_loss(logits, tp, greedy_d, valid, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         sched.step()
-        run_loss += float(loss.detach())
+        loss_f, *accs = torch.cat([loss.detach().reshape(1), accs]).tolist()  # one sync
+        run_loss += loss_f
         run_acc = accs if run_acc is None else [a + b for a, b in zip(run_acc, accs)]
         n_run += 1
         if progress is not None:
-            progress(step + 1, float(loss.detach()), acceptance_estimate(accs))
+            progress(step + 1, loss_f, acceptance_estimate(accs))
         if (step + 1) % cfg.log_every == 0 or step + 1 == total[0]:
             rec = {
                 "step": step + 1,
@@ -218,3 +235,4 @@ def train_head(
 
 
 _TIMED_STEPS = 20
+_COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

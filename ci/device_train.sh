@@ -11,7 +11,9 @@
 # Expects the model at $MODEL (default /root/m/model.gguf), the prompt file at $PROMPTS
 # (default /root/train.jsonl: ../shared/data/prompts/train.jsonl, carried over) and MT-bench at
 # $MT_BENCH (default /root/mt_bench.jsonl). Writes to $HEAD_DIR (default /root/head) and copies
-# logs and the head to $OUT. The device tool limits a command to 10 minutes, hence two calls.
+# the head to $OUT (head.tar: config, arguments, log, summary, sha256; the weights in parts:
+# cat model.safetensors.part_* > model.safetensors). The device tool limits a command to 10
+# minutes, hence two calls.
 # gen writes every prompt's greedy answer before any sampled one and stops at $GEN_TIMEOUT;
 # train then uses exactly the answers written (--max-answers), and sets its step count from
 # $TIME_BUDGET seconds of training (--time-budget; the count used is in train_log.jsonl).
@@ -94,11 +96,16 @@ case "${1:-}" in
       --ttt-steps 6 ${VOCAB:+--draft-vocab-size "$VOCAB"} --lr "${LR:-1e-3}" --feature-batch-tokens 32768 \
       --train-dtype "${TRAIN_DTYPE:-bfloat16}" \
       ${INIT_FROM:+--init-from "$INIT_FROM"} ${EXTRA_ANSWERS:+--extra-answers "$EXTRA_ANSWERS"} --resume 2>&1 | quiet 40
-    cp "$HEAD_DIR"/{config.json,train_args.json,train_log.jsonl,summary.json} "$OUT/" 2>/dev/null
+    # The device tool brings back at most 8 files: the head's small files travel as one tar
+    # (tar xf head.tar), its weights in three parts, leaving room for the bench's JSON.
     if [ -f "$HEAD_DIR/model.safetensors" ]; then
+      (cd "$HEAD_DIR" && sha256sum model.safetensors > model.sha256)
       split -b 12000000 "$HEAD_DIR/model.safetensors" "$OUT/model.safetensors.part_"
-      sha256sum "$HEAD_DIR/model.safetensors" > "$OUT/model.sha256"
-      [ "${BENCH:-1}" = 1 ] && bench_head 3-3-8
+    fi
+    (cd "$HEAD_DIR" && tar cf "$OUT/head.tar" $(ls config.json train_args.json train_log.jsonl \
+      summary.json model.sha256 2>/dev/null))
+    if [ -f "$HEAD_DIR/model.safetensors" ] && [ "${BENCH:-1}" = 1 ]; then
+      bench_head 3-3-8
     fi
     ;;
   bench)

@@ -24,6 +24,8 @@
 # SEED=1 draws other self-written prompts (and sampled answers) than the default seed 0;
 # EXTRA_ANSWERS=FILE adds an earlier run's answers.jsonl to the training text.
 # OPENERS=builtin|FILE starts the self-written prompts with task openings (--self-prompt-openers).
+# CONTENT_FROM=ANSWERS.jsonl adds $CONTENT_PROMPTS (default 4096) prompts that carry content: an
+# earlier run's answers inside a task (--content-prompts-from; an .xz file is unpacked first).
 # TRAIN_DTYPE=float32 trains in fp32 (the default, bfloat16, is mixed precision: stages 1-7 ran fp32).
 # The bench runs polyspec plain and speculative only (transformers' figure does not depend on the
 # head; BENCH_TRANSFORMERS=1 adds it).
@@ -38,11 +40,15 @@ mkdir -p "$OUT" "$HEAD_DIR"
 python3 -c 'import polyspec.backends.cuda.plugin' 2>/dev/null ||
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 BACKEND="${BACKEND:-cuda}"
+if [[ "${CONTENT_FROM:-}" == *.xz ]]; then
+  xz -dc "$CONTENT_FROM" > /tmp/content_answers.jsonl && CONTENT_FROM=/tmp/content_answers.jsonl
+fi
 COMMON=(--target "$MODEL" ${PROMPTS:+--prompts "$PROMPTS"} --out "$HEAD_DIR" --backend "$BACKEND"
         --dtype bfloat16 --num-prompts "${NUM_PROMPTS:-1400}" --self-prompts "${SELF_PROMPTS:-12000}"
         --samples-per-prompt "${SAMPLES:-2}" --sample-temperature 0.8 --max-new-tokens "${MAX_NEW_TOKENS:-384}"
         --gen-batch-size "${GEN_BATCH:-256}" --seed "${SEED:-0}" --graphs "${GRAPHS:-auto}"
-        ${OPENERS:+--self-prompt-openers "$OPENERS"})
+        ${OPENERS:+--self-prompt-openers "$OPENERS"}
+        ${CONTENT_FROM:+--content-prompts-from "$CONTENT_FROM" --content-prompts "${CONTENT_PROMPTS:-4096}"})
 bench_head() {  # bench_head S-K-N ...: batch 1 and 16 for each setting, JSON into $OUT
   for skn in "$@"; do
     IFS=- read -r s k n <<< "$skn"

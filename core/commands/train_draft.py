@@ -52,6 +52,20 @@ def add_parser(subparsers) -> None:
         "writing, role-play, reasoning, math, code, extraction, STEM and humanities tasks, "
         "see polyspec/train/openers.py; FILE: one opening per line); default: none",
     )
+    p.add_argument(
+        "--content-prompts-from",
+        dest="content_prompts_from",
+        metavar="ANSWERS.jsonl",
+        help="also train on prompts that carry content: answers of an earlier run (its "
+        "OUT/answers.jsonl), each inside a task such as 'Summarize the following text' or "
+        "'Explain what the following code does' (see polyspec/train/content_prompts.py)",
+    )
+    p.add_argument(
+        "--content-prompts",
+        type=int,
+        dest="content_prompts",
+        help="how many content prompts to build from --content-prompts-from (default 4096)",
+    )
     p.add_argument("--out", required=True, help="output directory (head, log, checkpoint)")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument(
@@ -167,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
     from polyspec.engine.llm import LLM
     from polyspec.model.loader import default_aux_layers
+    from polyspec.train.content_prompts import content_prompts
     from polyspec.train.data import generate_answers, read_answers, read_prompts
     from polyspec.train.export import export_eagle3
     from polyspec.train.features import extract_features
@@ -191,9 +206,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, ttt_steps=args.ttt_steps,
                       batch_tokens=args.batch_tokens, compute_dtype=args.train_dtype)  # fmt: skip
     t_start = time.perf_counter()
-    if args.prompts is None and args.self_prompts <= 0:
+    if args.prompts is None and args.self_prompts <= 0 and args.content_prompts_from is None:
         raise ConfigError(
-            "no training prompts: pass --prompts FILE.jsonl, --self-prompts N, or both"
+            "no training prompts: pass --prompts FILE.jsonl, --self-prompts N, "
+            "--content-prompts-from ANSWERS.jsonl, or several of them"
         )
     if args.max_answers is not None and args.max_answers < 1:
         raise ConfigError(f"--max-answers must be >= 1, got {args.max_answers}")
@@ -221,12 +237,21 @@ def run(args: argparse.Namespace) -> int:
         )
     # Read (and checked) before the long generation too.
     extra = [s for path in args.extra_answers for s in read_answers(path, target.config.vocab_size)]
+    num_content = 0
+    if args.content_prompts is not None and not args.content_prompts_from:
+        raise ConfigError("--content-prompts needs --content-prompts-from ANSWERS.jsonl")
+    if args.content_prompts_from:
+        texts = read_answers(args.content_prompts_from, vocab_size, "--content-prompts-from")
+        num = 4096 if args.content_prompts is None else args.content_prompts
+        made = content_prompts(texts, llm.tokenizer.decode, num, args.seed)
+        prompts += made
+        num_content = len(made)
     (out / "train_args.json").write_text(json.dumps(
         {"argv": sys.argv, **{k: v for k, v in vars(args).items() if k != "func"},
          "target_path": str(llm.target_path), "backend_used": llm.backend.name,
          "train_config": cfg.__dict__}, indent=2, default=str))  # fmt: skip
 
-    num_file_prompts = len(prompts)
+    num_file_prompts = len(prompts)  # --prompts, then content prompts
     if args.self_prompts > 0:
         with tqdm(total=args.self_prompts, desc="self prompts", unit="prompt") as bar:
             prompts += generate_self_prompts(
@@ -302,7 +327,8 @@ def run(args: argparse.Namespace) -> int:
     export_eagle3(head, draft_ids, aux_layers, out)
     summary = {
         "prompts": len(prompts),
-        "file_prompts": num_file_prompts,
+        "file_prompts": num_file_prompts - num_content,
+        "content_prompts": num_content,
         "self_prompts": len(prompts) - num_file_prompts,
         "answers": len(seqs),
         "extra_answers": len(seqs) - num_generated,

@@ -113,14 +113,15 @@ def generate_answers(
     return [done[j] for j in range(jobs)]
 
 
-def read_answers(path: str | Path, vocab_size: int) -> list[dict]:
+def read_answers(path: str | Path, vocab_size: int, flag: str = "--extra-answers") -> list[dict]:
     """Sequences ``{"prompt_ids", "answer_ids"}`` from an ``answers.jsonl`` an earlier run wrote
-    (``--extra-answers``: more training text without regenerating it). A last line cut short by
-    an interruption is skipped, as on resume."""
+    (``--extra-answers``: more training text without regenerating it; ``--content-prompts-from``:
+    texts for content prompts). A last line cut short by an interruption is skipped, as on
+    resume. ``flag`` names the option in error messages."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(
-            f"--extra-answers {path}: no such file (pass the answers.jsonl of an earlier "
+            f"{flag} {path}: no such file (pass the answers.jsonl of an earlier "
             "train-draft --out directory)"
         )
     seqs = []
@@ -144,7 +145,7 @@ def read_answers(path: str | Path, vocab_size: int) -> list[dict]:
             )
         seqs.append({"prompt_ids": ids[0], "answer_ids": ids[1]})
     if not seqs:
-        raise ConfigError(f"--extra-answers {path} holds no answers")
+        raise ConfigError(f"{flag} {path} holds no answers")
     return seqs
 
 

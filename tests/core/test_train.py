@@ -388,3 +388,72 @@ def test_train_head_learns_alike_in_either_compute_dtype(setup, tmp_path):
         train_head(head, target, [feats], draft_ids,
                    dataclasses.replace(cfg, compute_dtype="fp8"), tmp_path / "x",
                    torch.device("cpu"))  # fmt: skip
+
+
+def test_content_prompts_wrap_answers_in_tasks():
+    """content_prompts: answers within the token bounds, each inside a task (code answers in a
+    code task), tasks in turn, the same draw for the same seed, at most one prompt per answer;
+    no usable answer or num < 1 is a clear error."""
+    from polyspec.errors import ConfigError
+    from polyspec.train.content_prompts import CODE_TASKS, TEXT_TASKS, content_prompts
+
+    def decode(ids):
+        return "```py\nx = 1\n```" if ids[0] == 7 else " ".join(f"w{i}" for i in ids)
+
+    recs = [{"prompt_ids": [1], "answer_ids": [i] * n} for i, n in
+            ((1, 60), (2, 10), (3, 300), (4, 100), (7, 50), (5, 80))]  # fmt: skip
+    out = content_prompts(recs, decode, num=10, seed=3)
+    assert len(out) == 4  # the 10- and 300-token answers are out of bounds
+    assert out == content_prompts(recs, decode, num=10, seed=3)
+    code = [p for p in out if "```py" in p]
+    assert code == [CODE_TASKS[0].format(text="```py\nx = 1\n```")]
+    texts = [p for p in out if "```" not in p]
+    in_bounds = {decode(r["answer_ids"]) for r in recs if r["answer_ids"][0] in (1, 4, 5)}
+    embedded = []
+    for i, p in enumerate(texts):  # tasks in turn, each around one answer
+        head, tail = TEXT_TASKS[i].split("{text}")
+        assert p.startswith(head) and p.endswith(tail)
+        embedded.append(p[len(head) : len(p) - len(tail)])
+    assert sorted(embedded) == sorted(in_bounds)
+    assert len(content_prompts(recs, decode, num=2, seed=3)) == 2
+    with pytest.raises(ConfigError, match="no answer of"):
+        content_prompts(recs[1:2], decode, num=3)
+    with pytest.raises(ConfigError, match=">= 1"):
+        content_prompts(recs, decode, num=0)
+
+
+def test_train_draft_content_prompts_from_answers(setup, tmp_path):
+    """--content-prompts-from: an earlier run's answers become prompts with a task on them,
+    answered after the file prompts and counted apart; a missing file and --content-prompts
+    without a source are clear errors before any generation."""
+    from polyspec.cli import main
+    from polyspec.model.loader import load_tokenizer
+    from polyspec.train.content_prompts import CODE_TASKS, TEXT_TASKS
+
+    _, _, target, target_path, *_ = setup
+    vocab = target.config.vocab_size
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text("".join(
+        json.dumps({"index": i, "prompt_ids": [5, 6], "answer_ids": [(i * 7 + k) % vocab
+                    for k in range(50 + i)]}) + "\n" for i in range(5)))  # fmt: skip
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "question"}) + "\n")
+    out = tmp_path / "h"
+    argv = ["train-draft", "--target", str(target_path), "--prompts", str(prompts),
+            "--content-prompts-from", str(earlier), "--content-prompts", "3",
+            "--max-new-tokens", "4", "--gen-batch-size", "4", "--out", str(out),
+            "--steps", "2", "--draft-vocab-size", "64", "--batch-tokens", "512",
+            "--ttt-steps", "2"]  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["file_prompts"], summary["content_prompts"], summary["answers"]) == (1, 3, 4)
+    tok = load_tokenizer(target_path)
+    recs = [json.loads(x) for x in (out / "answers.jsonl").read_text().splitlines()]
+    heads = [t.split("{text}")[0] for t in TEXT_TASKS + CODE_TASKS if t.split("{text}")[0]]
+    tails = [t.split("{text}")[1] for t in TEXT_TASKS + CODE_TASKS if t.split("{text}")[1]]
+    for rec in recs[1:]:
+        shown = tok.decode(rec["prompt_ids"])
+        assert any(h.strip() in shown for h in heads) or any(t.strip() in shown for t in tails)
+    assert main(argv[:5] + ["--content-prompts-from", str(tmp_path / "nowhere.jsonl"),
+                            "--out", str(tmp_path / "x")]) == 2  # fmt: skip
+    assert main(argv[:5] + ["--content-prompts", "3", "--out", str(tmp_path / "y")]) == 2

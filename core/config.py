@@ -205,7 +205,12 @@ class EngineConfig:
     With an EAGLE algorithm and no ``draft`` the engine uses the draft head bundled for the
     target, if there is one. ``max_tokens_per_step`` is the token budget of one engine step
     (prefill chunks and decode / verify tokens together); ``num_kv_slots`` None sizes the KV pool
-    from ``max_batch_size * max_context``.
+    from ``max_batch_size * max_context``. ``prefill_wait_steps`` > 0 lets a waiting request
+    wait up to that many engine steps, while others decode, for more rows to free, so that
+    requests joining a running batch are prefilled several in one forward rather than one at
+    a time (speculative requests finish at different rounds); 0 admits at once. It pays where
+    a prefill forward costs about the same for one prompt as for several (an accelerator at
+    small batch) and costs the rows left idle meanwhile.
     """
 
     target: str | None = None
@@ -222,6 +227,7 @@ class EngineConfig:
     seed: int = 0
     graphs: str = "auto"
     max_graph_batch_size: int = 32
+    prefill_wait_steps: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", _check_opt_str("target", self.target))
@@ -249,6 +255,7 @@ class EngineConfig:
         _check_int("seed", self.seed, 0)
         _check_choice("graphs", self.graphs, GRAPH_MODES)
         _check_int("max_graph_batch_size", self.max_graph_batch_size, 1)
+        _check_int("prefill_wait_steps", self.prefill_wait_steps, 0)
         spec = self.speculative
         if self.draft is not None and spec is None:
             raise _invalid(
@@ -294,6 +301,7 @@ _KINDS: dict[str, str] = {
     "prefill_chunk_size": "int",
     "graphs": "str",
     "max_graph_batch_size": "int",
+    "prefill_wait_steps": "int",
 }
 """How a string (environment variable, or a CLI value given as text) is parsed, per key."""
 

@@ -41,6 +41,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="capture decode rounds into graphs: auto = where the backend really captures",
     )
     p.add_argument(
+        "--prefill-wait-steps",
+        type=int,
+        dest="prefill_wait_steps",
+        help="engine steps a waiting request may wait for more rows to free, so that joining "
+        "requests are prefilled together (default 0: at once; see EngineConfig)",
+    )
+    p.add_argument(
         "--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)"
     )
     p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
@@ -51,7 +58,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
-                "algorithm", "num_steps", "topk", "num_draft_tokens",
+                "prefill_wait_steps", "algorithm", "num_steps", "topk", "num_draft_tokens",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 
 

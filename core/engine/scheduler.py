@@ -3,7 +3,9 @@
 Each step admits waiting requests while KV slots and batch rows allow (a request reserves its
 peak KV need on admission, so a running request never runs out of slots), prefills up to the
 step's token budget in chunks of at most ``prefill_chunk_size`` tokens per request, then runs
-one decode round for every request whose prompt is done.
+one decode round for every request whose prompt is done. With ``prefill_wait_steps`` > 0,
+admission into a running batch waits (at most that many steps) until every waiting request
+fits, so that joining requests share a prefill forward.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Scheduler:
         ps = worker.page_size
         self.kv_capacity = worker.num_kv_slots - ps - worker.scratch_kv
         self.decode_width = getattr(worker, "num_draft_tokens", 1)
+        self.held_steps = 0  # steps admission has waited for more rows (prefill_wait_steps)
 
     def add(self, req: Request) -> None:
         need = self.worker.kv_need(len(req.prompt_ids), req.params.max_new_tokens)
@@ -53,7 +56,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.decoding)
 
+    def _hold_admission(self) -> bool:
+        """Whether waiting requests wait this step for more rows to free: only while others
+        decode, only while some waiting request would not fit yet, at most
+        ``prefill_wait_steps`` steps in a row."""
+        free = self.config.max_batch_size - len(self.decoding) - len(self.prefilling)
+        hold = (
+            self.held_steps < self.config.prefill_wait_steps
+            and bool(self.decoding)
+            and not self.prefilling
+            and 0 < free < len(self.waiting)
+        )
+        self.held_steps = self.held_steps + 1 if hold else 0
+        return hold
+
     def _admit(self) -> None:
+        if self.waiting and self._hold_admission():
+            return
         while self.waiting:
             req = self.waiting[0]
             if len(self.prefilling) + len(self.decoding) >= self.config.max_batch_size:

@@ -27,6 +27,7 @@
 #              setting only (its figure does not depend on the tree; E2E_TRANSFORMERS=0: never)
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
+#   e2e-wait   batch 16 with --prefill-wait-steps W for each W in $WAIT_STEPS (default "4 8")
 # $OUT/summary.txt lists every step with its exit status; the script exits non-zero if any failed.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -159,6 +160,18 @@ e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the shipped 
   done
 }
 run_step 07-e2e 420 e2e
+# Batch 16 with joining requests' prefills grouped (EngineConfig.prefill_wait_steps), for each
+# W in $WAIT_STEPS (default "4 8"); compare with 07-e2e's batch-16 run of the same pass.
+e2e_wait() {
+  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" w
+  for w in ${WAIT_STEPS:-4 8}; do
+    polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
+      --draft core/heads/smollm2-135m-eagle3 --dataset "$data" --max-new-tokens 128 \
+      --batch-size 16 --num-prompts 80 --no-progress --no-transformers \
+      --prefill-wait-steps "$w" --json "$OUT/e2e-bs16-wait$w.json" || return 1
+  done
+}
+run_step 10-e2e-wait 300 e2e_wait
 # The same with the Triton paged attention instead of SDPA (opt-in until measured), and its
 # conformance on the GPU.
 run_step 08-triton-attention-conformance "${TRITON_ATTENTION_TIMEOUT:-300}" env POLYSPEC_CUDA_TRITON_ATTENTION=1 \

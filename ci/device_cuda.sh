@@ -28,6 +28,8 @@
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
 #   e2e-wait   batch 16 with --prefill-wait-steps W for each W in $WAIT_STEPS (default "4 8")
+#              (e2e and e2e-wait time each polyspec system $E2E_REPEATS times, default 3, and
+#              report the median: bench --repeats)
 # $OUT/summary.txt lists every step with its exit status; the script exits non-zero if any failed.
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -155,7 +157,7 @@ e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the shipped 
         --draft core/heads/smollm2-135m-eagle3 --num-steps "$s" --topk "$k" --num-draft-tokens "$n" \
         --dataset "$data" --max-new-tokens 128 --batch-size "$bs" \
         --num-prompts "$([ "$bs" = 1 ] && echo 10 || echo 80)" --no-progress "${extra[@]}" \
-        --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" || return 1
+        --repeats "${E2E_REPEATS:-3}" --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" || return 1
     done
   done
 }
@@ -168,7 +170,7 @@ e2e_wait() {
     polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
       --draft core/heads/smollm2-135m-eagle3 --dataset "$data" --max-new-tokens 128 \
       --batch-size 16 --num-prompts 80 --no-progress --no-transformers \
-      --prefill-wait-steps "$w" --json "$OUT/e2e-bs16-wait$w.json" || return 1
+      --prefill-wait-steps "$w" --repeats "${E2E_REPEATS:-3}" --json "$OUT/e2e-bs16-wait$w.json" || return 1
   done
 }
 run_step 10-e2e-wait 300 e2e_wait

@@ -28,7 +28,8 @@
 # earlier run's answers inside a task (--content-prompts-from; an .xz file is unpacked first).
 # TRAIN_DTYPE=float32 trains in fp32 (the default, bfloat16, is mixed precision: stages 1-7 ran fp32).
 # The bench runs polyspec plain and speculative only (transformers' figure does not depend on the
-# head; BENCH_TRANSFORMERS=1 adds it).
+# head; BENCH_TRANSFORMERS=1 adds it); each polyspec system is timed $BENCH_REPEATS times (default 3)
+# and reported by its median (bench --repeats).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/out}"
@@ -58,7 +59,7 @@ bench_head() {  # bench_head S-K-N ...: batch 1 and 16 for each setting, JSON in
         --dataset "$MT_BENCH" --max-new-tokens "${BENCH_TOKENS:-128}" --batch-size "$bs" \
         --num-prompts "$([ "$bs" = 1 ] && echo "${BENCH_PROMPTS_1:-10}" || echo "${BENCH_PROMPTS_16:-80}")" --no-progress \
         $([ "${BENCH_TRANSFORMERS:-0}" = 1 ] || echo --no-transformers) \
-        --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" 2>&1 | tail -n 14
+        --repeats "${BENCH_REPEATS:-3}" --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" 2>&1 | tail -n 15
     done
   done
 }

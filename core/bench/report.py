@@ -50,6 +50,8 @@ def system_entry(result: SystemResult, num_steps: int | None = None) -> dict[str
         "num_tokens": result.num_tokens,
         "wall_s": result.wall_s,
     }
+    if len(result.wall_s_runs) > 1:  # --repeats: wall_s is their median
+        entry["wall_s_runs"] = list(result.wall_s_runs)
     if result.phase_seconds:
         entry["phase_seconds"] = dict(result.phase_seconds)
     if num_steps is not None:
@@ -214,6 +216,11 @@ def _details(report: Mapping[str, Any]) -> list[str]:
         )
     for name, why in report["skipped"].items():
         lines.append(f"skipped {name}: {why}")
+    runs = {n: e["wall_s_runs"] for n, e in report["systems"].items() if "wall_s_runs" in e}
+    if runs:
+        spread = ", ".join(f"{n} {min(w):.2f}-{max(w):.2f} s" for n, w in runs.items())
+        lines.append(f"tokens/s from the median of {len(next(iter(runs.values())))} timed runs "
+                     f"(wall time ranges: {spread})")  # fmt: skip
     return lines
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ class SystemResult:
     outputs: list[list[int]]  # generated ids per prompt, in input order
     accepted_per_request: list[list[int]] = dataclasses.field(default_factory=list)
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    wall_s_runs: list[float] = dataclasses.field(default_factory=list)  # every timed run
 
     @property
     def tokens_per_s(self) -> float:
@@ -57,10 +59,14 @@ def run_polyspec(
     progress: bool = True,
     phase_times: bool = True,
     warmup_prompts: int = 1,
+    repeats: int = 1,
 ) -> SystemResult:
     """Warm ``llm`` (a :class:`polyspec.LLM`) up on the first ``warmup_prompts`` prompts
     (untimed; one batch, so that every batch-size-dependent path is built before timing), then
     time ``llm.generate`` over all prompts at once (the engine batches up to max_batch_size).
+    With ``repeats`` > 1 the set is timed that many times and ``wall_s`` is the median (on a
+    shared host one slow run would otherwise decide a ratio); every run must give the same
+    greedy outputs, else a RuntimeError. Phases come from the first run.
 
     ``phase_times`` turns the worker's :class:`PhaseTimer` on, which synchronises the device
     at each phase boundary. That is free where kernels run synchronously (the CPU), so the
@@ -74,10 +80,21 @@ def run_polyspec(
         if graphs is not None:  # capture every bucket the timed run can reach, untimed
             longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
             graphs.capture_all(llm.config.max_batch_size, longest + 16)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     separate = phase_run(llm.backend, phase_times) == "separate run"
     wall, outs, phases = _timed_generate(
         llm, name, prompt_ids, sampling, progress, phase_times and not separate
     )
+    walls = [wall]
+    for i in range(1, repeats):
+        w, again, _ = _timed_generate(llm, f"{name} ({i + 1}/{repeats})", prompt_ids, sampling,
+                                      progress, False)  # fmt: skip
+        if sampling.temperature == 0 and [o.token_ids for o in again] != [
+            o.token_ids for o in outs
+        ]:
+            raise RuntimeError(f"{name}: timed run {i + 1} gave other greedy outputs than run 1")
+        walls.append(w)
     if separate:
         _, _, phases = _timed_generate(
             llm, f"{name} (phases)", prompt_ids, sampling, progress, True
@@ -85,7 +102,8 @@ def run_polyspec(
     return SystemResult(
         name=name,
         num_tokens=sum(len(o.token_ids) for o in outs),
-        wall_s=wall,
+        wall_s=statistics.median(walls),
+        wall_s_runs=walls,
         outputs=[list(o.token_ids) for o in outs],
         accepted_per_request=[list(o.stats.accepted_per_round) for o in outs],
         phase_seconds=phases,

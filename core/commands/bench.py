@@ -62,6 +62,13 @@ def add_parser(subparsers) -> None:
         help="comma-separated temperatures, e.g. 0,0.7,1.0: also run the speculative "
         "system at each and report its mean acceptance length",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time each polyspec system this many times and report the median (a shared host "
+        "makes single runs noisy; transformers runs once)",
+    )
     p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
     p.add_argument(
         "--markdown",
@@ -215,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
         require_matplotlib()
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads = {args.threads} is invalid: must be >= 1")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats = {args.repeats} is invalid: must be >= 1")
     threads_before = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -250,8 +259,9 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
           f"backend {backend.name}, {settings['resolved_dtype']}", file=sys.stderr)  # fmt: skip
     warm = min(plain_cfg.max_batch_size, len(ids))  # one prompt at batch 1, else one batch
     results["plain"] = runner.run_polyspec(
-        llm, "plain", ids, sampling, progress, phase_times, warmup_prompts=warm
-    )
+        llm, "plain", ids, sampling, progress, phase_times, warmup_prompts=warm,
+        repeats=args.repeats,
+    )  # fmt: skip
     del llm  # free the target before the next system loads its own copy
     gc.collect()
 
@@ -265,8 +275,9 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         llm = LLM(config=spec_cfg)
         num_steps = spec_cfg.speculative.num_steps
         results["spec"] = runner.run_polyspec(
-            llm, "spec", ids, sampling, progress, phase_times, warmup_prompts=warm
-        )
+            llm, "spec", ids, sampling, progress, phase_times, warmup_prompts=warm,
+            repeats=args.repeats,
+        )  # fmt: skip
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
             sweep[t] = runner.run_polyspec(

@@ -232,3 +232,44 @@ def test_phase_times_run_apart_on_async_backends(tiny, async_execution):
     }  # fmt: skip
     assert all(res.phase_seconds[k] > 0 for k in ("draft", "verify", "draft_extend"))
     assert res.num_tokens == sum(len(o) for o in res.outputs) > 0
+
+
+def test_repeats_report_the_median_run(tiny, tmp_path, monkeypatch, capsys):
+    """--repeats N times each polyspec system N times: wall_s is the median of the runs (all
+    listed in the JSON), phases come from the first, a run with other greedy outputs stops the
+    bench, and N < 1 is refused before any model loads."""
+    from polyspec.bench import runner
+
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--draft", str(tiny["eagle3"]), "--algorithm", "eagle3", "--repeats", "3",
+        "--no-transformers",
+    )  # fmt: skip
+    for name in ("plain", "spec"):
+        entry = rep["systems"][name]
+        assert len(entry["wall_s_runs"]) == 3
+        assert entry["wall_s"] == sorted(entry["wall_s_runs"])[1]
+        assert entry["tokens_per_s"] == pytest.approx(entry["num_tokens"] / entry["wall_s"])
+    assert rep["outputs_identical"] is True and "phase_fractions" in rep["systems"]["spec"]
+    assert "tokens/s from the median of 3 timed runs" in capsys.readouterr().out
+    assert "wall_s_runs" not in _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--no-transformers", "--num-prompts", "1",
+    )["systems"]["plain"]  # fmt: skip
+
+    timed = runner._timed_generate
+    calls = [0]
+
+    def flaky(llm, name, ids, sampling, progress, phase_times):
+        wall, outs, phases = timed(llm, name, ids, sampling, progress, phase_times)
+        calls[0] += 1
+        if calls[0] == 2:  # the warm-up does not come through here: the second timed run
+            outs[0].token_ids.append(0)
+        return wall, outs, phases
+
+    monkeypatch.setattr(runner, "_timed_generate", flaky)
+    argv = ["bench", "--max-new-tokens", "4", "--no-progress", "--dataset", str(tiny["data"]),
+            "--target", str(tiny["target"]), "--no-transformers", "--repeats", "2"]  # fmt: skip
+    with pytest.raises(RuntimeError, match="other greedy outputs"):
+        main(argv)
+    assert main(argv[:-1] + ["0"]) == 2

@@ -25,7 +25,7 @@
 # EXTRA_ANSWERS=FILE adds an earlier run's answers.jsonl to the training text.
 # OPENERS=builtin|FILE starts the self-written prompts with task openings (--self-prompt-openers).
 # CONTENT_FROM=ANSWERS.jsonl adds $CONTENT_PROMPTS (default 4096) prompts that carry content: an
-# earlier run's answers inside a task (--content-prompts-from; an .xz file is unpacked first).
+# earlier run's answers inside a task (--content-prompts-from; .xz and .gz files read as they are).
 # TRAIN_DTYPE=float32 trains in fp32 (the default, bfloat16, is mixed precision: stages 1-7 ran fp32).
 # The bench runs polyspec plain and speculative only (transformers' figure does not depend on the
 # head; BENCH_TRANSFORMERS=1 adds it); each polyspec system is timed $BENCH_REPEATS times (default 3)
@@ -41,9 +41,6 @@ mkdir -p "$OUT" "$HEAD_DIR"
 python3 -c 'import polyspec.backends.cuda.plugin' 2>/dev/null ||
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 BACKEND="${BACKEND:-cuda}"
-if [[ "${CONTENT_FROM:-}" == *.xz ]]; then
-  xz -dc "$CONTENT_FROM" > /tmp/content_answers.jsonl && CONTENT_FROM=/tmp/content_answers.jsonl
-fi
 COMMON=(--target "$MODEL" ${PROMPTS:+--prompts "$PROMPTS"} --out "$HEAD_DIR" --backend "$BACKEND"
         --dtype bfloat16 --num-prompts "${NUM_PROMPTS:-1400}" --self-prompts "${SELF_PROMPTS:-12000}"
         --samples-per-prompt "${SAMPLES:-2}" --sample-temperature 0.8 --max-new-tokens "${MAX_NEW_TOKENS:-384}"

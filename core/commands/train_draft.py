@@ -58,7 +58,8 @@ def add_parser(subparsers) -> None:
         metavar="ANSWERS.jsonl",
         help="also train on prompts that carry content: answers of an earlier run (its "
         "OUT/answers.jsonl), each inside a task such as 'Summarize the following text' or "
-        "'Explain what the following code does' (see polyspec/train/content_prompts.py)",
+        "'Explain what the following code does' (see polyspec/train/content_prompts.py); "
+        ".xz and .gz files are read as they are",
     )
     p.add_argument(
         "--content-prompts",

@@ -7,7 +7,9 @@ output directory as they finish, and reused on resume.
 
 from __future__ import annotations
 
+import gzip
 import json
+import lzma
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,7 +119,8 @@ def read_answers(path: str | Path, vocab_size: int, flag: str = "--extra-answers
     """Sequences ``{"prompt_ids", "answer_ids"}`` from an ``answers.jsonl`` an earlier run wrote
     (``--extra-answers``: more training text without regenerating it; ``--content-prompts-from``:
     texts for content prompts). A last line cut short by an interruption is skipped, as on
-    resume. ``flag`` names the option in error messages."""
+    resume. ``flag`` names the option in error messages. ``.xz`` and ``.gz`` files are read
+    compressed."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(
@@ -125,7 +128,7 @@ def read_answers(path: str | Path, vocab_size: int, flag: str = "--extra-answers
             "train-draft --out directory)"
         )
     seqs = []
-    lines = path.read_text().splitlines()
+    lines = _read_text(path).splitlines()
     for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
@@ -151,3 +154,12 @@ def read_answers(path: str | Path, vocab_size: int, flag: str = "--extra-answers
 
 def _prompt_ids(llm, prompt: str) -> list[int]:
     return llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True)
+
+
+def _read_text(path: Path) -> str:
+    """A text file's contents, unpacked on the fly when it ends in .xz or .gz."""
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix)
+    if opener is None:
+        return path.read_text()
+    with opener(path, "rt") as f:
+        return f.read()

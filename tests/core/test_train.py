@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import lzma
 import shutil
 
 import pytest
@@ -429,6 +430,7 @@ def test_train_draft_content_prompts_from_answers(setup, tmp_path):
     from polyspec.cli import main
     from polyspec.model.loader import load_tokenizer
     from polyspec.train.content_prompts import CODE_TASKS, TEXT_TASKS
+    from polyspec.train.data import read_answers
 
     _, _, target, target_path, *_ = setup
     vocab = target.config.vocab_size
@@ -454,6 +456,10 @@ def test_train_draft_content_prompts_from_answers(setup, tmp_path):
     for rec in recs[1:]:
         shown = tok.decode(rec["prompt_ids"])
         assert any(h.strip() in shown for h in heads) or any(t.strip() in shown for t in tails)
+    # a compressed answers file is read as it is (the device scripts bring them home as .xz)
+    packed = tmp_path / "earlier.jsonl.xz"
+    packed.write_bytes(lzma.compress(earlier.read_bytes()))
+    assert read_answers(packed, vocab, "--content-prompts-from") == read_answers(earlier, vocab)
     assert main(argv[:5] + ["--content-prompts-from", str(tmp_path / "nowhere.jsonl"),
                             "--out", str(tmp_path / "x")]) == 2  # fmt: skip
     assert main(argv[:5] + ["--content-prompts", "3", "--out", str(tmp_path / "y")]) == 2

@@ -31,6 +31,15 @@ from polyspec.train.warm_start import load_trained_head
 MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
 
+def target_answers(rows: list[dict], max_new_tokens: int):
+    """(the fp32 cpu LLM, [(prompt + answer ids, prompt length)]): the default target's greedy
+    answers to each row's first turn."""
+    llm = LLM(dtype="float32", backend="cpu", max_batch_size=16)
+    outs = llm.chat([r["turns"][0] for r in rows], SamplingParams(max_new_tokens=max_new_tokens))
+    return llm, [(list(o.prompt_token_ids) + list(o.token_ids), len(o.prompt_token_ids))
+                 for o in outs]  # fmt: skip
+
+
 def chain_acceptance(preds: list[torch.Tensor], ids: torch.Tensor, start: int, depth: int):
     """Accepted tokens per round (bonus included) of a ``depth``-token chain over ``ids``.
     ``preds[j][p]``: step j's token at position p, a guess for ``ids[p + 2]``; the first round
@@ -63,15 +72,13 @@ def main() -> None:
     steps = max(depths)
 
     rows = [json.loads(line) for line in args.dataset.open()]
-    prompts = [r["turns"][0] for r in rows]
     categories = [r.get("category", "all") for r in rows]
-    llm = LLM(dtype="float32", backend="cpu", max_batch_size=16)
-    outs = llm.chat(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
-    seqs = [(list(o.prompt_token_ids) + list(o.token_ids), len(o.prompt_token_ids)) for o in outs]
+    llm, seqs = target_answers(rows, args.max_new_tokens)
+    outs_tokens = sum(len(s) - n for s, n in seqs)
     target = llm.target
     aux = default_aux_layers(target.config.num_layers)
     feats = extract_features(target, llm.backend, seqs, aux, store_dtype=torch.float32)
-    print(f"{len(seqs)} answers, {sum(len(o.token_ids) for o in outs)} tokens, fp32, cpu")
+    print(f"{len(seqs)} answers, {outs_tokens} tokens, fp32, cpu")
     print("head\tdraft vocab\tanswer tokens outside it\taccuracy per step\t"
           + "\t".join(f"chain S={d}" for d in depths))  # fmt: skip
     for head_dir in args.heads:

@@ -17,18 +17,19 @@ import argparse
 import json
 import lzma
 import random
+import sys
 from pathlib import Path
 
 import torch
 
-from polyspec.config import SamplingParams
-from polyspec.engine.llm import LLM
-from polyspec.model.loader import default_aux_layers
-from polyspec.train.features import extract_features
-from polyspec.train.head import Eagle3Trainable
-from polyspec.train.warm_start import load_trained_head
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from head_accuracy import MT_BENCH, target_answers  # noqa: E402
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench.jsonl"
+from polyspec.model.loader import default_aux_layers  # noqa: E402
+from polyspec.train.features import extract_features  # noqa: E402
+from polyspec.train.head import Eagle3Trainable  # noqa: E402
+from polyspec.train.warm_start import load_trained_head  # noqa: E402
+
 EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99, 1.01)
 
 
@@ -90,10 +91,7 @@ def main() -> None:
     own = [(a["prompt_ids"] + a["answer_ids"][: args.max_new_tokens], len(a["prompt_ids"]))
            for a in picked]  # fmt: skip
     rows = [json.loads(line) for line in args.dataset.open()]
-    llm = LLM(dtype="float32", backend="cpu", max_batch_size=16)
-    outs = llm.chat([r["turns"][0] for r in rows],
-                    SamplingParams(max_new_tokens=args.max_new_tokens))  # fmt: skip
-    mt = [(list(o.prompt_token_ids) + list(o.token_ids), len(o.prompt_token_ids)) for o in outs]
+    llm, mt = target_answers(rows, args.max_new_tokens)
     target = llm.target
     aux = default_aux_layers(target.config.num_layers)
     state, draft_ids = load_trained_head(args.head, target.config, aux)

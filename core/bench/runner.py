@@ -73,6 +73,8 @@ def run_polyspec(
     timed run times its phases too; on a backend with ``async_execution`` the syncs would slow
     the run being measured, so the phases come from a second, separate run of the same prompts
     and the tokens/s from a run without them."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if warmup_prompts > 0:
         warm = [list(p) for p in prompt_ids[:warmup_prompts]]
         llm.generate(prompt_token_ids=warm, sampling_params=sampling)
@@ -80,8 +82,6 @@ def run_polyspec(
         if graphs is not None:  # capture every bucket the timed run can reach, untimed
             longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
             graphs.capture_all(llm.config.max_batch_size, longest + 16)
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
     separate = phase_run(llm.backend, phase_times) == "separate run"
     wall, outs, phases = _timed_generate(
         llm, name, prompt_ids, sampling, progress, phase_times and not separate

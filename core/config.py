@@ -543,6 +543,32 @@ def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingPar
             # plain decoding asked for explicitly: a draft from a lower layer is unused
             merged["engine"].pop("draft", None)
         else:
+            _fill_from_head(spec_values, merged["engine"])
             speculative = SpeculativeConfig(**spec_values)
     engine = EngineConfig(speculative=speculative, **merged["engine"])
     return engine, SamplingParams(**merged["sampling"])
+
+
+def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
+    """Tree settings no layer set come from the EAGLE head's own ``polyspec.json`` (the head
+    in ``draft``, or the shipped one where the engine will use it), as SGLang picks settings
+    for a known draft when none are given. ``num_draft_tokens`` is taken only with the head's
+    own ``num_steps`` and ``topk``: it is chosen for that tree and may not fit another."""
+    if spec.get("algorithm") not in ("eagle", "eagle3"):
+        return
+    if all(spec.get(k) is not None for k in ("num_steps", "topk", "num_draft_tokens")):
+        return
+    from polyspec.engine.defaults import head_settings, shipped_head_path
+
+    head = engine.get("draft")
+    if head is None and engine.get("target") is None and spec["algorithm"] == "eagle3":
+        head = shipped_head_path()
+    if head is None or not isinstance(head, (str, os.PathLike)):
+        return  # EngineConfig reports a bad draft value, or the missing draft
+    recommended = head_settings(head)
+    for key in ("num_steps", "topk"):
+        if spec.get(key) is None and key in recommended:
+            spec[key] = recommended[key]
+    own_tree = all(spec.get(k) == recommended.get(k) for k in ("num_steps", "topk"))
+    if spec.get("num_draft_tokens") is None and own_tree and "num_draft_tokens" in recommended:
+        spec["num_draft_tokens"] = recommended["num_draft_tokens"]

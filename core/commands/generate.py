@@ -90,8 +90,9 @@ _SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens")
 def tune_shipped_head(cli: dict) -> None:
     """``--num-steps`` / ``--topk`` / ``--num-draft-tokens`` with neither a target, a draft
     nor an algorithm tune the shipped head on the default model (instead of being an error):
-    fill in the algorithm, the head and the shipped settings the user did not override."""
-    from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
+    fill in the algorithm and the head; ``load_config`` then takes the settings the user did
+    not give from the head's ``polyspec.json``."""
+    from polyspec.engine.defaults import shipped_head_path
 
     given = [k for k in _SPEC_KEYS if cli.get(k) is not None]
     if not given or any(cli.get(k) is not None for k in ("algorithm", "target", "draft")):
@@ -100,15 +101,6 @@ def tune_shipped_head(cli: dict) -> None:
     if head is None:
         return
     cli["algorithm"], cli["draft"] = "eagle3", str(head)
-    shipped = shipped_head_settings()
-    for k in ("num_steps", "topk"):
-        if cli.get(k) is None and k in shipped:
-            cli[k] = shipped[k]
-    if set(given) == {"num_draft_tokens"} or all(
-        cli.get(k) == shipped.get(k) for k in ("num_steps", "topk")
-    ):
-        if cli.get("num_draft_tokens") is None:
-            cli["num_draft_tokens"] = shipped.get("num_draft_tokens")
 
 
 def _replace(cfg, **kw):

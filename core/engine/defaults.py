@@ -10,6 +10,7 @@ from polyspec.errors import ModelLoadError
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_HEAD = "smollm2-135m-eagle3"
+HEAD_SETTING_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
 
 def default_target_path() -> Path:
@@ -35,12 +36,36 @@ def shipped_head_path() -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def head_settings(head: str | os.PathLike) -> dict:
+    """The speculative settings a draft head recommends for itself: the ``speculative`` table of
+    ``polyspec.json`` in the head's directory (``num_steps``, ``topk``, ``num_draft_tokens``),
+    or {} when the head has none (a file path, a name, a directory without the file).
+
+    :raises ConfigError: the file exists but is not JSON of that shape."""
+    import json
+
+    from polyspec.errors import ConfigError
+
+    path = Path(head) / "polyspec.json"
+    if not path.is_file():
+        return {}
+    try:
+        table = json.loads(path.read_text())["speculative"]
+        if not isinstance(table, dict) or set(table) - set(HEAD_SETTING_KEYS):
+            raise ValueError(f"keys must be among {', '.join(HEAD_SETTING_KEYS)}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in table.values()):
+            raise ValueError("values must be integers")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"{path} is not a valid head settings file ({exc}): it must hold "
+            '{"speculative": {"num_steps": S, "topk": K, "num_draft_tokens": N}}; fix or delete '
+            "it, or pass --num-steps/--topk/--num-draft-tokens"
+        ) from None
+    return dict(table)
+
+
 def shipped_head_settings() -> dict:
     """The speculative settings chosen for the shipped head by the sweep in
     docs/benchmarks.md (``polyspec.json`` next to the head)."""
-    import json
-
     head = shipped_head_path()
-    if head is None or not (head / "polyspec.json").is_file():
-        return {}
-    return json.loads((head / "polyspec.json").read_text())["speculative"]
+    return {} if head is None else head_settings(head)

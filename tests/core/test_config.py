@@ -283,3 +283,66 @@ def test_missing_config_file_is_an_error(tmp_path):
 
 def test_config_error_is_a_value_error_and_a_polyspec_error():
     assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, PolyspecError)
+
+
+# -- settings a draft head recommends (polyspec.json next to it) ----------------------------
+
+
+def _head(tmp_path, text: str):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "polyspec.json").write_text(text)
+    return str(head)
+
+
+def test_unset_tree_settings_come_from_the_heads_polyspec_json(tmp_path):
+    head = _head(tmp_path, '{"speculative": {"num_steps": 4, "topk": 2, "num_draft_tokens": 7}}')
+
+    def spec(**cli):
+        return load_config(cli={"algorithm": "eagle3", "draft": head, **cli}, env={})[0].speculative
+
+    assert spec() == SpeculativeConfig("eagle3", num_steps=4, topk=2, num_draft_tokens=7)
+    # what the user sets wins; N is the head's only on the head's own tree
+    assert spec(num_draft_tokens=5) == SpeculativeConfig("eagle3", 4, 2, 5)
+    assert spec(topk=1) == SpeculativeConfig("eagle3", num_steps=4, topk=1)
+    assert spec(num_steps=2).num_draft_tokens == SpeculativeConfig("eagle3", 2, 2).num_draft_tokens
+    env = {"POLYSPEC_SPECULATIVE_TOPK": "3"}
+    got = load_config(cli={"algorithm": "eagle3", "draft": head}, env=env)[0].speculative
+    assert (got.num_steps, got.topk, got.num_draft_tokens) == (4, 3, 8)
+
+
+def test_the_shipped_heads_settings_apply_where_the_engine_uses_it(tmp_path):
+    from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
+
+    if shipped_head_path() is None:
+        pytest.skip("no head shipped")
+    shipped = shipped_head_settings()
+    got = load_config(cli={"algorithm": "eagle3"}, env={})[0].speculative
+    assert {k: getattr(got, k) for k in shipped} == shipped
+    # another target, or an EAGLE-1 head, gets the plain defaults: the shipped head is not used
+    other = load_config(cli={"algorithm": "eagle3", "target": "some/model"}, env={})[0]
+    assert other.speculative == SpeculativeConfig("eagle3")
+    assert load_config(cli={"algorithm": "eagle"}, env={})[0].speculative == SpeculativeConfig(
+        "eagle"
+    )
+
+
+def test_a_head_without_settings_keeps_the_defaults(tmp_path):
+    (tmp_path / "bare").mkdir()
+    cli = {"algorithm": "eagle3", "draft": str(tmp_path / "bare")}
+    assert load_config(cli=cli, env={})[0].speculative == SpeculativeConfig("eagle3")
+    cli = {"algorithm": "standalone", "draft": _head(tmp_path, '{"speculative": {"topk": 4}}')}
+    assert load_config(cli=cli, env={})[0].speculative == SpeculativeConfig("standalone")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["not json", '{"tree": {}}', '{"speculative": {"depth": 3}}', '{"speculative": {"topk": "2"}}'],
+)
+def test_a_bad_head_settings_file_is_an_error_naming_it(tmp_path, text):
+    head = _head(tmp_path, text)
+    with pytest.raises(ConfigError, match=r"head.polyspec\.json is not a valid head settings"):
+        load_config(cli={"algorithm": "eagle3", "draft": head}, env={})
+    # settings given in full never read it
+    cli = {"algorithm": "eagle3", "draft": head, "num_steps": 2, "topk": 1, "num_draft_tokens": 3}
+    assert load_config(cli=cli, env={})[0].speculative == SpeculativeConfig("eagle3", 2, 1, 3)

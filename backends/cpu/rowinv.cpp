@@ -944,7 +944,9 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
 // bf16 with fp32 math, one call each. In stock PyTorch each is 5-15 small ops, and at one token
 // per step their dispatch costs as much as the layer's matrix work. The arithmetic follows
 // polyspec.kernels.reference step by step (same roundings to bf16); reductions run in one
-// fixed order per row (8 lane sums, hsum8, the tail), so they are row-invariant as well.
+// fixed sequential order per row, so they are row-invariant as well. (8 lane sums would make
+// the norm ~2 us faster at 8 rows, 0.13 ms a round, but change the bits of every bf16 output:
+// measured in the eleventh session and left, docs/benchmarks.md.)
 // ============================================================================================
 
 // 8 fp32 -> 8 bf16 exactly as bf16_rne does lane by lane (NaNs quieted, the rest rounded to
@@ -973,18 +975,9 @@ void rms_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t T, in
   at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint16_t* xr = x + t * H;
-      // Sum of squares in one fixed order for every row: 8 lane sums over the 8-wide blocks,
-      // hsum8, then the tail. A serial chain cost ~1 us a row (a verify's 8 rows, 61 norms a
-      // step: ~0.4 ms), the lane sums a tenth of that.
-      __m256 acc = _mm256_setzero_ps();
-      int64_t h8 = 0;
-      for (; h8 + 8 <= H; h8 += 8) {
-        const __m256 v = load_bf16x8(xr + h8);
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-      }
-      float ss = hsum8(acc);
-      for (; h8 < H; ++h8) {
-        const float v = bf16_to_f32(xr[h8]);
+      float ss = 0.0f;
+      for (int64_t h = 0; h < H; ++h) {
+        const float v = bf16_to_f32(xr[h]);
         ss += v * v;
       }
       const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));

@@ -232,8 +232,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", _check_opt_str("target", self.target))
         object.__setattr__(self, "draft", _check_opt_str("draft", self.draft))
-        if isinstance(self.speculative, Mapping):
-            object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
+        if isinstance(self.speculative, Mapping):  # keys left out: the head's, then defaults
+            spec = dict(self.speculative)
+            _fill_from_head(spec, {"draft": self.draft, "target": self.target})
+            object.__setattr__(self, "speculative", SpeculativeConfig(**spec))
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise _invalid("speculative", self.speculative, "must be a SpeculativeConfig or None")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):

@@ -311,6 +311,15 @@ def test_unset_tree_settings_come_from_the_heads_polyspec_json(tmp_path):
     assert (got.num_steps, got.topk, got.num_draft_tokens) == (4, 3, 8)
 
 
+def test_a_speculative_mapping_takes_the_heads_settings_too(tmp_path):
+    head = _head(tmp_path, '{"speculative": {"num_steps": 4, "topk": 2, "num_draft_tokens": 7}}')
+    cfg = EngineConfig(draft=head, speculative={"algorithm": "eagle3", "topk": 2})
+    assert cfg.speculative == SpeculativeConfig("eagle3", 4, 2, 7)
+    # a SpeculativeConfig is taken as it is: its fields are all set
+    cfg = EngineConfig(draft=head, speculative=SpeculativeConfig("eagle3"))
+    assert cfg.speculative == SpeculativeConfig("eagle3", 3, 1, 4)
+
+
 def test_the_shipped_heads_settings_apply_where_the_engine_uses_it(tmp_path):
     from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
 

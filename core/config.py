@@ -201,7 +201,9 @@ def _as_token_tuple(value: Any) -> tuple[int, ...]:
 class EngineConfig:
     """Everything that is fixed for the lifetime of an engine.
 
-    ``target`` / ``draft``: checkpoint paths or names; ``speculative`` None means plain decoding.
+    ``target`` / ``draft``: checkpoint paths or names; ``speculative`` None means plain decoding;
+    a mapping becomes a SpeculativeConfig, its unset tree keys taken from the head's
+    ``polyspec.json`` (docs/configuration.md).
     With an EAGLE algorithm and no ``draft`` the engine uses the draft head bundled for the
     target, if there is one. ``max_tokens_per_step`` is the token budget of one engine step
     (prefill chunks and decode / verify tokens together); ``num_kv_slots`` None sizes the KV pool
@@ -215,7 +217,7 @@ class EngineConfig:
 
     target: str | None = None
     draft: str | None = None
-    speculative: SpeculativeConfig | None = None
+    speculative: SpeculativeConfig | Mapping[str, Any] | None = None
     backend: str | None = None
     dtype: str = "auto"
     page_size: int = 1
@@ -545,8 +547,7 @@ def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingPar
             # plain decoding asked for explicitly: a draft from a lower layer is unused
             merged["engine"].pop("draft", None)
         else:
-            _fill_from_head(spec_values, merged["engine"])
-            speculative = SpeculativeConfig(**spec_values)
+            speculative = spec_values  # EngineConfig fills what is unset from the head
     engine = EngineConfig(speculative=speculative, **merged["engine"])
     return engine, SamplingParams(**merged["sampling"])
 

@@ -144,8 +144,8 @@ def command_line(args: argparse.Namespace) -> str:
 def bench_configs(args: argparse.Namespace):
     """(plain EngineConfig, speculative EngineConfig or None, SamplingParams, why spec is
     skipped or None) from the flags > env > config file > defaults, as ``generate`` reads them."""
-    from polyspec.config import SpeculativeConfig, load_config
-    from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
+    from polyspec.config import load_config
+    from polyspec.engine.defaults import shipped_head_path
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
     if args.batch_size is not None and args.batch_size < 1:
@@ -164,10 +164,7 @@ def bench_configs(args: argparse.Namespace):
     elif cfg.speculative is None:
         head = shipped_head_path() if cfg.target is None and cfg.draft is None else None
         if head is not None:
-            settings = {"algorithm": "eagle3", **shipped_head_settings()}
-            cfg = dataclasses.replace(
-                cfg, draft=str(head), speculative=SpeculativeConfig(**settings)
-            )
+            cfg = dataclasses.replace(cfg, draft=str(head), speculative={"algorithm": "eagle3"})
         else:
             skip = "no draft configured (pass --algorithm eagle|eagle3|standalone and --draft PATH)"
     plain = dataclasses.replace(cfg, speculative=None, draft=None)

@@ -64,8 +64,8 @@ _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_s
 
 def engine_from_args(args: argparse.Namespace):
     """(LLM, SamplingParams, notes) from CLI flags > env > config file > defaults."""
-    from polyspec.config import SpeculativeConfig, load_config
-    from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
+    from polyspec.config import load_config
+    from polyspec.engine.defaults import shipped_head_path
     from polyspec.engine.llm import LLM
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
@@ -79,8 +79,7 @@ def engine_from_args(args: argparse.Namespace):
         if head is None:
             notes.append("no trained draft head is shipped yet: running plain decoding")
         else:
-            settings = {"algorithm": "eagle3", **shipped_head_settings()}
-            cfg = _replace(cfg, draft=str(head), speculative=SpeculativeConfig(**settings))
+            cfg = _replace(cfg, draft=str(head), speculative={"algorithm": "eagle3"})
     return LLM(config=cfg), sampling, notes
 
 

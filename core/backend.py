@@ -92,6 +92,10 @@ class BackendCapabilities:
     static_metadata: bool = False
     """:meth:`AttentionBackend.build_static_metadata` is implemented, so forwards can be
     captured into graphs (the engine captures only when ``graph_capture`` is True as well)."""
+    weight_quantization: tuple[str, ...] = ()
+    """Weight-only quantization schemes :meth:`Backend.quantized_linear_fn` implements
+    (:data:`polyspec.kernels.quant.SCHEMES`: ``"int8"``). The engine quantizes a draft head's
+    weights only with a scheme listed here."""
     async_execution: bool = False
     """Kernels run asynchronously to the host and ``synchronize`` waits for them. Timing
     phases then costs speed (each boundary sync stops the host from running ahead of the
@@ -387,6 +391,20 @@ class Backend(abc.ABC):
         time, after :meth:`prepare_linear_weight`; the weight itself stays readable as it is
         (training and weight tying read it), so a backend that repacks keeps its own copy
         inside the callable (the cpu backend prepacks bf16 weights for oneDNN)."""
+        return None
+
+    def quantized_linear_fn(
+        self,
+        weight: torch.Tensor,  # [out, in] float
+        scheme: str,
+    ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
+        """``weight`` quantized with ``scheme`` (one of ``capabilities.weight_quantization``),
+        as a callable ``fn(x [T, in], bias [out] | None) -> [T, out]`` in ``x``'s dtype, that
+        computes :func:`polyspec.kernels.quant.linear_int8` of the quantized weight (any
+        summation order; the conformance suite bounds the difference). Called once per draft
+        head weight at engine start; the callable keeps the quantized copy, ``weight`` stays as
+        it is. None: not for this weight (the head then reads it unquantized). The default
+        quantizes nothing."""
         return None
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in]

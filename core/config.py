@@ -38,6 +38,7 @@ from typing import Any
 from polyspec.errors import ConfigError
 
 ALGORITHMS = ("eagle", "eagle3", "standalone")
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8")
 """Speculative algorithms: EAGLE-1/2 head, EAGLE-3 head, a small standalone LM as the draft."""
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -99,15 +100,25 @@ class SpeculativeConfig:
 
     ``num_draft_tokens`` None means: ``S + 1`` for a chain (K == 1), else
     ``min(K + (S - 1) * K**2 + 1, 8)``. It is an int after construction.
+
+    ``draft_quantization``: how an EAGLE head's weights are stored for drafting. "int8":
+    weight-only int8 (one scale per output row), an error where the backend cannot; "none":
+    the model's dtype; "auto" (default): int8 where the backend lists it in
+    ``capabilities.weight_quantization`` and can quantize the head's dtype, else none. It
+    changes what the draft proposes (acceptance), never the output.
     """
 
     algorithm: str
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int | None = None
+    draft_quantization: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("speculative.algorithm", self.algorithm, ALGORITHMS)
+        _check_choice(
+            "speculative.draft_quantization", self.draft_quantization, DRAFT_QUANTIZATIONS
+        )
         s = _check_int("speculative.num_steps", self.num_steps, 1, MAX_NUM_STEPS)
         k = _check_int("speculative.topk", self.topk, 1, MAX_TOPK)
         max_nodes = k + (s - 1) * k * k + 1  # root + every candidate of the S levels
@@ -285,6 +296,7 @@ _KINDS: dict[str, str] = {
     "num_steps": "int",
     "topk": "int",
     "num_draft_tokens": "opt_int",
+    "draft_quantization": "str",
     "max_new_tokens": "int",
     "temperature": "float",
     "top_k": "int",

@@ -42,6 +42,7 @@ CPU_CAPABILITIES = BackendCapabilities(
     host_seq_lens=False,
     static_metadata=True,
     tree_mask_mode=TreeMaskMode.TREE_ONLY,
+    weight_quantization=("int8",),
 )
 """What the cpu backend supports: everything, but its graph runner is eager."""
 
@@ -106,6 +107,23 @@ class CPUBackend(Backend):
         if weight.dtype != torch.float32 or weight.dim() != 2:
             return weight
         return weight.t().contiguous().t()
+
+    def quantized_linear_fn(self, weight: torch.Tensor, scheme: str):  # weight [out, in]
+        """``"int8"`` for bf16 weights where the C++ kernels are built (``rowinv.linear_w8``:
+        int8 weights, fp32 math, row-invariant); None otherwise (fp32 runs never wait for the
+        compiler, and a dequantizing fallback would read more bytes than it saves)."""
+        if scheme != "int8" or weight.dim() != 2 or weight.dtype != torch.bfloat16:
+            return None
+        if self.row_invariant_kernels() is None:
+            return None
+        from polyspec.kernels.quant import quantize_int8
+
+        q, scale = quantize_int8(weight)
+
+        def int8_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return rowinv.linear_w8(x, q, scale, bias)
+
+        return int8_linear
 
     def linear_fn(self, weight: torch.Tensor):  # weight [out, in]
         """bf16: the row-invariant kernel (module doc) where it is built. Otherwise weights

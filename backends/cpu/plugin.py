@@ -5,8 +5,9 @@ from __future__ import annotations
 from polyspec.backend import BackendCapabilities
 from polyspec.hookspecs import BackendSpec, ProbeResult, hookimpl
 
-CAPABILITIES = BackendCapabilities(static_metadata=True)
-"""The reference implements the whole contract; its graph runner is eager (no capture)."""
+CAPABILITIES = BackendCapabilities(static_metadata=True, weight_quantization=("int8",))
+"""The reference implements the whole contract (int8 draft weights included); its graph runner
+is eager (no capture)."""
 
 
 @hookimpl

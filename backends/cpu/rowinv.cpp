@@ -629,6 +629,160 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const c10::option
   return y;
 }
 
+// ============================================================================================
+// Kernel 1b: the weight-only int8 linear. y[m, n] = sum_k x[m, k] * q[n, k] * scale[n] (+ bias[n])
+// with q int8 [N, K] and one fp32 scale per output row (polyspec.kernels.quant's symmetric
+// per-row quantization), fp32 math. Each output is one fixed sequence: lane-wise FMAs over K in
+// order (8 lanes on the avx2 path, 16 otherwise), a fixed horizontal sum, the K % lanes tail
+// added one product at a time, one multiply by the scale, the bias, one rounding. So it is
+// row-invariant like the bf16 linear. It exists for the draft head, whose weights stream from
+// DRAM at every draft step (the target's forward evicts them): int8 halves those bytes.
+// ============================================================================================
+
+constexpr int kW8Rows = 4;  // x rows per tile; with kW8Cols columns, 16 FMA chains
+constexpr int kW8Cols = 4;
+constexpr int64_t kW8PrefetchGroups = 4;  // ~9 KB ahead at K = 576
+
+struct W8Args {
+  const float* x;  // [M, K] fp32
+  int64_t M, K, N;
+  const int8_t* q;     // [N, K]
+  const float* scale;  // [N]
+  const float* bias;   // [N] or nullptr
+  void* y;             // [M, N] fp32 or bf16
+  bool y_bf16;
+};
+
+inline void w8_store(const W8Args& a, int64_t m, int64_t n, float dot) {
+  float v = dot * a.scale[n];
+  if (a.bias) v += a.bias[n];
+  if (a.y_bf16) static_cast<uint16_t*>(a.y)[m * a.N + n] = bf16_rne(v);
+  else static_cast<float*>(a.y)[m * a.N + n] = v;
+}
+
+// The scalar tail of one output after its vector sum: k in [k0, K), one product at a time.
+inline float w8_tail(float sum, const float* x, const int8_t* q, int64_t k0, int64_t K) {
+  for (int64_t k = k0; k < K; ++k) sum = sum + x[k] * static_cast<float>(q[k]);
+  return sum;
+}
+
+template <int R, int C>
+void w8_tile_avx2(const W8Args& a, int64_t m0, int64_t n0) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const int64_t K = a.K, kv = K / 8 * 8;
+  const float* x = a.x + m0 * K;
+  const int8_t* q = a.q + n0 * K;
+  for (int64_t k = 0; k < kv; k += 8) {
+    for (int c = 0; c < C; ++c) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + c * K + k));
+      const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      w8_store(a, m0 + r, n0 + c, w8_tail(hsum8(acc[r][c]), x + r * K, q + c * K, kv, K));
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+template <int R, int C>
+void w8_tile_avx512(const W8Args& a, int64_t m0, int64_t n0) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t K = a.K, kv = K / 16 * 16;
+  const float* x = a.x + m0 * K;
+  const int8_t* q = a.q + n0 * K;
+  for (int64_t k = 0; k < kv; k += 16) {
+    for (int c = 0; c < C; ++c) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * K + k));
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wv, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      w8_store(a, m0 + r, n0 + c, w8_tail(hsum16(acc[r][c]), x + r * K, q + c * K, kv, K));
+}
+#pragma GCC pop_options
+
+template <bool Wide, int C>
+void w8_rows(const W8Args& a, int64_t n0) {
+  for (int64_t m = 0; m < a.M; m += kW8Rows) {
+    switch (std::min<int64_t>(kW8Rows, a.M - m)) {
+#define POLYSPEC_W8_CASE(R)                                  \
+  case R:                                                    \
+    if constexpr (Wide) w8_tile_avx512<R, C>(a, m, n0);      \
+    else w8_tile_avx2<R, C>(a, m, n0);                       \
+    break;
+      POLYSPEC_W8_CASE(4)
+      POLYSPEC_W8_CASE(3)
+      POLYSPEC_W8_CASE(2)
+      default:
+        if constexpr (Wide) w8_tile_avx512<1, C>(a, m, n0);
+        else w8_tile_avx2<1, C>(a, m, n0);
+#undef POLYSPEC_W8_CASE
+    }
+  }
+}
+
+template <bool Wide>
+void w8_columns(const W8Args& a, int64_t g0, int64_t g1) {
+  const char* end = reinterpret_cast<const char*>(a.q + a.N * a.K);
+  const int64_t group_bytes = kW8Cols * a.K;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n0 = g * kW8Cols;
+    // The hardware prefetcher alone left this kernel at half the bf16 kernel's DRAM rate: ask
+    // for the group kW8PrefetchGroups ahead, one line at a time, before computing this one.
+    const char* pf = reinterpret_cast<const char*>(a.q + n0 * a.K) + kW8PrefetchGroups * group_bytes;
+    for (int64_t i = 0; i < group_bytes && pf + i < end; i += 64) _mm_prefetch(pf + i, _MM_HINT_T0);
+    if (n0 + kW8Cols <= a.N) {
+      w8_rows<Wide, kW8Cols>(a, n0);
+    } else {
+      for (int64_t n = n0; n < a.N; ++n) w8_rows<Wide, 1>(a, n);
+    }
+  }
+}
+
+at::Tensor linear_w8(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias_opt, bool out_fp32) {
+  TORCH_CHECK(x_in.dim() == 2, "rowinv.linear_w8: x must be 2-D [M, K], got ", x_in.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat,
+              "rowinv.linear_w8: x must be bfloat16 or float32, got ", x_in.scalar_type());
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(),
+              "rowinv.linear_w8: q must be a contiguous 2-D int8 tensor [N, K], got ", q.scalar_type(), " ",
+              q.sizes());
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == K, "rowinv.linear_w8: x is [", M, ", ", K, "] but q is ", q.sizes());
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
+              "rowinv.linear_w8: scale must be a contiguous float32 [N=", N, "], got ", scale.scalar_type(), " ",
+              scale.sizes());
+  TORCH_CHECK(x_in.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(),
+              "rowinv.linear_w8: CPU tensors only");
+  at::Tensor bias;
+  if (bias_opt.has_value() && bias_opt->defined()) {
+    TORCH_CHECK(bias_opt->dim() == 1 && bias_opt->size(0) == N, "rowinv.linear_w8: bias must be [N=", N,
+                "], got ", bias_opt->sizes());
+    bias = bias_opt->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x_in.options().dtype(out_fp32 ? at::kFloat : x_in.scalar_type()));
+  if (M == 0 || N == 0) return y;
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const W8Args a{x.data_ptr<float>(), M, K, N, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                 bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr(), y.scalar_type() == at::kBFloat16};
+  const bool wide = g_isa.load() != Isa::kAvx2;
+  const int64_t groups = (N + kW8Cols - 1) / kW8Cols;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (kW8Cols * std::max<int64_t>(K, 16) * std::min<int64_t>(M, 4)));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    if (wide) w8_columns<true>(a, g0, g1);
+    else w8_columns<false>(a, g0, g1);
+  });
+  return y;
+}
+
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAmx: return "amx";
@@ -1272,6 +1426,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("name"));
   m.def("linear", &linear, "Row-invariant y = x @ w.T (+ bias); w bf16 [N, K], x bf16/fp32 [M, K]", py::arg("x"),
         py::arg("w"), py::arg("bias") = py::none(), py::arg("out_fp32") = false, release_gil());
+  m.def("linear_w8", &linear_w8,
+        "Row-invariant y = (x @ q.T) * scale (+ bias); q int8 [N, K], scale fp32 [N], x bf16/fp32 [M, K]",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias") = py::none(), py::arg("out_fp32") = false,
+        release_gil());
   m.def("attention", &attention, "Row-invariant CSR attention over a bf16 slot pool", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"),
         py::arg("out_fp32") = false, release_gil());

@@ -192,6 +192,27 @@ def linear(
     return y.reshape(*lead, w.shape[0])
 
 
+def linear_w8(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Row-invariant weight-only int8 linear: y = (x @ q.T) * scale + bias, fp32 math.
+
+    x:     [M, K] bfloat16 or float32
+    q:     [N, K] int8, contiguous (``polyspec.kernels.quant.quantize_int8``)
+    scale: [N]    float32, one per output row
+    bias:  [N]    or None
+    out_dtype: None (x's dtype) or torch.float32
+    returns [M, N]
+    """
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be None, x's dtype or torch.float32, got {out_dtype}")
+    return _module().linear_w8(x, q, scale, bias, out_dtype == torch.float32)
+
+
 def attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

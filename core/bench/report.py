@@ -253,6 +253,8 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             f", {s['algorithm']} draft {s.get('draft')}, num_steps {s['num_steps']}, "
             f"topk {s['topk']}, num_draft_tokens {s['num_draft_tokens']}"
         )
+        if s.get("draft_quantization") not in (None, "none"):
+            workload += f", {s['draft_quantization']} draft weights"
     table = ["| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
     table += ["| " + " | ".join(r) + " |" for r in _table_rows(report)]
     parts = [

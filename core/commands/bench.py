@@ -200,6 +200,7 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "num_steps": spec.num_steps if spec else None,
         "topk": spec.topk if spec else None,
         "num_draft_tokens": spec.num_draft_tokens if spec else None,
+        "draft_quantization": None,  # the scheme applied, filled in once the head is loaded
         "backend": None,  # filled in once the engine has picked it
         "dtype": plain_cfg.dtype,
         "resolved_dtype": None,
@@ -271,6 +272,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     else:
         llm = LLM(config=spec_cfg)
         num_steps = spec_cfg.speculative.num_steps
+        settings["draft_quantization"] = llm.draft_quantization
         results["spec"] = runner.run_polyspec(
             llm, "spec", ids, sampling, progress, phase_times, warmup_prompts=warm,
             repeats=args.repeats,

@@ -31,6 +31,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         dest="num_draft_tokens",
         help="tree nodes verified per round, root included",
     )
+    p.add_argument(
+        "--draft-quantization",
+        choices=["auto", "none", "int8"],
+        dest="draft_quantization",
+        help="EAGLE head weights: int8 (weight-only), none (the model's dtype), or auto "
+        "(default: int8 where the backend supports it)",
+    )
     p.add_argument("--backend", help="backend name (see `polyspec backends`)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--page-size", type=int, dest="page_size")
@@ -59,6 +66,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
                 "prefill_wait_steps", "algorithm", "num_steps", "topk", "num_draft_tokens",
+                "draft_quantization",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 
 
@@ -140,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         else f"{llm.config.speculative.algorithm} (num_steps {llm.config.speculative.num_steps}, "
         f"topk {llm.config.speculative.topk}, num_draft_tokens "
         f"{llm.config.speculative.num_draft_tokens}) draft {llm.draft_path}"
+        + ("" if llm.draft_quantization == "none" else f" ({llm.draft_quantization} weights)")
     )
     tps = len(out.token_ids) / s.time_s if s.time_s > 0 else 0.0
     print(

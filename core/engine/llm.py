@@ -66,6 +66,7 @@ class LLM:
     # -- construction -------------------------------------------------------------------------
     def _build(self) -> None:
         from polyspec.model.loader import load_draft, load_target, load_tokenizer
+        from polyspec.model.quantize import check_draft_quantization
         from polyspec.plugins import create_backend
 
         cfg = self.config
@@ -75,6 +76,10 @@ class LLM:
             raise ConfigError(
                 f"page_size = {cfg.page_size} is not supported by backend {self.backend.name!r}; "
                 f"allowed: {list(caps.page_sizes or [])}"
+            )
+        if cfg.speculative is not None:
+            check_draft_quantization(
+                cfg.speculative.draft_quantization, cfg.speculative.algorithm, self.backend
             )
         target_path = Path(cfg.target) if cfg.target else default_target_path()
         self.target_path = target_path
@@ -176,6 +181,9 @@ class LLM:
                     + ("a CausalLM draft" if algo == "standalone" else f"a DraftHead({algo!r})")
                     + f", got {type(draft).__name__} ({kind or 'unknown kind'})"
                 )
+            from polyspec.model.quantize import check_draft_quantization
+
+            check_draft_quantization(speculative.draft_quantization, algo, be)
         apply_weight_layout(target, be)
         if draft is not None:
             apply_weight_layout(draft, be)
@@ -212,6 +220,13 @@ class LLM:
             max_graph_batch_size=cfg.max_graph_batch_size,
             max_graph_prefill_tokens=2 * cfg.max_tokens_per_step,  # padded to widths
         )
+        self.draft_quantization = "none"
+        if self.draft is not None:
+            from polyspec.model.quantize import quantize_draft
+
+            self.draft_quantization = quantize_draft(
+                self.draft, self.backend, spec.draft_quantization
+            )
         if self.draft is None:
             from polyspec.spec.plain_worker import PlainWorker
 

@@ -86,6 +86,15 @@ class DraftHead(nn.Module):
         # draft id -> target id ([draft_vocab_size] int64), or None when the vocabularies agree.
         self.register_buffer("draft_to_target", None, persistent=False)
 
+    def own_matrices(self) -> list[nn.Parameter]:
+        """The weight matrices the head owns and multiplies by (fc, the layer's projections, its
+        own lm_head), not the target's it borrows: what draft quantization may replace."""
+        layer = self.layer
+        out = [self.fc, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        if self.lm_head is not None:
+            out.append(self.lm_head)
+        return out
+
     @property
     def embed_weight(self) -> torch.Tensor:  # [V, H]
         return self.embed_tokens if self.embed_tokens is not None else self._target.embed_tokens

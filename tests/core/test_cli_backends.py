@@ -11,7 +11,7 @@ from plugin_packages import ensure_test_plugins_installed
 
 import polyspec.commands
 from polyspec import cli
-from polyspec.backend import BackendCapabilities
+from polyspec.backends.cpu.plugin import CAPABILITIES
 
 REQUIRED_KEYS = {"name", "available", "reason", "distribution", "version", "capabilities"}
 
@@ -57,7 +57,7 @@ def test_backends_json(capsys):
     cpu = by_name["cpu"]
     assert cpu["available"] is True and cpu["reason"] == ""
     assert cpu["distribution"] == "polyspec"
-    assert cpu["capabilities"] == BackendCapabilities(static_metadata=True).to_dict()
+    assert cpu["capabilities"] == CAPABILITIES.to_dict()
     assert by_name["cuda"]["available"] is False and by_name["cuda"]["reason"]
     assert by_name["npu"]["available"] is False and by_name["npu"]["reason"]
     assert by_name["broken"]["error"] and by_name["broken"]["available"] is False

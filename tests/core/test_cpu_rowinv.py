@@ -755,3 +755,65 @@ def test_single_request_key_lists(mode, page_size):
             ptr, idx = meta.kv_indptr.tolist(), meta.kv_indices.tolist()
             got = [idx[ptr[t] : ptr[t + 1]] for t in range(len(ptr) - 1)]
             assert got == want, (mode, prefix, extend, host_lanes)
+
+
+# -- the weight-only int8 linear (rowinv.linear_w8) ----------------------------------------------
+
+
+def _w8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from polyspec.kernels.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    return quantize_int8(torch.randn(n, k, generator=g).bfloat16())
+
+
+@pytest.mark.parametrize("k", [576, 13, 40])  # a multiple of both widths, and scalar tails
+def test_linear_w8_matches_the_reference_on_each_path(isa, k):
+    """fp32 sums of int8 x fp32 products: within a few fp32 ulps of the float64 product."""
+    q, scale = _w8(70, k, 1)  # 70 = 17 groups of 4 columns and 2 left over
+    g = torch.Generator().manual_seed(2)
+    bias = torch.randn(70, generator=g).bfloat16()
+    for m in (1, 3, 5, 9):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        y = rowinv.linear_w8(x, q, scale, bias, out_dtype=torch.float32)
+        exact = (x.double() @ q.double().T) * scale.double() + bias.double()
+        bound = 4 * k * 2**-24 * ((x.double().abs() @ q.double().abs().T) * scale.double()) + 1e-6
+        assert ((y.double() - exact).abs() <= bound).all(), (isa, k, m)
+        # bf16 output is the rounding of the fp32 one
+        assert torch.equal(rowinv.linear_w8(x, q, scale, bias), y.bfloat16())
+
+
+def test_linear_w8_is_row_invariant(isa):
+    """A row's bits do not depend on the rows with it, its position, or the thread count."""
+    q, scale = _w8(300, 576, 3)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with num_threads(2):
+        full = rowinv.linear_w8(x, q, scale, out_dtype=torch.float32)
+    with num_threads(1):
+        rows = [
+            rowinv.linear_w8(x[i : i + 1], q, scale, out_dtype=torch.float32) for i in range(11)
+        ]
+        shuffled = rowinv.linear_w8(x.flip(0), q, scale, out_dtype=torch.float32).flip(0)
+    assert torch.equal(torch.cat(rows), full)
+    assert torch.equal(shuffled, full)
+
+
+def test_linear_w8_takes_fp32_x():
+    q, scale = _w8(40, 64, 5)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    y = rowinv.linear_w8(x, q, scale)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, (x.double() @ q.double().T * scale.double()).float())
+
+
+def test_linear_w8_refuses_bad_arguments():
+    q, scale = _w8(8, 32, 7)
+    x = torch.randn(2, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="q must be a contiguous 2-D int8"):
+        rowinv.linear_w8(x, q.float(), scale)
+    with pytest.raises(RuntimeError, match="x is \\[2, 16\\] but q is"):
+        rowinv.linear_w8(x[:, :16].contiguous(), q, scale)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous float32"):
+        rowinv.linear_w8(x, q, scale[:4].contiguous())
+    with pytest.raises(RuntimeError, match="bias must be"):
+        rowinv.linear_w8(x, q, scale, torch.zeros(3))

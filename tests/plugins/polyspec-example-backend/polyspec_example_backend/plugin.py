@@ -9,7 +9,7 @@ from __future__ import annotations
 from polyspec.backend import BackendCapabilities
 from polyspec.hookspecs import BackendSpec, ProbeResult, hookimpl
 
-CAPABILITIES = BackendCapabilities(static_metadata=True)
+CAPABILITIES = BackendCapabilities(static_metadata=True, weight_quantization=("int8",))
 """Same as the cpu reference it wraps: eager graphs, tree attention, any page size."""
 
 

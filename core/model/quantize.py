@@ -1,0 +1,64 @@
+"""Draft-head weight quantization (``SpeculativeConfig.draft_quantization``).
+
+The backend quantizes each matrix the head owns (:meth:`DraftHead.own_matrices`) through
+:meth:`polyspec.backend.Backend.quantized_linear_fn`; the callable replaces the weight's
+``polyspec_linear``, which :func:`polyspec.model.linear.linear` calls. The target is never
+touched, so greedy output stays the target's: only what the draft proposes changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyspec.backend import Backend
+from polyspec.errors import ConfigError
+
+
+def check_draft_quantization(setting: str, algorithm: str, backend: Backend) -> None:
+    """Refuse, before any model is loaded, an explicit scheme that cannot apply."""
+    if setting in ("auto", "none"):
+        return
+    if algorithm == "standalone":
+        raise ConfigError(
+            f"speculative.draft_quantization = {setting!r} applies to EAGLE heads; a standalone "
+            "draft model runs in the model's dtype: set it to 'auto' or 'none'"
+        )
+    listed = backend.capabilities.weight_quantization
+    if setting not in listed:
+        raise ConfigError(
+            f"speculative.draft_quantization = {setting!r}: backend {backend.name!r} does not "
+            f"support it (its capabilities list weight_quantization = {list(listed)}); set it to "
+            "'auto' or 'none'"
+        )
+
+
+def quantize_draft(head: Any, backend: Backend, setting: str) -> str:
+    """Apply ``setting`` ("auto", "none" or a scheme) to ``head``'s own matrices and return the
+    scheme applied ("none" when nothing was quantized). "auto" takes the first scheme the
+    backend lists and can apply to every matrix of the head; an explicit scheme that the
+    backend declines for some matrix is a ConfigError naming it."""
+    own = getattr(head, "own_matrices", None)
+    if setting == "none" or own is None:
+        return "none"
+    if setting == "auto":
+        listed = backend.capabilities.weight_quantization
+        if not listed:
+            return "none"
+        scheme = listed[0]
+    else:
+        scheme = setting
+    matrices = own()
+    fns = [backend.quantized_linear_fn(w.data, scheme) for w in matrices]
+    declined = [tuple(w.shape) for w, fn in zip(matrices, fns) if fn is None]
+    if declined:
+        if setting == "auto":
+            return "none"
+        dtype = str(matrices[0].dtype).removeprefix("torch.")
+        raise ConfigError(
+            f"speculative.draft_quantization = {scheme!r}: backend {backend.name!r} cannot quantize "
+            f"this head's {dtype} weights {declined}; run in another dtype (--dtype) or set it to "
+            "'auto' or 'none'"
+        )
+    for w, fn in zip(matrices, fns):
+        w.polyspec_linear = fn
+    return scheme

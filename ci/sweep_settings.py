@@ -1,10 +1,12 @@
 """Sweep of speculative settings for the shipped head (docs/benchmarks.md).
 
-    python ci/sweep_settings.py [DTYPE] [--more | --only S-K-N,S-K-N,...]
+    python ci/sweep_settings.py [DTYPE] [--more | --only S-K-N,S-K-N,...] [--repeats R]
                                        # MT-bench 81, 91, ..., 151; 64 new tokens
 
 DTYPE float32 (default) or bfloat16; batch 1, 2 threads, greedy; prints a markdown table
-(acceptance, tokens/s, vs plain).
+(acceptance, tokens/s, vs plain). All systems are loaded at once and run interleaved, prompt by
+prompt (alternating the order), R times over the prompts: on a shared host a sequential sweep
+measured each setting in a different minute of the machine's load.
 """
 
 from __future__ import annotations
@@ -24,13 +26,6 @@ MORE_SETTINGS = [(3, 2, 4), (4, 2, 8), (3, 3, 8), (4, 3, 10), (4, 4, 12), (6, 3,
 """``--more``: moderate trees around the best of SETTINGS (bf16, where verify width is cheap)."""
 
 
-def tokens_per_s(llm: LLM, prompts: list[str], params: SamplingParams):
-    llm.chat(prompts[0], params)  # warm-up
-    t = time.perf_counter()
-    outs = [llm.chat(q, params)[0] for q in prompts]
-    return outs, sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
-
-
 def main() -> None:
     torch.set_num_threads(2)
     args = sys.argv[1:]
@@ -48,23 +43,44 @@ def main() -> None:
                 "sweep_settings.py: --only takes S-K-N,S-K-N,... (e.g. 3-2-6,4-4-12)"
             ) from None
         del args[i : i + 2]
+    rounds_of = 1
+    if "--repeats" in args:
+        i = args.index("--repeats")
+        rounds_of = int(args[i + 1])
+        del args[i : i + 2]
     dtype = args[0] if args else "float32"
     if dtype not in ("float32", "bfloat16"):
         raise SystemExit(f"sweep_settings.py: DTYPE must be float32 or bfloat16, got {dtype!r}")
     _, questions = load_dataset("mt_bench")
     prompts = questions[::10][:8]
     params = SamplingParams(max_new_tokens=64)
-    _, base = tokens_per_s(LLM(dtype=dtype, max_batch_size=1), prompts, params)
-    print("| setting | mean accept len | tokens/s | vs plain |\n|---|---|---|---|")
-    print(f"| plain | - | {base:.1f} | 1.00x |")
+    systems = {"plain": LLM(dtype=dtype, max_batch_size=1)}
     for s, k, n in settings:
         spec = SpeculativeConfig(algorithm="eagle3", num_steps=s, topk=k, num_draft_tokens=n)
         llm = LLM(draft=shipped_head_path(), speculative=spec, dtype=dtype, max_batch_size=1)
-        outs, tps = tokens_per_s(llm, prompts, params)
-        rounds = [r for o in outs for r in o.stats.accepted_per_round]
-        print(
-            f"| S={s} K={k} N={n} | {sum(rounds) / len(rounds):.2f} | {tps:.1f} | {tps / base:.2f}x |"
-        )
+        systems[f"S={s} K={k} N={n}"] = llm
+    for llm in systems.values():
+        llm.chat(prompts[0], params)  # warm-up
+    # Interleaved: every prompt runs on every system before the next prompt, in an order that
+    # alternates, so a shared host's slow minutes fall on all systems alike.
+    seconds = dict.fromkeys(systems, 0.0)
+    tokens = dict.fromkeys(systems, 0)
+    accepted: dict[str, list[int]] = {name: [] for name in systems}
+    for rep in range(rounds_of):
+        for i, q in enumerate(prompts):
+            names = list(systems) if (i + rep) % 2 == 0 else list(systems)[::-1]
+            for name in names:
+                t = time.perf_counter()
+                out = systems[name].chat(q, params)[0]
+                seconds[name] += time.perf_counter() - t
+                tokens[name] += len(out.token_ids)
+                accepted[name] += out.stats.accepted_per_round
+    base = tokens["plain"] / seconds["plain"]
+    print("| setting | mean accept len | tokens/s | vs plain |\n|---|---|---|---|")
+    print(f"| plain | - | {base:.1f} | 1.00x |")
+    for name in list(systems)[1:]:
+        tps, rounds = tokens[name] / seconds[name], accepted[name]
+        print(f"| {name} | {sum(rounds) / len(rounds):.2f} | {tps:.1f} | {tps / base:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Sweep of speculative settings for the shipped head (docs/benchmarks.md).
 
     python ci/sweep_settings.py [DTYPE] [--more | --only S-K-N,S-K-N,...] [--repeats R]
+                                [--quantizations auto,none,int8]
                                        # MT-bench 81, 91, ..., 151; 64 new tokens
 
 DTYPE float32 (default) or bfloat16; batch 1, 2 threads, greedy; prints a markdown table
 (acceptance, tokens/s, vs plain). All systems are loaded at once and run interleaved, prompt by
 prompt (alternating the order), R times over the prompts: on a shared host a sequential sweep
-measured each setting in a different minute of the machine's load.
+measured each setting in a different minute of the machine's load. ``--quantizations``: run
+each setting with each ``speculative.draft_quantization`` (default: auto only).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def main() -> None:
                 "sweep_settings.py: --only takes S-K-N,S-K-N,... (e.g. 3-2-6,4-4-12)"
             ) from None
         del args[i : i + 2]
+    quantizations = ["auto"]
+    if "--quantizations" in args:
+        i = args.index("--quantizations")
+        quantizations = args[i + 1].split(",")
+        del args[i : i + 2]
     rounds_of = 1
     if "--repeats" in args:
         i = args.index("--repeats")
@@ -56,9 +63,14 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=64)
     systems = {"plain": LLM(dtype=dtype, max_batch_size=1)}
     for s, k, n in settings:
-        spec = SpeculativeConfig(algorithm="eagle3", num_steps=s, topk=k, num_draft_tokens=n)
-        llm = LLM(draft=shipped_head_path(), speculative=spec, dtype=dtype, max_batch_size=1)
-        systems[f"S={s} K={k} N={n}"] = llm
+        for quant in quantizations:
+            spec = SpeculativeConfig(
+                algorithm="eagle3", num_steps=s, topk=k, num_draft_tokens=n,
+                draft_quantization=quant,
+            )  # fmt: skip
+            llm = LLM(draft=shipped_head_path(), speculative=spec, dtype=dtype, max_batch_size=1)
+            label = "" if len(quantizations) == 1 else f", draft {llm.draft_quantization}"
+            systems[f"S={s} K={k} N={n}{label}"] = llm
     for llm in systems.values():
         llm.chat(prompts[0], params)  # warm-up
     # Interleaved: every prompt runs on every system before the next prompt, in an order that

@@ -320,6 +320,7 @@ class KernelSet:
     fused_add_rms_norm: Callable[..., Any]
     rotary_embedding: Callable[..., Any]
     silu_and_mul: Callable[..., Any]
+    softmax_topk: Callable[..., Any]
     top_k_top_p_renorm: Callable[..., Any]
     sample: Callable[..., Any]
 

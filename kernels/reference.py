@@ -47,6 +47,7 @@ __all__ = [
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "softmax_topk",
     "top_k_top_p_renorm",
     "sample",
 ]
@@ -300,6 +301,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x [T, 2I] -> [T, I]
     inter = x.shape[-1] // 2
     xf = x.float()
     return (F.silu(xf[..., :inter]) * xf[..., inter:]).to(x.dtype)
+
+
+def softmax_topk(
+    logits: torch.Tensor,  # [n, V] any float dtype
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
+    """The draft's top-k at each draft step: the ``k`` largest entries of
+    ``softmax(logits.float())`` per row, in descending order, with their ids. Equal
+    probabilities may come in either order."""
+    _check(logits.dim() == 2, f"softmax_topk needs logits [n, V], got {tuple(logits.shape)}")
+    _check(1 <= k <= logits.shape[1], f"softmax_topk needs 1 <= k <= V, got k={k}")
+    return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
 
 
 # -------------------------------------------------------------------------- sampling helpers

@@ -238,14 +238,16 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
         kernel.__doc__ = ref.__doc__
         return kernel
 
-    def once_loaded(name: str):
-        # The C++ loop once the extension is loaded (a bf16 model loads it); the reference
-        # otherwise, so fp32 runs never wait for the compiler.
+    def once_loaded(name: str, takes=lambda *_: True):
+        # The C++ loop once the extension is loaded (a bf16 model loads it) and ``takes`` the
+        # arguments; the reference otherwise, so fp32 runs never wait for the compiler.
         ref = getattr(reference, name)
 
         def kernel(*args, **kwargs):
-            if rowinv.loaded() is not None and all(
-                not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args
+            if (
+                rowinv.loaded() is not None
+                and takes(*args)
+                and all(not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in args)
             ):
                 return getattr(rowinv, name)(*args, **kwargs)
             return ref(*args, **kwargs)
@@ -258,6 +260,9 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
     return {
         "verify_tree_greedy": once_loaded("verify_tree_greedy"),
         "build_tree": once_loaded("build_tree"),
+        "softmax_topk": once_loaded(
+            "softmax_topk", lambda logits, *_: logits.dtype in (bf16, torch.float32)
+        ),
         "rms_norm": pick("rms_norm", lambda x, w, *_: x.dtype == bf16 and w.dtype == bf16),
         "fused_add_rms_norm": pick(
             "fused_add_rms_norm",

@@ -1279,6 +1279,83 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 
 }  // namespace
 
+// softmax_topk (polyspec.kernels.reference): per row, the k largest softmax probabilities and
+// their ids. One pass keeps the running max and the k best logits (insertion; a later equal
+// logit never displaces an earlier one, so ties come lower id first), a second sums
+// exp(l - max) in 8 fp32 lanes; p = exp(l - max) / sum. Replaces softmax + topk over the whole
+// draft vocabulary (~4 torch ops, 150 us a draft step at 3 x 16384 on 2 cores).
+void softmax_topk_row(const float* l, int64_t V, int64_t k, float* p_out, int64_t* i_out) {
+  std::vector<float> top(k, -INFINITY);
+  std::vector<int64_t> ids(k, 0);
+  float thr = -INFINITY;
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  auto insert = [&](float v, int64_t i) {
+    int64_t at = k - 1;
+    while (at > 0 && top[at - 1] < v) {
+      top[at] = top[at - 1];
+      ids[at] = ids[at - 1];
+      --at;
+    }
+    top[at] = v;
+    ids[at] = i;
+    thr = top[k - 1];
+  };
+  int64_t j = 0;
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(l + j);
+    mv = _mm256_max_ps(mv, v);
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ));
+    while (mask) {
+      const int b = __builtin_ctz(mask);
+      mask &= mask - 1;
+      if (l[j + b] > thr) insert(l[j + b], j + b);
+    }
+  }
+  float m = hmax8(mv);
+  for (; j < V; ++j) {
+    m = std::max(m, l[j]);
+    if (l[j] > thr) insert(l[j], j);
+  }
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= V; j += 8) acc = _mm256_add_ps(acc, exp256(_mm256_sub_ps(_mm256_loadu_ps(l + j), mb)));
+  float sum = hsum8(acc);
+  alignas(32) float tail[8];
+  for (int64_t t = 0; j + t < V; ++t) tail[t] = l[j + t] - m;
+  if (j < V) {
+    alignas(32) float e[8];
+    for (int64_t t = V - j; t < 8; ++t) tail[t] = -INFINITY;
+    _mm256_store_ps(e, exp256(_mm256_load_ps(tail)));
+    for (int64_t t = 0; t < V - j; ++t) sum += e[t];
+  }
+  for (int64_t a = 0; a < k; ++a) {
+    alignas(32) float one[8] = {top[a] - m, 0, 0, 0, 0, 0, 0, 0};
+    alignas(32) float e[8];
+    _mm256_store_ps(e, exp256(_mm256_load_ps(one)));
+    p_out[a] = e[0] / sum;
+    i_out[a] = ids[a];
+  }
+}
+
+std::vector<at::Tensor> softmax_topk(const at::Tensor& logits_in, int64_t k) {
+  TORCH_CHECK(logits_in.dim() == 2 && (logits_in.scalar_type() == at::kBFloat16 || logits_in.scalar_type() == at::kFloat),
+              "rowinv.softmax_topk: logits must be a 2-D bfloat16 or float32 tensor [n, V], got ",
+              logits_in.scalar_type(), " ", logits_in.sizes());
+  const int64_t n = logits_in.size(0), V = logits_in.size(1);
+  TORCH_CHECK(k >= 1 && k <= V && k <= 64, "rowinv.softmax_topk: k must be in [1, min(V, 64)], got k=", k,
+              " for V=", V);
+  const at::Tensor l = logits_in.to(at::kFloat).contiguous();
+  at::Tensor p = at::empty({n, k}, l.options());
+  at::Tensor idx = at::empty({n, k}, l.options().dtype(at::kLong));
+  const float* lp = l.data_ptr<float>();
+  float* pp = p.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) softmax_topk_row(lp + r * V, V, k, pp + r * k, ip + r * k);
+  });
+  return {p, idx};
+}
+
 // The GIL is released while the kernels run (arguments are converted before, the result after),
 // so a Python thread (e.g. a drafter) is not blocked by a long prefill.
 // Greedy tree verification, polyspec.kernels.reference.verify_tree_greedy's semantics on int64
@@ -1439,6 +1516,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "(rms_norm(x + residual), x + residual), bf16", release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:], bf16", release_gil());
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, bf16, fp32 cos/sin cache",
+        release_gil());
+  m.def("softmax_topk", &softmax_topk, "the k largest softmax probabilities per row and their ids",
         release_gil());
   m.def("verify_tree_greedy", &verify_tree_greedy, "greedy tree verification, int64 [bs, N] inputs",
         release_gil());

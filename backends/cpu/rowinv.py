@@ -213,6 +213,16 @@ def linear_w8(
     return _module().linear_w8(x, q, scale, bias, out_dtype == torch.float32)
 
 
+def softmax_topk(
+    logits: torch.Tensor,  # [n, V] bf16 or fp32
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
+    """``polyspec.kernels.reference.softmax_topk`` in one pass over the logits (ties: lower id
+    first)."""
+    p, idx = _module().softmax_topk(logits, int(k))
+    return p, idx
+
+
 def attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

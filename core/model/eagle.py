@@ -150,8 +150,9 @@ class DraftHead(nn.Module):
     def topk(self, logit_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the head's softmax, ids mapped to the target vocabulary:
         (topk_p [n, k] fp32, topk_index [n, k] int64)."""
-        p = torch.softmax(self.compute_logits(logit_hidden), dim=-1)
-        topk_p, idx = p.topk(k, dim=-1)
+        # The logits stay in the linear's dtype: softmax_topk reads them once, in fp32.
+        logits = linear(logit_hidden, self.lm_head_weight)
+        topk_p, idx = self.kernels.softmax_topk(logits, k)
         if self.draft_to_target is not None:
             idx = self.draft_to_target[idx]
         return topk_p, idx

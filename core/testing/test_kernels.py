@@ -687,6 +687,29 @@ def test_silu_and_mul_matches_reference(backend, reference_backend):
         torch.testing.assert_close(ref, expected, **_TOL[dtype])
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_softmax_topk_matches_reference(backend, k):
+    """The draft's top-k: the same ids (as a set of logits: equal ones may swap) in descending
+    order, and the softmax probabilities within fp32 rounding."""
+    from polyspec.kernels import reference
+
+    g = _gen(SEED + 34)
+    for dtype in _model_dtypes(backend):
+        for rows, vocab in ((3, 1000), (1, 13)):
+            logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+            logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie at the top
+            p, idx = backend.kernels.softmax_topk(_dev(backend, logits), k)
+            want_p, want_idx = reference.softmax_topk(logits, k)
+            assert p.dtype == torch.float32 and p.shape == (rows, k)
+            assert idx.dtype == torch.int64 and idx.shape == (rows, k)
+            torch.testing.assert_close(_cpu(p), want_p, rtol=1e-5, atol=1e-7)
+            lf = logits.float()
+            assert torch.equal(lf.gather(1, _cpu(idx)), lf.gather(1, want_idx))
+            assert (_cpu(p)[:, :-1] >= _cpu(p)[:, 1:]).all(), "not in descending order"
+            full = torch.softmax(lf, dim=-1)  # independent formula
+            torch.testing.assert_close(want_p, full.gather(1, want_idx))
+
+
 # -------------------------------------------------------------------------- sampling helpers
 
 

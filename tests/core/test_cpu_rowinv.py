@@ -817,3 +817,15 @@ def test_linear_w8_refuses_bad_arguments():
         rowinv.linear_w8(x, q, scale[:4].contiguous())
     with pytest.raises(RuntimeError, match="bias must be"):
         rowinv.linear_w8(x, q, scale, torch.zeros(3))
+
+
+def test_softmax_topk_takes_lower_ids_first_on_ties_and_checks_k():
+    logits = torch.zeros(2, 20)
+    logits[0, [3, 5, 7]] = 1.0
+    p, idx = rowinv.softmax_topk(logits.bfloat16(), 4)
+    assert idx.tolist() == [[3, 5, 7, 0], [0, 1, 2, 3]]
+    torch.testing.assert_close(p, torch.softmax(logits, -1).gather(1, idx))
+    with pytest.raises(RuntimeError, match="k must be in"):
+        rowinv.softmax_topk(logits, 21)
+    with pytest.raises(RuntimeError, match="logits must be a 2-D bfloat16 or float32"):
+        rowinv.softmax_topk(logits.half(), 2)

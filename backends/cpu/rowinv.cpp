@@ -1127,15 +1127,71 @@ void check_bf16_rows(const at::Tensor& x, const char* name) {
 }
 
 // out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)), as LlamaRMSNorm.
+// Each row's sum of squares is one serial fp32 chain, ss = ss + v * v in order of h. The
+// chains of up to 8 rows advance together, row r in lane r (8 x 8 blocks transposed in
+// registers), with the scalar loop's operations per lane, so the bits are the serial loop's:
+// one chain is bound by the add latency, 8 share it (fused_add_rms_norm, 8 rows of 576:
+// 7.9 -> 4.8 us, 16 rows 13.8 -> 8.3 us; a single row keeps the scalar loop).
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+void sum_squares(const uint16_t* x, int64_t t0, int64_t nr, int64_t H, float* ss) {
+  if (nr == 1) {
+    const uint16_t* xr = x + t0 * H;
+    float acc = 0.0f;
+    for (int64_t h = 0; h < H; ++h) {
+      const float v = bf16_to_f32(xr[h]);
+      acc = acc + v * v;
+    }
+    ss[0] = acc;
+    return;
+  }
+  const uint16_t* rows[8];
+  for (int r = 0; r < 8; ++r) rows[r] = x + (t0 + std::min<int64_t>(r, nr - 1)) * H;
+  __m256 acc = _mm256_setzero_ps();
+  int64_t h = 0;
+  for (; h + 8 <= H; h += 8) {
+    __m256 col[8];
+    for (int r = 0; r < 8; ++r) col[r] = load_bf16x8(rows[r] + h);
+    transpose8(col);  // col[j]: column h + j of the 8 rows
+    for (int j = 0; j < 8; ++j) acc = _mm256_add_ps(acc, _mm256_mul_ps(col[j], col[j]));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (int64_t r = 0; r < nr; ++r) {
+    float a = lanes[r];
+    for (int64_t k = h; k < H; ++k) {
+      const float v = bf16_to_f32(rows[r][k]);
+      a = a + v * v;
+    }
+    ss[r] = a;
+  }
+}
+
 void rms_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t T, int64_t H, double eps) {
   at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    float sums[8];
     for (int64_t t = t0; t < t1; ++t) {
+      const int64_t k = (t - t0) % 8;
+      if (k == 0) sum_squares(x, t, std::min<int64_t>(8, t1 - t), H, sums);
       const uint16_t* xr = x + t * H;
-      float ss = 0.0f;
-      for (int64_t h = 0; h < H; ++h) {
-        const float v = bf16_to_f32(xr[h]);
-        ss += v * v;
-      }
+      const float ss = sums[k];
       const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + static_cast<float>(eps));
       uint16_t* o = out + t * H;
       const __m256 rv = _mm256_set1_ps(r);

@@ -829,3 +829,25 @@ def test_softmax_topk_takes_lower_ids_first_on_ties_and_checks_k():
         rowinv.softmax_topk(logits, 21)
     with pytest.raises(RuntimeError, match="logits must be a 2-D bfloat16 or float32"):
         rowinv.softmax_topk(logits.half(), 2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("hidden", [576, 13])
+def test_rms_norm_is_the_serial_sum_of_squares_bit_for_bit(rows, hidden):
+    """Rows' sums of squares advance together in vector lanes; each must still be the serial
+    fp32 loop ss = ss + v * v (what a single row computes), so a row's bits never depend on the
+    rows beside it."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(rows * 100 + hidden)
+    x = (3 * torch.randn(rows, hidden, generator=g)).bfloat16()
+    w = torch.randn(hidden, generator=g).bfloat16()
+    want = []
+    for row in x.float().numpy():
+        ss = np.float32(0)
+        for v in row:
+            ss = np.float32(ss + np.float32(v * v))
+        r = np.float32(1) / np.sqrt(np.float32(ss / np.float32(hidden) + np.float32(1e-5)))
+        normed = torch.from_numpy(row * r).bfloat16().float()
+        want.append((w.float() * normed).bfloat16())
+    assert torch.equal(rowinv.rms_norm(x, w, 1e-5), torch.stack(want))

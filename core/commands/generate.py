@@ -91,12 +91,13 @@ def engine_from_args(args: argparse.Namespace):
     return LLM(config=cfg), sampling, notes
 
 
-_SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens")
+_SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens", "draft_quantization")
 
 
 def tune_shipped_head(cli: dict) -> None:
-    """``--num-steps`` / ``--topk`` / ``--num-draft-tokens`` with neither a target, a draft
-    nor an algorithm tune the shipped head on the default model (instead of being an error):
+    """``--num-steps`` / ``--topk`` / ``--num-draft-tokens`` / ``--draft-quantization`` with
+    neither a target, a draft nor an algorithm tune the shipped head on the default model
+    (instead of being an error):
     fill in the algorithm and the head; ``load_config`` then takes the settings the user did
     not give from the head's ``polyspec.json``."""
     from polyspec.engine.defaults import shipped_head_path

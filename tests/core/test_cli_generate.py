@@ -36,3 +36,17 @@ def test_generate_plain_and_bad_settings(capsys):
         main(["generate", "x", "--topk", "2", "--num-steps", "3", "--num-draft-tokens", "99"]) == 2
     )
     assert "num_draft_tokens = 99 is invalid" in capsys.readouterr().err
+
+
+def test_generate_draft_quantization_flag(capsys):
+    """Alone it tunes the shipped head; bf16 gets int8 weights, and int8 where the backend
+    cannot apply it is a clear error."""
+    args = ["generate", "Say hi.", "--max-new-tokens", "4", "--dtype", "bfloat16"]
+    assert main([*args, "--draft-quantization", "int8"]) == 0
+    assert "smollm2-135m-eagle3 (int8 weights)" in capsys.readouterr().err
+    assert main([*args, "--draft-quantization", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "smollm2-135m-eagle3," in err and "int8" not in err
+    fp32 = ["generate", "x", "--max-new-tokens", "2", "--dtype", "float32"]
+    assert main([*fp32, "--draft-quantization", "int8"]) == 2
+    assert "cannot quantize this head's float32 weights" in capsys.readouterr().err

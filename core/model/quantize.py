@@ -38,7 +38,10 @@ def quantize_draft(head: Any, backend: Backend, setting: str) -> str:
     backend lists and can apply to every matrix of the head; an explicit scheme that the
     backend declines for some matrix is a ConfigError naming it."""
     own = getattr(head, "own_matrices", None)
-    if setting == "none" or own is None:
+    if own is None:
+        return "none"
+    if setting == "none":
+        _restore(own())
         return "none"
     if setting == "auto":
         listed = backend.capabilities.weight_quantization
@@ -52,6 +55,7 @@ def quantize_draft(head: Any, backend: Backend, setting: str) -> str:
     declined = [tuple(w.shape) for w, fn in zip(matrices, fns) if fn is None]
     if declined:
         if setting == "auto":
+            _restore(matrices)
             return "none"
         dtype = str(matrices[0].dtype).removeprefix("torch.")
         raise ConfigError(
@@ -60,5 +64,20 @@ def quantize_draft(head: Any, backend: Backend, setting: str) -> str:
             "'auto' or 'none'"
         )
     for w, fn in zip(matrices, fns):
+        if not hasattr(w, "polyspec_unquantized"):
+            w.polyspec_unquantized = getattr(w, "polyspec_linear", None)
         w.polyspec_linear = fn
     return scheme
+
+
+def _restore(matrices: list[Any]) -> None:
+    """Undo an earlier quantization of these matrices (a head built once and given to a second
+    engine, :meth:`LLM.from_modules`): back to the backend's own linear, or ``F.linear``."""
+    for w in matrices:
+        if hasattr(w, "polyspec_unquantized"):
+            fn = w.polyspec_unquantized
+            del w.polyspec_unquantized
+            if fn is None:
+                del w.polyspec_linear
+            else:
+                w.polyspec_linear = fn

@@ -93,6 +93,10 @@ def test_only_the_heads_own_matrices_are_quantized(tiny):
         fn = getattr(w, "polyspec_linear", None)
         assert fn is None or fn.__name__ != "int8_linear"
     assert quantize_draft(llm.draft, llm.backend, "none") == "none"
+    for w in own:  # back to the backend's bf16 linear
+        assert w.polyspec_linear.__name__ == "row_invariant_linear"
+    assert quantize_draft(llm.draft, llm.backend, "int8") == "int8"
+    assert all(w.polyspec_linear.__name__ == "int8_linear" for w in own)
 
 
 def test_fp32_heads_stay_unquantized_under_auto_and_int8_says_why(tiny):

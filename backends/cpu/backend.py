@@ -260,6 +260,7 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
     return {
         "verify_tree_greedy": once_loaded("verify_tree_greedy"),
         "build_tree": once_loaded("build_tree"),
+        "select_top_k": once_loaded("select_top_k"),
         "softmax_topk": once_loaded(
             "softmax_topk", lambda logits, *_: logits.dtype in (bf16, torch.float32)
         ),

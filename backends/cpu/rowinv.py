@@ -213,6 +213,32 @@ def linear_w8(
     return _module().linear_w8(x, q, scale, bias, out_dtype == torch.float32)
 
 
+def select_top_k(
+    step: int,
+    topk_p: torch.Tensor,  # [bs, K] at step 0, [bs*K, K] after; fp32
+    topk_index: torch.Tensor,  # same shape; int64 or int32
+    hidden: torch.Tensor,  # [bs, F] at step 0, [bs*K, F] after
+    scores: torch.Tensor | None,  # [bs, K] fp32; None at step 0
+    topk: int,
+):
+    """``polyspec.kernels.reference.select_top_k``; steps >= 1 in one C++ call (ties: lower
+    candidate first), step 0 (a reshape and a repeat) as the reference does it."""
+    from polyspec.kernels import reference
+
+    if (
+        step == 0
+        or scores is None
+        or scores.dtype != torch.float32
+        or topk_p.dtype != torch.float32
+    ):
+        return reference.select_top_k(step, topk_p, topk_index, hidden, scores, topk)
+    ids, new_hidden, cs_p, flat, parents = _module().select_top_k_step(
+        int(step), topk_p, topk_index, hidden, scores, int(topk)
+    )
+    bs = scores.shape[0]
+    return ids, new_hidden, cs_p, (flat, topk_index.view(bs, topk * topk), parents)
+
+
 def softmax_topk(
     logits: torch.Tensor,  # [n, V] bf16 or fp32
     k: int,

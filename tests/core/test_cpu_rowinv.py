@@ -851,3 +851,26 @@ def test_rms_norm_is_the_serial_sum_of_squares_bit_for_bit(rows, hidden):
         normed = torch.from_numpy(row * r).bfloat16().float()
         want.append((w.float() * normed).bfloat16())
     assert torch.equal(rowinv.rms_norm(x, w, 1e-5), torch.stack(want))
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_select_top_k_steps_equal_the_reference(index_dtype):
+    """The C++ expansion step gives the reference's tensors exactly, with distinct scores."""
+    from polyspec.kernels import reference
+
+    g = torch.Generator().manual_seed(5)
+    for bs, k, feat in [(1, 3, 576), (4, 2, 64), (3, 4, 16), (2, 1, 8)]:
+        for step in (1, 2, 3):
+            p = torch.rand(bs * k, k, generator=g)
+            idx = torch.randint(0, 1000, (bs * k, k), generator=g).to(index_dtype)
+            hidden = torch.randn(bs * k, feat, generator=g).bfloat16()
+            scores = torch.rand(bs, k, generator=g)
+            got = rowinv.select_top_k(step, p, idx, hidden, scores, k)
+            want = reference.select_top_k(step, p, idx, hidden, scores, k)
+            for a, b in zip([*got[:3], *got[3]], [*want[:3], *want[3]]):
+                assert a.dtype == b.dtype and torch.equal(a, b), (bs, k, step)
+    # ties: the lower candidate first
+    p = torch.full((3, 3), 0.5)
+    _, _, cs_p, level = rowinv.select_top_k(1, p, torch.zeros(3, 3, dtype=torch.int64),
+                                            torch.zeros(3, 4), torch.ones(1, 3), 3)  # fmt: skip
+    assert level[2].tolist() == [[3, 4, 5]] and cs_p.tolist() == [[0.5, 0.5, 0.5]]

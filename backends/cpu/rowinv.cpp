@@ -735,10 +735,10 @@ void w8_columns(const W8Args& a, int64_t g0, int64_t g1) {
   const int64_t group_bytes = kW8Cols * a.K;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t n0 = g * kW8Cols;
-    // The hardware prefetcher alone left this kernel at half the bf16 kernel's DRAM rate: ask
+    // The hardware prefetcher alone left this kernel well below the bf16 kernel's DRAM rate: ask
     // for the group kW8PrefetchGroups ahead, one line at a time, into L2, before computing this
-    // one (16384 x 576 from DRAM, 2 threads: 0.55 / 0.65 ms at 1 / 3 rows, against 0.56 / 0.68
-    // into L1 and 0.65 / 0.89 without; 2 to 32 groups ahead measured alike).
+    // one (measured faster than into L1 and than no prefetch; 2 to 32 groups ahead alike).
+    // ci/bench_draft_kernels.py times the result.
     const char* pf = reinterpret_cast<const char*>(a.q + n0 * a.K) + kW8PrefetchGroups * group_bytes;
     for (int64_t i = 0; i < group_bytes && pf + i < end; i += 64) _mm_prefetch(pf + i, _MM_HINT_T1);
     if (n0 + kW8Cols <= a.N) {
@@ -1131,7 +1131,8 @@ void check_bf16_rows(const at::Tensor& x, const char* name) {
 // chains of up to 8 rows advance together, row r in lane r (8 x 8 blocks transposed in
 // registers), with the scalar loop's operations per lane, so the bits are the serial loop's:
 // one chain is bound by the add latency, 8 share it (fused_add_rms_norm, 8 rows of 576:
-// 7.9 -> 4.8 us, 16 rows 13.8 -> 8.3 us; a single row keeps the scalar loop).
+// 7.7 -> 6.0 us, 16 rows 13.6 -> 10.0 us, ci/bench_draft_kernels.py; one row keeps the scalar
+// loop).
 inline void transpose8(__m256 r[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
   const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
@@ -1338,7 +1339,7 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
 // select_top_k at step >= 1 (polyspec.kernels.reference): per request, the K best of the K*K
 // products scores[b, i] * topk_p[b*K + i, j] (fp32 products, as torch's), ties lower candidate
 // first; their tokens, the hidden rows of the lanes they came from and their parent ids. One
-// call instead of ~10 torch ops (~80 us a draft step on 2 cores).
+// call instead of ~10 torch ops (29 us -> 5 us a step, ci/bench_draft_kernels.py).
 // Returns (input_ids [bs*K], hidden [bs*K, F], cs_p [bs, K], flat_scores [bs, K*K],
 // tree_parents [bs, K]).
 std::vector<at::Tensor> select_top_k_step(int64_t step, const at::Tensor& topk_p_in, const at::Tensor& topk_index_in,
@@ -1406,7 +1407,7 @@ std::vector<at::Tensor> select_top_k_step(int64_t step, const at::Tensor& topk_p
 // their ids. One pass keeps the running max and the k best logits (insertion; a later equal
 // logit never displaces an earlier one, so ties come lower id first), a second sums
 // exp(l - max) in 8 fp32 lanes; p = exp(l - max) / sum. Replaces softmax + topk over the whole
-// draft vocabulary (~4 torch ops, 150 us a draft step at 3 x 16384 on 2 cores).
+// draft vocabulary (3 x 16384: 84 us -> 30 us, ci/bench_draft_kernels.py).
 void softmax_topk_row(const float* l, int64_t V, int64_t k, float* p_out, int64_t* i_out) {
   std::vector<float> top(k, -INFINITY);
   std::vector<int64_t> ids(k, 0);

@@ -1408,9 +1408,13 @@ std::vector<at::Tensor> select_top_k_step(int64_t step, const at::Tensor& topk_p
 // logit never displaces an earlier one, so ties come lower id first), a second sums
 // exp(l - max) in 8 fp32 lanes; p = exp(l - max) / sum. Replaces softmax + topk over the whole
 // draft vocabulary (3 x 16384: 84 us -> 30 us, ci/bench_draft_kernels.py).
+constexpr int64_t kMaxTopk = 64;
+
 void softmax_topk_row(const float* l, int64_t V, int64_t k, float* p_out, int64_t* i_out) {
-  std::vector<float> top(k, -INFINITY);
-  std::vector<int64_t> ids(k, 0);
+  float top[kMaxTopk];
+  int64_t ids[kMaxTopk];
+  std::fill(top, top + k, -INFINITY);
+  std::fill(ids, ids + k, int64_t{0});
   float thr = -INFINITY;
   __m256 mv = _mm256_set1_ps(-INFINITY);
   auto insert = [&](float v, int64_t i) {
@@ -1453,10 +1457,7 @@ void softmax_topk_row(const float* l, int64_t V, int64_t k, float* p_out, int64_
     for (int64_t t = 0; t < V - j; ++t) sum += e[t];
   }
   for (int64_t a = 0; a < k; ++a) {
-    alignas(32) float one[8] = {top[a] - m, 0, 0, 0, 0, 0, 0, 0};
-    alignas(32) float e[8];
-    _mm256_store_ps(e, exp256(_mm256_load_ps(one)));
-    p_out[a] = e[0] / sum;
+    p_out[a] = std::exp(top[a] - m) / sum;
     i_out[a] = ids[a];
   }
 }
@@ -1466,7 +1467,7 @@ std::vector<at::Tensor> softmax_topk(const at::Tensor& logits_in, int64_t k) {
               "rowinv.softmax_topk: logits must be a 2-D bfloat16 or float32 tensor [n, V], got ",
               logits_in.scalar_type(), " ", logits_in.sizes());
   const int64_t n = logits_in.size(0), V = logits_in.size(1);
-  TORCH_CHECK(k >= 1 && k <= V && k <= 64, "rowinv.softmax_topk: k must be in [1, min(V, 64)], got k=", k,
+  TORCH_CHECK(k >= 1 && k <= V && k <= kMaxTopk, "rowinv.softmax_topk: k must be in [1, min(V, 64)], got k=", k,
               " for V=", V);
   const at::Tensor l = logits_in.to(at::kFloat).contiguous();
   at::Tensor p = at::empty({n, k}, l.options());

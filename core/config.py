@@ -38,8 +38,10 @@ from typing import Any
 from polyspec.errors import ConfigError
 
 ALGORITHMS = ("eagle", "eagle3", "standalone")
-DRAFT_QUANTIZATIONS = ("auto", "none", "int8")
 """Speculative algorithms: EAGLE-1/2 head, EAGLE-3 head, a small standalone LM as the draft."""
+
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8")
+"""``speculative.draft_quantization`` values (see :class:`SpeculativeConfig`)."""
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Model dtypes; "auto" lets the backend choose (the checkpoint's dtype where supported)."""

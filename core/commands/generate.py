@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from polyspec.config import DRAFT_QUANTIZATIONS
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by generate and bench (unset flags fall back to env, config file, defaults)."""
@@ -33,7 +35,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft-quantization",
-        choices=["auto", "none", "int8"],
+        choices=DRAFT_QUANTIZATIONS,
         dest="draft_quantization",
         help="EAGLE head weights: int8 (weight-only), none (the model's dtype), or auto "
         "(default: int8 where the backend supports it)",
@@ -97,9 +99,8 @@ _SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens", "draft_quantization")
 def tune_shipped_head(cli: dict) -> None:
     """``--num-steps`` / ``--topk`` / ``--num-draft-tokens`` / ``--draft-quantization`` with
     neither a target, a draft nor an algorithm tune the shipped head on the default model
-    (instead of being an error):
-    fill in the algorithm and the head; ``load_config`` then takes the settings the user did
-    not give from the head's ``polyspec.json``."""
+    (instead of being an error): fill in the algorithm and the head; ``load_config`` then
+    takes the settings the user did not give from the head's ``polyspec.json``."""
     from polyspec.engine.defaults import shipped_head_path
 
     given = [k for k in _SPEC_KEYS if cli.get(k) is not None]

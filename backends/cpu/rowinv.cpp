@@ -950,7 +950,59 @@ void check_cache(const at::Tensor& c, const char* name, int64_t D) {
 // invariance tests use it; the model path uses bf16.
 // Attention of the G query heads h0 .. h0 + G - 1 of token t, which share kv head g: the steps
 // of Kernel 2 above for each head (scores, max, exp, sums, weighted values, divide), with each
-// key and value row read once for the group.
+// key and value row read once for the group. attend_group (AVX2) and attend_group512 (below)
+// share every step but the two loops over the keys, whose per-lane operations are the same.
+
+// q rows of the group -> fp32 in the packed order of the score chains.
+template <int G>
+inline void pack_q(const uint16_t* qb, int64_t t, int64_t Hq, int64_t h0, int64_t D, float* qp) {
+  for (int h = 0; h < G; ++h) {
+    const uint16_t* qh = qb + (t * Hq + h0 + h) * D;
+    for (int64_t d = 0; d < D; ++d) qp[h * kMaxD + packed_pos(d, D)] = bf16_to_f32(qh[d]);
+  }
+}
+
+// Scores [L] -> exp(s - max s) in place, per head; the padding up to Lp exps to exactly 0.
+template <int G>
+inline void exp_scores(float* const* s, int64_t L, int64_t Lp) {
+  for (int h = 0; h < G; ++h) {
+    float* sh = s[h];
+    for (int64_t j = L; j < Lp; ++j) sh[j] = -INFINITY;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < Lp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sh + j));
+    const __m256 m = _mm256_set1_ps(hmax8(mv));
+    for (int64_t j = 0; j < Lp; j += 8) _mm256_storeu_ps(sh + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m)));
+  }
+}
+
+// The weighted sums from lane d0 on (AVX2): 64 lanes per pass for one head, 32 for a group.
+template <int G>
+inline void weighted_sums_from(const float* const* pc, int64_t L, const uint16_t* vg, const int64_t* slots,
+                               int64_t slot_v, int64_t d0, int64_t D, float* o, float* l) {
+  if constexpr (G == 1)
+    for (; d0 + 64 <= D; d0 += 64) weighted_sum_group<G, 8>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+  for (; d0 + 32 <= D; d0 += 32) weighted_sum_group<G, 4>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+  if (d0 + 16 <= D) {
+    weighted_sum_group<G, 2>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+    d0 += 16;
+  }
+  if (d0 < D) weighted_sum_group<G, 1>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+}
+
+// out = o / l per head, back to natural order.
+template <int G>
+inline void store_group(const float* o, const float* l, int64_t t, int64_t Hq, int64_t h0, int64_t D, uint16_t* ob,
+                        float* of) {
+  for (int h = 0; h < G; ++h) {
+    const int64_t i = t * Hq + h0 + h;
+    for (int64_t d = 0; d < D; ++d) {
+      const float r = o[h * kMaxD + packed_pos(d, D)] / l[h];
+      if (of) of[i * D + d] = r;
+      else ob[i * D + d] = bf16_rne(r);
+    }
+  }
+}
+
 template <int G>
 void attend_group(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, int64_t slot_k, int64_t slot_v,
                   const int64_t* slots, int64_t L, int64_t D, int64_t h0, int64_t g, int64_t Hq, int64_t t,
@@ -959,11 +1011,8 @@ void attend_group(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, in
   alignas(32) float o[G * kMaxD];
   const int64_t Lp = round_up(L, 8);
   float* s[G];
-  for (int h = 0; h < G; ++h) {
-    s[h] = sbuf + h * Lp;
-    const uint16_t* qh = qb + (t * Hq + h0 + h) * D;
-    for (int64_t d = 0; d < D; ++d) qp[h * kMaxD + packed_pos(d, D)] = bf16_to_f32(qh[d]);
-  }
+  for (int h = 0; h < G; ++h) s[h] = sbuf + h * Lp;
+  pack_q<G>(qb, t, Hq, h0, D, qp);
   const uint16_t* kg = kb + g * D;
   int64_t j = 0;
   // Enough independent FMA chains without spilling: 8 keys for one head, 4 keys x G heads.
@@ -980,36 +1029,166 @@ void attend_group(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, in
     const uint16_t* row = kg + slots[j] * slot_k;
     scores_group<G, 1>(qp, D, &row, scale, s, j);
   }
+  exp_scores<G>(s, L, Lp);
   float l[G];
-  const float* pc[G];
-  for (int h = 0; h < G; ++h) {
-    float* sh = s[h];
-    for (j = L; j < Lp; ++j) sh[j] = -INFINITY;
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    for (j = 0; j < Lp; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sh + j));
-    const __m256 m = _mm256_set1_ps(hmax8(mv));
-    for (j = 0; j < Lp; j += 8) _mm256_storeu_ps(sh + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m)));
-    pc[h] = sh;
-  }
-  const uint16_t* vg = vb + g * D;
-  int64_t d0 = 0;
-  if constexpr (G == 1)  // 64 lanes per pass for one head, 32 for a group
-    for (; d0 + 64 <= D; d0 += 64) weighted_sum_group<G, 8>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
-  for (; d0 + 32 <= D; d0 += 32) weighted_sum_group<G, 4>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
-  if (d0 + 16 <= D) {
-    weighted_sum_group<G, 2>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
-    d0 += 16;
-  }
-  if (d0 < D) weighted_sum_group<G, 1>(pc, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
-  for (int h = 0; h < G; ++h) {
-    const int64_t i = t * Hq + h0 + h;
-    for (int64_t d = 0; d < D; ++d) {
-      const float r = o[h * kMaxD + packed_pos(d, D)] / l[h];
-      if (of) of[i * D + d] = r;
-      else ob[i * D + d] = bf16_rne(r);
+  weighted_sums_from<G>(s, L, vb + g * D, slots, slot_v, 0, D, o, l);
+  store_group<G>(o, l, t, Hq, h0, D, ob, of);
+}
+
+// --------------------------------------------------------------------------------------------
+// The AVX-512 attention: the AVX2 kernel's operations lane for lane, twice as wide, so its bits
+// are the AVX2 kernel's (tests/core/test_cpu_rowinv.py compares them). A score chain is 8 lanes
+// wide, so two keys share a 16-lane register (key 2p in lanes 0-7, 2p+1 in lanes 8-15, q in
+// both halves), and hsum8's additions run for 8 keys at once. A weighted sum is one chain per
+// lane, so it simply covers 16 lanes (two 16-blocks' even or odd halves) per register.
+// --------------------------------------------------------------------------------------------
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw")
+
+// 8 fp32 (one 8-lane chain's operand) in both halves of a 512-bit register.
+inline __m512 dup8(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+// load_bf16x16 of two rows: lanes 0-7 row a's even / odd elements, lanes 8-15 row b's.
+inline EvenOdd512 load_bf16x16_pair(const uint16_t* a, const uint16_t* b) {
+  const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  return split_bf16x32(_mm512_inserti64x4(_mm512_castsi256_si512(va), vb, 1));
+}
+
+// load_bf16x8 of two rows: lanes 0-7 row a, lanes 8-15 row b.
+inline __m512 load_bf16x8_pair(const uint16_t* a, const uint16_t* b) {
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i vb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(va), vb, 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// hsum8 of each 8-lane half of a0..a3 (keys 0..7 in order) -> 8 sums, in lanes 0-7. The same
+// additions as hsum8: (lo4 + hi4), then lanes (0 + 2, 1 + 3), then lane 0 + lane 1.
+inline __m256 hsum8x8(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // Per 128-bit lane, one key: its lo4 + hi4.
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x88), _mm512_shuffle_f32x4(a0, a1, 0xDD));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x88), _mm512_shuffle_f32x4(a2, a3, 0xDD));
+  __m512 t01 = _mm512_add_ps(s01, _mm512_permute_ps(s01, 0xEE));  // movehl
+  __m512 t23 = _mm512_add_ps(s23, _mm512_permute_ps(s23, 0xEE));
+  t01 = _mm512_add_ps(t01, _mm512_permute_ps(t01, 0xF5));  // movehdup
+  t23 = _mm512_add_ps(t23, _mm512_permute_ps(t23, 0xF5));
+  const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_permutex2var_ps(t01, pick, t23));
+}
+
+// scores_group<G, 8> for keys k[0..7]: the same chains, two keys per register.
+template <int G>
+inline void scores_group512(const float* qp, int64_t D, const uint16_t* const* k, float scale, float* const* s,
+                            int64_t j0) {
+  __m512 acc[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int p = 0; p < 4; ++p) acc[h][p] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    __m512 qe[G], qo[G];
+    for (int h = 0; h < G; ++h) {
+      qe[h] = dup8(qp + h * kMaxD + d);
+      qo[h] = dup8(qp + h * kMaxD + d + 8);
+    }
+    for (int p = 0; p < 4; ++p) {
+      const EvenOdd512 kv = load_bf16x16_pair(k[2 * p] + d, k[2 * p + 1] + d);
+      for (int h = 0; h < G; ++h) {
+        acc[h][p] = _mm512_fmadd_ps(qe[h], kv.e, acc[h][p]);
+        acc[h][p] = _mm512_fmadd_ps(qo[h], kv.o, acc[h][p]);
+      }
     }
   }
+  if (d < D) {
+    for (int p = 0; p < 4; ++p) {
+      const __m512 kt = load_bf16x8_pair(k[2 * p] + d, k[2 * p + 1] + d);
+      for (int h = 0; h < G; ++h) acc[h][p] = _mm512_fmadd_ps(dup8(qp + h * kMaxD + d), kt, acc[h][p]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int h = 0; h < G; ++h)
+    _mm256_storeu_ps(s[h] + j0, _mm256_mul_ps(sc, hsum8x8(acc[h][0], acc[h][1], acc[h][2], acc[h][3])));
 }
+
+// weighted_sum_group over lanes [d0, d0 + 32 NC): split_bf16x32 of a 32-block gives the even
+// halves of its two 16-blocks (the AVX2 kernel's accumulators i and i + 2) in one register and
+// the odd halves (i + 1 and i + 3) in another; each lane's chain is unchanged.
+template <int G, int NC>
+inline void weighted_sum_group512(const float* const* p, int64_t L, const uint16_t* v, const int64_t* slots,
+                                  int64_t vstride, int64_t d0, float* o, float* l) {
+  __m512 acc[G][2 * NC];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < 2 * NC; ++i) acc[h][i] = _mm512_setzero_ps();
+  float sum[G];
+  for (int h = 0; h < G; ++h) sum[h] = 0.0f;
+  for (int64_t j = 0; j < L; ++j) {
+    if (j + kAhead < L) prefetch_bytes(v + slots[j + kAhead] * vstride + d0, NC * 64);
+    const uint16_t* row = v + slots[j] * vstride + d0;
+    for (int c = 0; c < NC; ++c) {
+      const EvenOdd512 vv = split_bf16x32(_mm512_loadu_si512(row + 32 * c));
+      for (int h = 0; h < G; ++h) {
+        const __m512 pj = _mm512_set1_ps(p[h][j]);
+        acc[h][2 * c] = _mm512_fmadd_ps(pj, vv.e, acc[h][2 * c]);
+        acc[h][2 * c + 1] = _mm512_fmadd_ps(pj, vv.o, acc[h][2 * c + 1]);
+      }
+    }
+    if (l)
+      for (int h = 0; h < G; ++h) sum[h] += p[h][j];
+  }
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < NC; ++c) {
+      float* dst = o + h * kMaxD + d0 + 32 * c;
+      const __m512 e = acc[h][2 * c], od = acc[h][2 * c + 1];
+      _mm256_storeu_ps(dst, _mm512_castps512_ps256(e));
+      _mm256_storeu_ps(dst + 8, _mm512_castps512_ps256(od));
+      _mm256_storeu_ps(dst + 16, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+      _mm256_storeu_ps(dst + 24, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(od), 1)));
+    }
+  if (l)
+    for (int h = 0; h < G; ++h) l[h] = sum[h];
+}
+
+template <int G>
+void attend_group512(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, int64_t slot_k, int64_t slot_v,
+                     const int64_t* slots, int64_t L, int64_t D, int64_t h0, int64_t g, int64_t Hq, int64_t t,
+                     float scale, float* sbuf, uint16_t* ob, float* of) {
+  alignas(64) float qp[G * kMaxD];
+  alignas(64) float o[G * kMaxD];
+  const int64_t Lp = round_up(L, 8);
+  float* s[G];
+  for (int h = 0; h < G; ++h) s[h] = sbuf + h * Lp;
+  pack_q<G>(qb, t, Hq, h0, D, qp);
+  const uint16_t* kg = kb + g * D;
+  int64_t j = 0;
+  for (; j + 8 <= L; j += 8) {
+    const uint16_t* rows[8];
+    for (int a = 0; a < 8; ++a) {
+      rows[a] = kg + slots[j + a] * slot_k;
+      if (j + a + kAhead < L) prefetch_bytes(kg + slots[j + a + kAhead] * slot_k, D * 2);
+    }
+    scores_group512<G>(qp, D, rows, scale, s, j);
+  }
+  for (; j < L; ++j) {
+    const uint16_t* row = kg + slots[j] * slot_k;
+    scores_group<G, 1>(qp, D, &row, scale, s, j);
+  }
+  exp_scores<G>(s, L, Lp);
+  float l[G];
+  const uint16_t* vg = vb + g * D;
+  // 64 lanes a pass (G <= 4: at most 16 accumulators), then 32, then the AVX2 passes.
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) weighted_sum_group512<G, 2>(s, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+  if (d0 + 32 <= D) {
+    weighted_sum_group512<G, 1>(s, L, vg, slots, slot_v, d0, o, d0 == 0 ? l : nullptr);
+    d0 += 32;
+  }
+  if (d0 < D) weighted_sums_from<G>(s, L, vg, slots, slot_v, d0, D, o, d0 == 0 ? l : nullptr);
+  store_group<G>(o, l, t, Hq, h0, D, ob, of);
+}
+
+#pragma GCC pop_options
 
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& kv_indptr_in, const at::Tensor& kv_indices_in, double scale_d,
@@ -1063,6 +1242,8 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
   auto* ob = out_fp32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   float* of = out_fp32 ? out.data_ptr<float>() : nullptr;
 
+  // Read once, so no call mixes paths (their bits agree anyway). AMX implies AVX-512.
+  const bool wide = g_isa.load() != Isa::kAvx2;
   if (group >= 2 && group <= 4) {
     // One (t, kv head) per work item, its query heads together.
     at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
@@ -1074,9 +1255,9 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
         const auto run = [&](auto fn) {
           fn(qb, kb, vb, slot_k, slot_v, slots, L, D, g * group, g, Hq, t, scale, sbuf.data(), ob, of);
         };
-        if (group == 2) run(attend_group<2>);
-        else if (group == 3) run(attend_group<3>);
-        else run(attend_group<4>);
+        if (group == 2) wide ? run(attend_group512<2>) : run(attend_group<2>);
+        else if (group == 3) wide ? run(attend_group512<3>) : run(attend_group<3>);
+        else wide ? run(attend_group512<4>) : run(attend_group<4>);
       }
     });
     return out;
@@ -1087,8 +1268,8 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / Hq, h = i % Hq;
       const int64_t L = indptr[t + 1] - indptr[t];
-      attend_group<1>(qb, kb, vb, slot_k, slot_v, idx + indptr[t], L, D, h, h / group, Hq, t, scale, sbuf.data(),
-                      ob, of);
+      (wide ? attend_group512<1> : attend_group<1>)(qb, kb, vb, slot_k, slot_v, idx + indptr[t], L, D, h, h / group,
+                                                    Hq, t, scale, sbuf.data(), ob, of);
     }
   });
   return out;

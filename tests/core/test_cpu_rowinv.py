@@ -326,7 +326,7 @@ def assert_close_bf16(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (6, 1, 8), (2, 2, 72)])
-def test_attention_matches_reference(hq: int, hkv: int, d: int) -> None:
+def test_attention_matches_reference(hq: int, hkv: int, d: int, isa: str) -> None:
     lens = [1, 5, 8, 9, 33, 400]
     q, k, v, indptr, indices = make_attention(lens, hq, hkv, d, seed=30)
     scale = d**-0.5
@@ -353,7 +353,7 @@ F32 = torch.float32
 SCALE = 0.1  # not a power of two, so where the scale is applied matters to the bits
 
 
-def test_attention_row_invariance() -> None:
+def test_attention_row_invariance(isa: str) -> None:
     lens = [7, 1, 300, 16, 45, 2]
     q, k, v, indptr, indices = make_attention(lens, 9, 3, 64, seed=32)
     out = rowinv.attention(q, k, v, indptr, indices, SCALE, out_dtype=F32)
@@ -390,6 +390,29 @@ def test_attention_row_invariance() -> None:
             out_dtype=F32,
         )
         assert same(alone, batch[t : t + 1])
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (6, 1, 8), (2, 2, 72), (8, 2, 96),
+                                      (16, 4, 64), (5, 5, 40), (12, 3, 24), (3, 1, 136)])  # fmt: skip
+def test_attention_bits_same_on_every_isa(hq: int, hkv: int, d: int) -> None:
+    """The AVX-512 attention (also under "amx") runs the AVX2 kernel's operations lane for
+    lane, so every path gives the same bits: plain decoding and verify agree whichever runs,
+    and so do machines with and without AVX-512. Key counts around the 8-key blocks, head
+    sizes with a trailing 8 or 16 lanes, group sizes 1-4 and 5."""
+    lens = [1, 3, 7, 8, 9, 15, 16, 17, 33, 250, 401]
+    q, k, v, indptr, indices = make_attention(lens, hq, hkv, d, seed=36, slots=600)
+    saved = rowinv.isa()
+    outs = {}
+    try:
+        for name in rowinv.available_isas():
+            rowinv.set_isa(name)
+            outs[name] = rowinv.attention(q, k, v, indptr, indices, SCALE, out_dtype=F32)
+    finally:
+        rowinv.set_isa(saved)
+    if len(outs) == 1:
+        pytest.skip("this CPU has only the avx2 path")
+    for name, out in outs.items():
+        assert same(out, outs["avx2"]), f"{name} attention differs from avx2's"
 
 
 def test_attention_gqa_mapping() -> None:

@@ -1,7 +1,7 @@
 """Sweep of speculative settings for the shipped head (docs/benchmarks.md).
 
     python ci/sweep_settings.py [DTYPE] [--more | --only S-K-N,S-K-N,...] [--repeats R]
-                                [--quantizations auto,none,int8]
+                                [--quantizations auto,none,int8] [--dynamic-depths 0,0.05,...]
                                        # MT-bench 81, 91, ..., 151; 64 new tokens
 
 DTYPE float32 (default) or bfloat16; batch 1, 2 threads, greedy; prints a markdown table
@@ -9,6 +9,8 @@ DTYPE float32 (default) or bfloat16; batch 1, 2 threads, greedy; prints a markdo
 prompt (alternating the order), R times over the prompts: on a shared host a sequential sweep
 measured each setting in a different minute of the machine's load. ``--quantizations``: run
 each setting with each ``speculative.draft_quantization`` (default: auto only).
+``--dynamic-depths``: run each setting with each ``speculative.dynamic_depth`` threshold
+(default: 0, every round drafts S levels).
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ def main() -> None:
         i = args.index("--quantizations")
         quantizations = args[i + 1].split(",")
         del args[i : i + 2]
+    depths = [0.0]
+    if "--dynamic-depths" in args:
+        i = args.index("--dynamic-depths")
+        depths = [float(t) for t in args[i + 1].split(",")]
+        del args[i : i + 2]
     rounds_of = 1
     if "--repeats" in args:
         i = args.index("--repeats")
@@ -64,13 +71,17 @@ def main() -> None:
     systems = {"plain": LLM(dtype=dtype, max_batch_size=1)}
     for s, k, n in settings:
         for quant in quantizations:
-            spec = SpeculativeConfig(
-                algorithm="eagle3", num_steps=s, topk=k, num_draft_tokens=n,
-                draft_quantization=quant,
-            )  # fmt: skip
-            llm = LLM(draft=shipped_head_path(), speculative=spec, dtype=dtype, max_batch_size=1)
-            label = "" if len(quantizations) == 1 else f", draft {llm.draft_quantization}"
-            systems[f"S={s} K={k} N={n}{label}"] = llm
+            for depth in depths:
+                spec = SpeculativeConfig(
+                    algorithm="eagle3", num_steps=s, topk=k, num_draft_tokens=n,
+                    draft_quantization=quant, dynamic_depth=depth,
+                )  # fmt: skip
+                llm = LLM(
+                    draft=shipped_head_path(), speculative=spec, dtype=dtype, max_batch_size=1
+                )
+                label = "" if len(quantizations) == 1 else f", draft {llm.draft_quantization}"
+                label += "" if len(depths) == 1 else f", dynamic depth {depth:g}"
+                systems[f"S={s} K={k} N={n}{label}"] = llm
     for llm in systems.values():
         llm.chat(prompts[0], params)  # warm-up
     # Interleaved: every prompt runs on every system before the next prompt, in an order that

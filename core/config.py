@@ -108,6 +108,15 @@ class SpeculativeConfig:
     the model's dtype; "auto" (default): int8 where the backend lists it in
     ``capabilities.weight_quantization`` and can quantize the head's dtype, else none. It
     changes what the draft proposes (acceptance), never the output.
+
+    ``dynamic_depth``: draft fewer than ``num_steps`` levels in a round where the draft is
+    unsure (dynamic depth, as in DDD, Brown et al. 2024): once the most probable path of the
+    current depth has a draft probability below this threshold, the deeper levels get no draft
+    forward (their candidates get probability 0, so the tree takes them only to fill its N
+    nodes; verification stays lossless whatever it is given). It costs one host read of the
+    scores per level, so it applies where the draft loop runs eagerly; a captured loop (CUDA
+    graphs) always runs every level. 0 turns it off; None (default) means the head's
+    ``polyspec.json`` value (with the head's own tree), else 0.
     """
 
     algorithm: str
@@ -115,6 +124,7 @@ class SpeculativeConfig:
     topk: int = 1
     num_draft_tokens: int | None = None
     draft_quantization: str = "auto"
+    dynamic_depth: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("speculative.algorithm", self.algorithm, ALGORITHMS)
@@ -122,6 +132,18 @@ class SpeculativeConfig:
             "speculative.draft_quantization", self.draft_quantization, DRAFT_QUANTIZATIONS
         )
         s = _check_int("speculative.num_steps", self.num_steps, 1, MAX_NUM_STEPS)
+        if self.dynamic_depth is not None:
+            t = self.dynamic_depth
+            if _is_int(t):
+                t = float(t)
+            if not isinstance(t, float) or not 0.0 <= t < 1.0:
+                raise _invalid(
+                    "speculative.dynamic_depth",
+                    self.dynamic_depth,
+                    "must be a probability threshold in [0, 1) (0 = always draft num_steps "
+                    "levels), or unset for the head's own value",
+                )
+            object.__setattr__(self, "dynamic_depth", t)
         k = _check_int("speculative.topk", self.topk, 1, MAX_TOPK)
         max_nodes = k + (s - 1) * k * k + 1  # root + every candidate of the S levels
         n = self.num_draft_tokens
@@ -299,6 +321,7 @@ _KINDS: dict[str, str] = {
     "topk": "int",
     "num_draft_tokens": "opt_int",
     "draft_quantization": "str",
+    "dynamic_depth": "opt_float",
     "max_new_tokens": "int",
     "temperature": "float",
     "top_k": "int",
@@ -337,7 +360,7 @@ def _parse_text(key: str, field: str, text: str) -> Any:
             return None
         if kind in ("int", "opt_int"):
             return int(text)
-        if kind == "float":
+        if kind in ("float", "opt_float"):
             return float(text)
         if kind == "bool":
             if low in _TRUE_WORDS:
@@ -356,6 +379,7 @@ def _parse_text(key: str, field: str, text: str) -> Any:
             "int": "an integer",
             "opt_int": "an integer or 'none'",
             "float": "a number",
+            "opt_float": "a number or 'none'",
             "bool": "one of 1/0, true/false, yes/no, on/off",
             "str_list": "a string or a JSON list of strings",
             "int_list": "comma-separated integers or a JSON list",
@@ -569,12 +593,13 @@ def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingPar
 def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
     """Tree settings no layer set come from the EAGLE head's own ``polyspec.json`` (the head
     in ``draft``, or the shipped one where the engine will use it), as SGLang picks settings
-    for a known draft when none are given. ``num_draft_tokens`` is taken only with the head's
-    own ``num_steps`` and ``topk``: it is chosen for that tree and may not fit another."""
+    for a known draft when none are given. ``num_draft_tokens`` and ``dynamic_depth`` are taken
+    only with the head's own ``num_steps`` and ``topk``: they are chosen for that tree (and
+    ``num_draft_tokens`` may not fit another)."""
     if spec.get("algorithm") not in ("eagle", "eagle3"):
         return
     if all(spec.get(k) is not None for k in ("num_steps", "topk", "num_draft_tokens")):
-        return
+        return  # a tree given in full is the user's own: none of the head's settings apply
     from polyspec.engine.defaults import head_settings, shipped_head_path
 
     head = engine.get("draft")
@@ -587,5 +612,6 @@ def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
         if spec.get(key) is None and key in recommended:
             spec[key] = recommended[key]
     own_tree = all(spec.get(k) == recommended.get(k) for k in ("num_steps", "topk"))
-    if spec.get("num_draft_tokens") is None and own_tree and "num_draft_tokens" in recommended:
-        spec["num_draft_tokens"] = recommended["num_draft_tokens"]
+    for key in ("num_draft_tokens", "dynamic_depth"):  # chosen for the head's own tree
+        if spec.get(key) is None and own_tree and key in recommended:
+            spec[key] = recommended[key]

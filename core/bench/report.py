@@ -255,6 +255,8 @@ def format_markdown(report: Mapping[str, Any]) -> str:
         )
         if s.get("draft_quantization") not in (None, "none"):
             workload += f", {s['draft_quantization']} draft weights"
+        if s.get("dynamic_depth"):
+            workload += f", dynamic depth {s['dynamic_depth']:g}"
     table = ["| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
     table += ["| " + " | ".join(r) + " |" for r in _table_rows(report)]
     parts = [

@@ -201,6 +201,8 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "topk": spec.topk if spec else None,
         "num_draft_tokens": spec.num_draft_tokens if spec else None,
         "draft_quantization": None,  # the scheme applied, filled in once the head is loaded
+        "dynamic_depth": spec.dynamic_depth if spec else None,
+        "rounds_by_levels_drafted": None,  # dynamic depth's effect, filled in after the runs
         "backend": None,  # filled in once the engine has picked it
         "dtype": plain_cfg.dtype,
         "resolved_dtype": None,
@@ -277,6 +279,8 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
             llm, "spec", ids, sampling, progress, phase_times, warmup_prompts=warm,
             repeats=args.repeats,
         )  # fmt: skip
+        if spec_cfg.speculative.dynamic_depth:  # warm-up and every repeat included
+            settings["rounds_by_levels_drafted"] = llm.worker.drafted_levels[1:]
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
             sweep[t] = runner.run_polyspec(

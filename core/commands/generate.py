@@ -40,6 +40,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="EAGLE head weights: int8 (weight-only), none (the model's dtype), or auto "
         "(default: int8 where the backend supports it)",
     )
+    p.add_argument(
+        "--dynamic-depth",
+        type=float,
+        dest="dynamic_depth",
+        metavar="THRESHOLD",
+        help="stop drafting deeper levels in a round once the most probable draft path is "
+        "below this probability (eager draft loops; 0 = off; default: the head's own value)",
+    )
     p.add_argument("--backend", help="backend name (see `polyspec backends`)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--page-size", type=int, dest="page_size")
@@ -68,7 +76,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
                 "prefill_wait_steps", "algorithm", "num_steps", "topk", "num_draft_tokens",
-                "draft_quantization",
+                "draft_quantization", "dynamic_depth",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 
 
@@ -93,12 +101,12 @@ def engine_from_args(args: argparse.Namespace):
     return LLM(config=cfg), sampling, notes
 
 
-_SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens", "draft_quantization")
+_SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens", "draft_quantization", "dynamic_depth")
 
 
 def tune_shipped_head(cli: dict) -> None:
-    """``--num-steps`` / ``--topk`` / ``--num-draft-tokens`` / ``--draft-quantization`` with
-    neither a target, a draft nor an algorithm tune the shipped head on the default model
+    """``--num-steps`` / ``--topk`` / ``--num-draft-tokens`` / ``--draft-quantization`` /
+    ``--dynamic-depth`` with neither a target, a draft nor an algorithm tune the shipped head on the default model
     (instead of being an error): fill in the algorithm and the head; ``load_config`` then
     takes the settings the user did not give from the head's ``polyspec.json``."""
     from polyspec.engine.defaults import shipped_head_path
@@ -144,12 +152,14 @@ def run(args: argparse.Namespace) -> int:
         out = llm.chat(args.prompt, sampling)[0]
     print(out.text)
     s = out.stats
+    spec = llm.config.speculative
     mode = (
         "plain"
         if llm.draft is None
-        else f"{llm.config.speculative.algorithm} (num_steps {llm.config.speculative.num_steps}, "
-        f"topk {llm.config.speculative.topk}, num_draft_tokens "
-        f"{llm.config.speculative.num_draft_tokens}) draft {llm.draft_path}"
+        else f"{spec.algorithm} (num_steps {spec.num_steps}, topk {spec.topk}, num_draft_tokens "
+        f"{spec.num_draft_tokens}"
+        + (f", dynamic depth {spec.dynamic_depth:g}" if spec.dynamic_depth else "")
+        + f") draft {llm.draft_path}"
         + ("" if llm.draft_quantization == "none" else f" ({llm.draft_quantization} weights)")
     )
     tps = len(out.token_ids) / s.time_s if s.time_s > 0 else 0.0

@@ -10,7 +10,7 @@ from polyspec.errors import ModelLoadError
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_HEAD = "smollm2-135m-eagle3"
-HEAD_SETTING_KEYS = ("num_steps", "topk", "num_draft_tokens")
+HEAD_SETTING_KEYS = ("num_steps", "topk", "num_draft_tokens", "dynamic_depth")
 
 
 def default_target_path() -> Path:
@@ -38,8 +38,9 @@ def shipped_head_path() -> Path | None:
 
 def head_settings(head: str | os.PathLike) -> dict:
     """The speculative settings a draft head recommends for itself: the ``speculative`` table of
-    ``polyspec.json`` in the head's directory (``num_steps``, ``topk``, ``num_draft_tokens``),
-    or {} when the head has none (a file path, a name, a directory without the file).
+    ``polyspec.json`` in the head's directory (``num_steps``, ``topk``, ``num_draft_tokens``
+    integers, ``dynamic_depth`` a number in [0, 1)), or {} when the head has none (a file
+    path, a name, a directory without the file).
 
     :raises ConfigError: the file exists but is not JSON of that shape."""
     import json
@@ -53,13 +54,17 @@ def head_settings(head: str | os.PathLike) -> dict:
         table = json.loads(path.read_text())["speculative"]
         if not isinstance(table, dict) or set(table) - set(HEAD_SETTING_KEYS):
             raise ValueError(f"keys must be among {', '.join(HEAD_SETTING_KEYS)}")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in table.values()):
-            raise ValueError("values must be integers")
+        tree = [v for k, v in table.items() if k != "dynamic_depth"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in tree):
+            raise ValueError("num_steps, topk and num_draft_tokens must be integers")
+        depth = table.get("dynamic_depth", 0.0)
+        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth < 1:
+            raise ValueError("dynamic_depth must be a number in [0, 1)")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{path} is not a valid head settings file ({exc}): it must hold "
-            '{"speculative": {"num_steps": S, "topk": K, "num_draft_tokens": N}}; fix or delete '
-            "it, or pass --num-steps/--topk/--num-draft-tokens"
+            '{"speculative": {"num_steps": S, "topk": K, "num_draft_tokens": N}} (and optionally '
+            '"dynamic_depth": T); fix or delete it, or pass --num-steps/--topk/--num-draft-tokens'
         ) from None
     return dict(table)
 

@@ -102,6 +102,9 @@ class EagleWorker(WorkerBase):
             spec.num_steps,
             spec.num_draft_tokens,
         )
+        self.dynamic_depth = spec.dynamic_depth or 0.0
+        # Dynamic depth's statistics: rounds by the number of levels drafted (index 1..S).
+        self.drafted_levels = [0] * (self.num_steps + 1)
         ps = self.page_size
         # Each lane holds the prefix's partial last page (copied) plus its draft tokens.
         self.lane_width = self.num_steps if ps == 1 else ps * -(-(ps - 1 + self.num_steps) // ps)
@@ -601,9 +604,8 @@ class EagleWorker(WorkerBase):
             batch.lane_lens_cpu = lane_lens
             return self.draft_runner.forward_draft(batch, hidden)
 
-        return self._build_tree(
-            *self._expand_tree(topk_p, topk_index, hidden, draft_step), cols.roots, cols.seq_lens
-        )
+        levels = self._expand_tree(topk_p, topk_index, hidden, draft_step, self.dynamic_depth)
+        return self._build_tree(*levels, cols.roots, cols.seq_lens)
 
     def _build_tree(self, parent_list, top_scores_index, draft_tokens, roots, seq_lens):
         """``build_tree`` over the drafted levels -> (candidates [bs, N] (root first),
@@ -621,13 +623,20 @@ class EagleWorker(WorkerBase):
         )  # fmt: skip
         return candidates, tree_mask, positions, *links
 
-    def _expand_tree(self, topk_p, topk_index, hidden, draft_step):
+    def _expand_tree(self, topk_p, topk_index, hidden, draft_step, stop_below: float = 0.0):
         """S levels of top-K expansion (``select_top_k``), then ``organize_draft_results``.
         ``draft_step(i, input_ids [bs*K], hidden [bs*K, F])`` runs the draft forward between
-        level i and i+1 and returns (logit hidden, next hidden)."""
+        level i and i+1 and returns (logit hidden, next hidden).
+
+        ``stop_below`` > 0 (dynamic depth; eager rounds only, it reads the scores on the host):
+        once no request's best path of the current level reaches that draft probability, the
+        deeper levels get no draft forward. Their candidates (each lane's own token, repeated)
+        get probability 0, so the tree keeps its shape and N nodes and takes them only where
+        the drafted levels have too few candidates."""
         K, S = self.topk, self.num_steps
         scores = None
         levels: tuple[list, list, list] = ([], [], [])
+        drafted = S
         for i in range(S):
             input_ids, hidden, scores, level = self.kernels.select_top_k(
                 i, topk_p, topk_index, hidden, scores, K
@@ -636,8 +645,16 @@ class EagleWorker(WorkerBase):
                 acc.append(t)
             if i == S - 1:
                 break
+            if drafted == S and stop_below > 0 and float(scores.max()) < stop_below:
+                drafted = i + 1
+            if drafted < S:
+                topk_p = scores.new_zeros(input_ids.numel(), K)  # [bs*K, K]
+                topk_index = input_ids.view(-1, 1).expand(-1, K).contiguous()
+                continue
             logit_h, hidden = draft_step(i, input_ids, hidden)
             topk_p, topk_index = self.draft.topk(logit_h, K)
+        if stop_below > 0:
+            self.drafted_levels[drafted] += 1
         return self.kernels.organize_draft_results(*levels, self.num_draft_tokens)
 
     def _draft_graph(self, s, bs: int, max_prefix: int):

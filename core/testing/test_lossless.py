@@ -83,6 +83,32 @@ def test_spec_greedy_equals_plain_greedy(
         assert min(o.stats.mean_acceptance_length for o in outs) > (1.5 if num_steps > 1 else 1.2)
 
 
+@pytest.mark.parametrize("threshold", [0.3, 0.999])
+@pytest.mark.parametrize("topk", [1, 4])
+@pytest.mark.parametrize("algorithm", ["eagle3", "self"])
+def test_dynamic_depth_equals_plain_greedy(
+    backend, backend_name, tiny_models, plain_outputs, algorithm, topk, threshold
+):
+    """Rounds that stop drafting early (``dynamic_depth``) fill the tree with probability-0
+    nodes: the output is still plain greedy decoding's, no KV slot leaks, and rounds did
+    stop (at 0.999 nearly every round drafts one level only)."""
+    require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    page_size = default_page_size(backend)
+    llm = _llm(
+        backend_name, tiny_models, algorithm, page_size=page_size, topk=topk, num_steps=4,
+        dynamic_depth=threshold,
+    )  # fmt: skip
+    free_before = llm.kv_slots_free
+    params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    assert [o.token_ids for o in outs] == plain_outputs
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    levels = llm.worker.drafted_levels  # rounds by levels drafted, index 1..4
+    assert sum(levels) > 0 and sum(levels[1:4]) > 0, f"no round stopped early: {levels}"
+    if threshold > 0.99:
+        assert levels[1] >= 0.8 * sum(levels), f"rounds by levels drafted: {levels}"
+
+
 @pytest.mark.parametrize("batch", [1, 3, 5])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("topk", [1, 4])

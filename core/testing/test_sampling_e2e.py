@@ -107,7 +107,8 @@ def exact(backend, backend_name, tiny_models):
 
 
 @pytest.mark.parametrize(
-    "algorithm,topk,num_steps", [("self", 1, 3), ("eagle3", 2, 3), ("self", 2, 3)]
+    "algorithm,topk,num_steps,dynamic_depth",
+    [("self", 1, 3, 0.0), ("eagle3", 2, 3, 0.0), ("self", 2, 3, 0.0), ("self", 2, 3, 0.6)],
 )
 def test_speculative_sampling_matches_target(
     backend,
@@ -117,11 +118,20 @@ def test_speculative_sampling_matches_target(
     algorithm,
     topk,
     num_steps,
+    dynamic_depth,
 ):
+    """Also with dynamic depth: rounds that stop drafting early verify probability-0 filler
+    nodes (repeated tokens), which must not bias the sample."""
     require(backend.capabilities.sampling_verify, "sampling_verify")
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
-    llm = _llm(backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps)
+    llm = _llm(
+        backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps,
+        dynamic_depth=dynamic_depth,
+    )  # fmt: skip
     counts = _sample_counts(llm, NUM_SAMPLES)
+    if dynamic_depth > 0:
+        levels = llm.worker.drafted_levels
+        assert sum(levels[1:num_steps]) > 0, f"no round stopped drafting early: {levels}"
     for i in range(1, POSITIONS):
         rejected, msg = chi_square_rejects(counts[i], exact[i], NUM_SAMPLES)
         assert not rejected, f"generated position {i + 1}: {msg}"

@@ -50,3 +50,14 @@ def test_generate_draft_quantization_flag(capsys):
     fp32 = ["generate", "x", "--max-new-tokens", "2", "--dtype", "float32"]
     assert main([*fp32, "--draft-quantization", "int8"]) == 2
     assert "cannot quantize this head's float32 weights" in capsys.readouterr().err
+
+
+def test_generate_dynamic_depth_flag(capsys):
+    """Alone it tunes the shipped head; a value outside [0, 1) is a clear error."""
+    args = ["generate", "Say hi.", "--max-new-tokens", "4"]
+    assert main([*args, "--dynamic-depth", "0.2"]) == 0
+    assert "dynamic depth 0.2) draft" in capsys.readouterr().err
+    assert main([*args, "--dynamic-depth", "0"]) == 0
+    assert "dynamic depth" not in capsys.readouterr().err
+    assert main([*args, "--dynamic-depth", "1"]) == 2
+    assert "speculative.dynamic_depth = 1.0 is invalid" in capsys.readouterr().err

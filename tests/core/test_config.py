@@ -311,6 +311,39 @@ def test_unset_tree_settings_come_from_the_heads_polyspec_json(tmp_path):
     assert (got.num_steps, got.topk, got.num_draft_tokens) == (4, 3, 8)
 
 
+def test_dynamic_depth_comes_from_the_head_with_its_own_tree(tmp_path):
+    head = _head(
+        tmp_path,
+        '{"speculative": {"num_steps": 4, "topk": 2, "num_draft_tokens": 7, "dynamic_depth": 0.1}}',
+    )
+
+    def spec(**cli):
+        return load_config(cli={"algorithm": "eagle3", "draft": head, **cli}, env={})[0].speculative
+
+    assert spec().dynamic_depth == 0.1
+    assert spec(dynamic_depth=0).dynamic_depth == 0.0  # the user's 0 turns it off
+    assert spec(dynamic_depth="0.25").dynamic_depth == 0.25  # CLI text
+    assert spec(topk=3).dynamic_depth is None  # chosen for the head's tree, not another
+    # a tree given in full is the user's own: the head's file is not read
+    assert spec(num_steps=4, topk=2, num_draft_tokens=7).dynamic_depth is None
+    env = {"POLYSPEC_SPECULATIVE_DYNAMIC_DEPTH": "none"}
+    got = load_config(cli={"algorithm": "eagle3", "draft": head}, env=env)[0].speculative
+    assert got.dynamic_depth == 0.1  # unset again: the head's value
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, 1.5, True, "0.1", float("nan")])
+def test_dynamic_depth_must_be_a_probability_below_one(value):
+    with pytest.raises(ConfigError, match=r"speculative.dynamic_depth .* is invalid: must be a"):
+        SpeculativeConfig("eagle3", dynamic_depth=value)
+    assert SpeculativeConfig("eagle3", dynamic_depth=0).dynamic_depth == 0.0
+
+
+def test_a_bad_dynamic_depth_in_a_head_file_is_an_error(tmp_path):
+    head = _head(tmp_path, '{"speculative": {"num_steps": 4, "dynamic_depth": 1.2}}')
+    with pytest.raises(ConfigError, match=r"dynamic_depth must be a number in \[0, 1\)"):
+        load_config(cli={"algorithm": "eagle3", "draft": head}, env={})
+
+
 def test_a_speculative_mapping_takes_the_heads_settings_too(tmp_path):
     head = _head(tmp_path, '{"speculative": {"num_steps": 4, "topk": 2, "num_draft_tokens": 7}}')
     cfg = EngineConfig(draft=head, speculative={"algorithm": "eagle3", "topk": 2})

@@ -1,4 +1,5 @@
-"""The cpu backend's draft-side kernels, timed alone (docs/benchmarks.md, "Twelfth session").
+"""The cpu backend's draft-side kernels and its attention, timed alone (docs/benchmarks.md,
+"Twelfth session" and "Thirteenth session").
 
     python ci/bench_draft_kernels.py [--threads 2]
 
@@ -6,7 +7,11 @@
   streamed from memory: 64 copies of the weight (~0.6-1.2 GB) read in turn, so no call finds
   its weight in the caches, as in a decode round, where the target's forward evicts the head;
 - ``softmax_topk`` and ``select_top_k`` (a draft step of S=3 K=3) against the reference;
-- ``fused_add_rms_norm`` at 1, 8 and 16 rows of 576.
+- ``fused_add_rms_norm`` at 1, 8 and 16 rows of 576;
+- ``attention`` (SmolLM2's 9 query and 3 kv heads of 64) at 1, 8 and 16 query rows over 250
+  keys each, on the avx2 path and on this CPU's best path (avx512 or amx: the AVX-512 kernel,
+  bit-identical to the avx2 one; the avx2 path is the kernel every build before the thirteenth
+  session ran).
 Medians of repeated calls, microseconds (the lm_head in milliseconds).
 """
 
@@ -82,6 +87,23 @@ def main() -> None:
         x, r = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
         us = median_us(lambda x=x, r=r: rowinv.fused_add_rms_norm(x, r, w, 1e-5))
         print(f"| fused_add_rms_norm | {rows} x 576 | | {us:.1f} |")
+    k_cache, v_cache = (torch.randn(2048, 3, 64, generator=g).bfloat16() for _ in range(2))
+    best = rowinv.isa()
+    for rows in (1, 8, 16):
+        q = torch.randn(rows, 9, 64, generator=g).bfloat16()
+        # a verify's rows: 250 prefix keys, then each row's own tree ancestors (here: a chain)
+        lens = [250 + i for i in range(rows)]
+        indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int64)
+        indices = torch.cat([torch.arange(n) for n in lens])
+        times = {}
+        for name in ("avx2", best):
+            rowinv.set_isa(name)
+            times[name] = median_us(
+                lambda q=q, p=indptr, i=indices: rowinv.attention(q, k_cache, v_cache, p, i, 0.125)
+            )
+        rowinv.set_isa(best)
+        print(f"| attention | {rows} x 9 heads x ~250 keys | {times['avx2']:.1f} (avx2) "
+              f"| {times[best]:.1f} ({best}) |")  # fmt: skip
 
 
 if __name__ == "__main__":

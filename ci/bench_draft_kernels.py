@@ -8,6 +8,8 @@
   its weight in the caches, as in a decode round, where the target's forward evicts the head;
 - ``softmax_topk`` and ``select_top_k`` (a draft step of S=3 K=3) against the reference;
 - ``fused_add_rms_norm`` at 1, 8 and 16 rows of 576;
+- ``linear`` (bf16, this CPU's path) of SmolLM2's down projection, 576 x 1536, at 1, 8 and 16
+  rows, its weight in the caches (what x's packing for the tiles costs shows here);
 - ``attention`` (SmolLM2's 9 query and 3 kv heads of 64) at 1, 8 and 16 query rows over 250
   keys each, on the avx2 path and on this CPU's best path (avx512 or amx: the AVX-512 kernel,
   bit-identical to the avx2 one; the avx2 path is the kernel every build before the thirteenth
@@ -87,6 +89,11 @@ def main() -> None:
         x, r = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
         us = median_us(lambda x=x, r=r: rowinv.fused_add_rms_norm(x, r, w, 1e-5))
         print(f"| fused_add_rms_norm | {rows} x 576 | | {us:.1f} |")
+    down = torch.randn(576, 1536, generator=g).bfloat16()
+    for rows in (1, 8, 16):
+        x = torch.randn(rows, 1536, generator=g).bfloat16()
+        us = median_us(lambda x=x: rowinv.linear(x, down))
+        print(f"| linear, cached weight | {rows} x 576 x 1536 | | {us:.1f} ({rowinv.isa()}) |")
     k_cache, v_cache = (torch.randn(2048, 3, 64, generator=g).bfloat16() for _ in range(2))
     best = rowinv.isa()
     for rows in (1, 8, 16):

@@ -502,9 +502,10 @@ void amx_columns(const AmxArgs& a, int64_t b0, int64_t b1) {
 // x [M, K] bf16 -> [MB][KB][16][mt][2]: for m block mb and K block kb, pair row r holds, for
 // each x row m of the block, elements (32 kb + 2r, 32 kb + 2r + 1). Zero beyond K and beyond M
 // (dst arrives zeroed). In 32-bit units each m block is the [mt][K/2] matrix of x's element
-// pairs, transposed: a verify's 8-16 rows go through 8 x 8 transposes (the scalar loop cost
-// ~4 us of a 1536-wide down projection at 8 rows, a fifth of the call), the rest one pair at
-// a time.
+// pairs, transposed: a verify's 8-16 rows go through 8 x 8 transposes, the rest one pair at a
+// time. It runs on one thread before the tile work is split, so a scalar loop here weighed on
+// every verify (ci/bench_draft_kernels.py, a 576 x 1536 linear at 8 / 16 rows: 20.8 / 32.9 us
+// with it, 19.7 / 26-28 us with the transposes).
 inline void transpose8x8_store(const uint32_t* const* rows, int64_t p, uint32_t* d, int64_t mt) {
   __m256 r[8], t[8];
   for (int i = 0; i < 8; ++i) r[i] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + p)));

@@ -506,9 +506,11 @@ void amx_columns(const AmxArgs& a, int64_t b0, int64_t b1) {
 // time. It runs on one thread before the tile work is split, so a scalar loop here weighed on
 // every verify (ci/bench_draft_kernels.py, a 576 x 1536 linear at 8 / 16 rows: 20.8 / 32.9 us
 // with it, 19.7 / 26-28 us with the transposes).
-inline void transpose8x8_store(const uint32_t* const* rows, int64_t p, uint32_t* d, int64_t mt) {
+// Pairs p .. p + 7 of 8 bf16 rows (any alignment: an odd K leaves rows 2-byte aligned only).
+inline void transpose8x8_store(const uint16_t* const* rows, int64_t p, uint32_t* d, int64_t mt) {
   __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + p)));
+  for (int i = 0; i < 8; ++i)
+    r[i] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + 2 * p)));
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -532,8 +534,8 @@ void amx_pack_x(const uint16_t* x, int64_t M, int64_t K, int64_t mt, int64_t KB,
     const int64_t rows = std::min(mt, M - m0);
     int64_t r = 0;
     for (; r + 8 <= rows; r += 8) {
-      const uint32_t* src[8];
-      for (int i = 0; i < 8; ++i) src[i] = reinterpret_cast<const uint32_t*>(x + (m0 + r + i) * K);
+      const uint16_t* src[8];
+      for (int i = 0; i < 8; ++i) src[i] = x + (m0 + r + i) * K;
       for (int64_t p = 0; p < pairs8; p += 8) transpose8x8_store(src, p, d + r, mt);
     }
     for (int64_t rr = 0; rr < rows; ++rr) {

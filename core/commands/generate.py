@@ -106,9 +106,10 @@ _SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens", "draft_quantization", "dy
 
 def tune_shipped_head(cli: dict) -> None:
     """``--num-steps`` / ``--topk`` / ``--num-draft-tokens`` / ``--draft-quantization`` /
-    ``--dynamic-depth`` with neither a target, a draft nor an algorithm tune the shipped head on the default model
-    (instead of being an error): fill in the algorithm and the head; ``load_config`` then
-    takes the settings the user did not give from the head's ``polyspec.json``."""
+    ``--dynamic-depth`` with neither a target, a draft nor an algorithm tune the shipped head
+    on the default model (instead of being an error): fill in the algorithm and the head;
+    ``load_config`` then takes the settings the user did not give from the head's
+    ``polyspec.json``."""
     from polyspec.engine.defaults import shipped_head_path
 
     given = [k for k in _SPEC_KEYS if cli.get(k) is not None]

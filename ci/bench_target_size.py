@@ -291,6 +291,54 @@ def time_replays(llm: LLM, keys: Sequence[tuple], replays: int) -> dict[tuple, f
     return out
 
 
+def profile_replays(llm: LLM, keys: Sequence[tuple], replays: int) -> dict[str, Any]:
+    """What runs inside each captured graph: ``replays`` replays of every key in ``keys`` under
+    torch.profiler, one row per kernel name with its launches and device microseconds per
+    replay, and the replay's wall time (so ``1 - kernel_us / wall_us`` is the time the device
+    spent between kernels: launch latency inside the graph, not host work)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs, sync = llm.worker.graphs, llm.backend.synchronize
+    runner = graphs.runner
+    on_device = llm.backend.device().type == "cuda"
+    activity = ProfilerActivity.CUDA if on_device else ProfilerActivity.CPU
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for key in keys:
+            name, b, p = key
+            if graphs.needs_prepare:
+                runner.prepare(key, {"batch_size": b, "max_prefix_len": p})
+            runner.replay(key, {})
+            sync()
+            with profile(activities=[activity]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(replays):
+                    runner.replay(key, {})
+                sync()
+                wall_us = 1e6 * (time.perf_counter() - t0) / replays
+            rows = []
+            for avg in prof.key_averages():
+                us = avg.self_device_time_total if on_device else avg.self_cpu_time_total
+                if us <= 0 or (on_device and avg.device_type.name != "CUDA"):
+                    continue
+                rows.append(
+                    {
+                        "kernel": avg.key,
+                        "per_replay": avg.count / replays,
+                        "us_per_replay": us / replays,
+                    }
+                )
+            rows.sort(key=lambda r: -r["us_per_replay"])
+            kernel_us = sum(r["us_per_replay"] for r in rows)
+            out[f"{name}/b{b}/p{p}"] = {
+                "wall_us": wall_us,
+                "kernel_us": kernel_us,
+                "launches": sum(r["per_replay"] for r in rows),
+                "kernels": rows,
+            }
+    return out
+
+
 FORWARD_PHASES = {"spec": ("draft", "verify", "draft_extend"), "plain": ("target",)}
 
 
@@ -307,9 +355,11 @@ def measure(
     prompts: list[list[int]],
     sampling: SamplingParams,
     replays: int,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Warm up, then run A (timer off) and run B (timer on) over ``prompts``; one result dict.
-    ``probe``: :func:`instrument`'s for ``llm``."""
+    ``probe``: :func:`instrument`'s for ``llm``; ``profile``: add :func:`profile_replays` of
+    the graphs the run used."""
     sync = llm.backend.synchronize
     # Warm-up: every computation runs (and its buckets for this batch get captured lazily) ...
     llm.generate(prompt_token_ids=prompts, sampling_params=sampling)
@@ -374,6 +424,8 @@ def measure(
             ],
             "eager_calls": dict(eager_calls),
         }
+        if profile:
+            forward["profile"] = profile_replays(llm, keys, replays)
         notes = []
         if not complete:
             notes.append(
@@ -513,6 +565,27 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {bs} | {g['name']} | {g['batch_bucket']} | {g['prefix_bucket']} | "
                 f"{g['calls']} | {g['replay_ms']:.3f} |"
             )
+    profiled = [
+        (r["batch_size"], kind, key, prof)
+        for r in report["results"]
+        for kind in ("plain", "spec")
+        for key, prof in r[kind]["forward"].get("profile", {}).items()
+    ]
+    for bs, kind, key, prof in profiled:
+        lines += [
+            "",
+            f"## Kernels in one replay: batch {bs}, {kind}, {key}",
+            "",
+            f"{prof['launches']:.0f} launches, {prof['kernel_us']:.1f} us of kernels in a "
+            f"{prof['wall_us']:.1f} us replay",
+            "",
+            "| kernel | launches | us |",
+            "|---|---:|---:|",
+        ]
+        for row in prof["kernels"][:40]:
+            lines.append(
+                f"| `{row['kernel'][:90]}` | {row['per_replay']:.1f} | {row['us_per_replay']:.2f} |"
+            )
     notes = sorted(
         {
             r[k]["forward"]["note"]
@@ -590,6 +663,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--replays", type=_positive_int, default=20, help="graph replays timed per key")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also list the kernels inside each captured graph (torch.profiler over the replays)",
+    )
     ap.add_argument("--skip-plain", action="store_true", help="only the speculative engine")
     ap.add_argument("--out", type=Path, required=True, help="directory for the JSON and markdown")
     args = ap.parse_args(argv)
@@ -686,7 +764,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             probe = instrument(llm)
             for bs in args.batch_sizes:
                 t0 = time.perf_counter()
-                results[bs][kind] = measure(llm, probe, kind, prompts[bs], sampling, args.replays)
+                results[bs][kind] = measure(
+                    llm, probe, kind, prompts[bs], sampling, args.replays, args.profile
+                )
                 r = results[bs][kind]
                 print(
                     f"{kind:5s} bs={bs:3d}: {r['tokens_per_s']:9.1f} tok/s, {r['rounds']} rounds, "

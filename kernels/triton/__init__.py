@@ -24,6 +24,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "norm": ("rms_norm", "fused_add_rms_norm"),
     "rope": ("rotary_embedding",),
     "activation": ("silu_and_mul",),
+    "topk": ("softmax_topk",),
 }
 """Kernel family module -> the KernelSet fields it provides."""
 

@@ -14,9 +14,12 @@ batch. One program serves the query heads of one kv head (GQA): their scores and
 values are two small matrix products per key block, so each key block is read once for the
 group; the probabilities enter the second product in the value dtype, as in flash attention.
 
-The lists are built with device ops only (a cumsum and a scatter, no ``nonzero``), so they are
-built inside captured graphs too: ``key_lists [T, L]`` (slot of the i-th visible key; the
-tail past ``key_lens`` is never read) and ``key_lens [T]``.
+The lists are ``key_lists [T, L]`` (slot of the i-th visible key; the tail past ``key_lens`` is
+never read) and ``key_lens [T]``. An eager forward derives them from SDPA's layout with device
+ops (a cumsum and a scatter, no ``nonzero``); a captured forward writes them with one kernel,
+:func:`static_key_lists`, straight from the batch's index tensors: the layout and its mask took
+about 35 small launches per forward, four forwards a speculative round, and inside a CUDA graph
+each launch costs its latency whatever its size.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from polyspec.backend import ForwardBatch, ForwardMode
 from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
-from polyspec.kernels.triton._util import interpreted, next_pow2
+from polyspec.kernels.triton._util import check, interpreted, next_pow2
 
 BLOCK_N = 128
 """Keys per online-softmax step. Chosen on the H200 for this kernel's first, one-program-per-
@@ -168,6 +172,125 @@ def key_lists_from(m: SDPAMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # ([T
     return lists[:, : m.kv_len], visible.sum(1, dtype=torch.int32)
 
 
+@triton.jit
+def _static_key_lists_kernel(
+    table_ptr,  # [R, C] req_to_token
+    rows_ptr,  # [bs] table row of each request
+    prefix_ptr,  # [bs]
+    extend_ptr,  # [bs]
+    tree_ptr,  # [bs, Q, Q] uint8 (TREE mode)
+    lanes_ptr,  # [bs, Q, W] (LANES mode: Q = K lanes)
+    lane_lens_ptr,  # [bs] (LANES mode)
+    lists_ptr,  # [T, list_stride] out
+    lens_ptr,  # [T] int32 out
+    table_stride,
+    table_cols,
+    width,
+    list_stride,
+    lane_stride_b,
+    lane_stride_k,
+    Q: tl.constexpr,
+    Q_PAD: tl.constexpr,
+    W_PAD: tl.constexpr,
+    MODE: tl.constexpr,  # 0 causal, 1 tree mask, 2 lanes
+    BLOCK: tl.constexpr,
+):
+    # One program per token t = b * Q + j: its visible prefix columns, then its visible block.
+    t = tl.program_id(0).to(tl.int64)
+    b = t // Q
+    j = t % Q
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    prefix = tl.load(prefix_ptr + b).to(tl.int64)
+    p = tl.minimum(prefix, width)
+    out = lists_ptr + t * list_stride
+    for start in range(0, p, BLOCK):
+        c = start + tl.arange(0, BLOCK)
+        keep = c < p
+        slots = tl.load(table_ptr + row * table_stride + c, mask=keep, other=0)
+        tl.store(out + c, slots.to(tl.int64), mask=keep)
+    if MODE == 2:
+        w = tl.arange(0, W_PAD)
+        n_lane = tl.load(lane_lens_ptr + b).to(tl.int64)
+        keep = w < n_lane
+        slots = tl.load(lanes_ptr + b * lane_stride_b + j * lane_stride_k + w, mask=keep, other=0)
+        tl.store(out + p + w, slots.to(tl.int64), mask=keep)
+        n = p + tl.maximum(n_lane, 0)
+    else:
+        jj = tl.arange(0, Q_PAD)
+        extend = tl.load(extend_ptr + b).to(tl.int64)
+        seen = (jj < Q) & (jj < extend)
+        if MODE == 1:
+            tree = tl.load(tree_ptr + t * Q + jj, mask=jj < Q, other=0)
+            seen = seen & (tree != 0)
+        else:
+            seen = seen & (jj <= j)
+        rank = tl.cumsum(seen.to(tl.int32), 0) - 1
+        col = tl.minimum(prefix + jj, table_cols - 1)
+        slots = tl.load(table_ptr + row * table_stride + col, mask=seen, other=0)
+        tl.store(out + p + rank, slots.to(tl.int64), mask=seen)
+        n = p + tl.sum(seen.to(tl.int64), 0)
+    # A padding token sees nothing; give it slot 0 so that its (dropped) row stays finite.
+    tl.store(out, tl.zeros((), tl.int64), mask=n == 0)
+    tl.store(lens_ptr + t, tl.maximum(n, 1).to(tl.int32))
+
+
+def static_key_lists(
+    batch: ForwardBatch, max_prefix_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, L] int64, [T] int32)
+    """The key lists of a captured forward (``T = bs * Q`` tokens, ``Q`` per request) in one
+    launch, equal token by token to ``key_lists_from`` over SDPA's static layout: prefix
+    columns below ``min(prefix_lens[b], max_prefix_len)``, then the block (EXTEND, DECODE,
+    DRAFT_EXTEND: causal among the first ``extend_lens[b]``; TARGET_VERIFY: the tree mask;
+    DRAFT_DECODE: lane ``j``'s first ``lane_lens[b]`` slots). A token that sees nothing (a
+    graph's padding request) gets slot 0 alone. Device tensors only: no host sync."""
+    bs, num_tokens = batch.batch_size, batch.num_tokens
+    check(
+        bs >= 1 and num_tokens % bs == 0,
+        f"attention: a captured forward needs T = bs * Q tokens, got T = {num_tokens} for "
+        f"bs = {bs}",
+    )
+    q = num_tokens // bs
+    table = batch.req_to_token
+    width = min(int(max_prefix_len), table.shape[1])
+    dev = table.device
+    tree = lanes = lane_lens = batch.prefix_lens  # placeholders the mode never reads
+    lane_strides = (0, 0)
+    block, w_pad = q, 1
+    if batch.mode is ForwardMode.DRAFT_DECODE:
+        check(
+            batch.lane_locs is not None and batch.lane_lens is not None,
+            "attention: DRAFT_DECODE needs lane_locs and lane_lens",
+        )
+        lanes, lane_lens = batch.lane_locs, batch.lane_lens
+        check(
+            lanes.dim() == 3 and tuple(lanes.shape[:2]) == (bs, q),
+            f"attention: DRAFT_DECODE needs lane_locs [bs, K, W] = [{bs}, {q}, W], got "
+            f"{list(lanes.shape)}",
+        )
+        if lanes.stride(-1) != 1:
+            lanes = lanes.contiguous()
+        lane_strides = (lanes.stride(0), lanes.stride(1))
+        block, w_pad, mode = lanes.shape[2], next_pow2(lanes.shape[2]), 2
+    elif batch.mode is ForwardMode.TARGET_VERIFY:
+        check(
+            batch.tree_mask is not None and tuple(batch.tree_mask.shape) == (bs, q, q),
+            f"attention: TARGET_VERIFY needs tree_mask bool [bs, N, N] = [{bs}, {q}, {q}]",
+        )
+        tree, mode = batch.tree_mask.to(torch.bool).contiguous().view(torch.uint8), 1
+    else:
+        mode = 0
+    if table.stride(-1) != 1:
+        table = table.contiguous()
+    lists = torch.empty((num_tokens, width + block), dtype=torch.int64, device=dev)
+    lens = torch.empty(num_tokens, dtype=torch.int32, device=dev)
+    _static_key_lists_kernel[(num_tokens,)](
+        table, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, tree, lanes,
+        lane_lens, lists, lens, table.stride(0), table.shape[1], width, lists.stride(0),
+        *lane_strides, Q=q, Q_PAD=next_pow2(q), W_PAD=w_pad, MODE=mode, BLOCK=256,
+    )  # fmt: skip
+    return lists, lens
+
+
 @dataclasses.dataclass
 class ListMetadata(SDPAMetadata):
     """SDPA's layout plus the per-token key lists the kernel reads."""
@@ -180,6 +303,17 @@ class RowInvariantAttention(SDPAAttention):
     """SDPA's metadata (every mode, eager and captured), attended by :func:`list_attention`.
     The base class's ``build_metadata`` and ``build_static_metadata`` both end in
     ``_with_key_lists``, which here adds the per-token key lists."""
+
+    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> ListMetadata:
+        """A captured forward's metadata: the key lists from :func:`static_key_lists` (one
+        launch) instead of SDPA's layout, which this attention does not read."""
+        lists, lens = static_key_lists(batch, max_prefix_len)
+        empty = torch.empty(0, dtype=torch.int64, device=lists.device)
+        return ListMetadata(
+            batch.mode, batch.num_tokens, batch.batch_size, batch.num_tokens // batch.batch_size,
+            batch.out_cache_loc.to(torch.int64), empty, 0, None, None, None,
+            *self._kv_buffers(0), key_lists=lists, key_lens=lens,
+        )  # fmt: skip
 
     def _with_key_lists(self, m: SDPAMetadata) -> ListMetadata:
         lists, lens = key_lists_from(m)

@@ -508,6 +508,33 @@ def test_silu_and_mul_matches_reference(kernels, triton_device, dtype):
     torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_topk_matches_reference(kernels, triton_device, dtype, k):
+    """Ids of equal logits to the reference's (equal logits may swap), probabilities within
+    fp32 rounding, best first, over rows that span several of the kernel's blocks; ties come
+    lower id first, and -inf logits (a masked vocabulary) get probability 0."""
+    g = _gen(SEED + 34 + k)
+    for rows, vocab in ((3, 5000), (2, 13), (1, 2048)):
+        logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+        logits[0, 7] = logits[0, 2100 % vocab] = logits[0].max() + 1  # a tie at the top
+        if rows > 1 and vocab > 20:
+            logits[1, 10:] = float("-inf")  # only 10 finite logits
+        p, idx = kernels["softmax_topk"](_on(logits, triton_device), k)
+        want_p, want_idx = ref.softmax_topk(logits, k)
+        assert p.dtype == torch.float32 and p.shape == (rows, k)
+        assert idx.dtype == torch.int64 and idx.shape == (rows, k)
+        lf = logits.float()
+        assert torch.equal(lf.gather(1, idx.cpu()), lf.gather(1, want_idx))
+        torch.testing.assert_close(p.cpu(), want_p, rtol=1e-5, atol=1e-7)
+        assert int(idx[0, 0]) == 7, "ties come lower id first"
+        assert (p.cpu()[:, :-1] >= p.cpu()[:, 1:]).all()
+    strided = (4 * torch.randn(4, 600, generator=g)).to(dtype)[:, ::2]
+    p, idx = kernels["softmax_topk"](_on(strided, triton_device), k)
+    want_p, _ = ref.softmax_topk(strided, k)
+    torch.testing.assert_close(p.cpu(), want_p, rtol=1e-5, atol=1e-7)
+
+
 def test_bad_shapes_raise_clear_errors(kernels, triton_device):
     with pytest.raises(ValueError, match="top_scores_index"):
         outs = _tree_outs(TreeMaskMode.TREE_ONLY, 1, 4, torch.tensor([2]), torch.int64)

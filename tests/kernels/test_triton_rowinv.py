@@ -6,13 +6,15 @@ where it is the hardware's arithmetic that is checked."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from polyspec.backend import ForwardMode
+from polyspec.backend import ForwardBatch, ForwardMode
+from polyspec.backends.cpu.attention import SDPAAttention
 from polyspec.backends.cpu.backend import CPUBackend
 from polyspec.backends.cpu.kv_pool import TensorKVPool
 from polyspec.kernels.triton.linear import row_invariant_linear
@@ -20,6 +22,7 @@ from polyspec.kernels.triton.list_attention import (
     RowInvariantAttention,
     key_lists_from,
     list_attention,
+    static_key_lists,
 )
 from polyspec.testing.test_attention import (
     MAX_CONTEXT,
@@ -144,30 +147,97 @@ def _attend_float64(q, k_cache, v_cache, lists, lens, scale) -> torch.Tensor:
     return out
 
 
+def _to(batch, dev):
+    """``batch``'s tensors on ``dev`` (the Triton kernels' device)."""
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return dataclasses.replace(
+        batch, **{k: v.to(dev) for k, v in fields.items() if isinstance(v, torch.Tensor)}
+    )
+
+
+def _draft_decode_batch(gen: torch.Generator, lane_lens: list[int]):
+    """A DRAFT_DECODE batch of three requests with K = 3 lanes of width 5."""
+    prefix, topk, width = [4, 19, 0], 3, 5
+    reqs = make_requests([p + 1 for p in prefix], SlotSource(16, gen), gen)
+    bs = len(prefix)
+    lane_locs = torch.randint(1, 900, (bs, topk, width), generator=gen)
+    lens = torch.tensor(lane_lens)
+    return ForwardBatch(
+        mode=ForwardMode.DRAFT_DECODE,
+        input_ids=torch.zeros(bs * topk, dtype=torch.int64),
+        positions=torch.zeros(bs * topk, dtype=torch.int64),
+        out_cache_loc=lane_locs.gather(2, (lens - 1).view(bs, 1, 1).expand(bs, topk, 1)).flatten(),
+        req_pool_indices=torch.tensor(reqs.rows),
+        req_to_token=reqs.req_to_token,
+        prefix_lens=torch.tensor(prefix),
+        extend_lens=torch.full((bs,), topk),
+        lane_locs=lane_locs,
+        lane_lens=lens,
+        topk=topk,
+    )
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_key_lists_are_the_visible_slots_in_order(scenario, static):
-    """The lists built from SDPA's layout (eager and captured) are, token by token, the slots
-    the ForwardMode contract makes visible, in attention order: the prefix, then the block's
-    visible tokens (a verify row's ancestors, root first)."""
-    mode, prefix, extend = SCENARIOS[scenario]
+@pytest.mark.parametrize("scenario", [*SCENARIOS, "draft_decode"])
+def test_key_lists_are_the_visible_slots_in_order(triton_device, scenario, static):
+    """The lists of an eager forward (from SDPA's layout) and of a captured one (one kernel,
+    :func:`static_key_lists`) are, token by token, the slots the ForwardMode contract makes
+    visible, in attention order: the prefix, then the block's visible tokens (a verify row's
+    ancestors, root first; a draft lane's own slots). A captured forward's list equals the one
+    SDPA's static layout gives, also for the tokens past a request's extend length; its
+    padding request's tokens see slot 0 alone."""
     gen = _gen(f"lists/{scenario}")
-    reqs = make_requests([p + e for p, e in zip(prefix, extend)], SlotSource(16, gen), gen)
-    batch = build_batch(mode, prefix, extend, reqs, gen, chain=scenario.endswith("chain"))
+    if scenario == "draft_decode":
+        mode, batch = ForwardMode.DRAFT_DECODE, _draft_decode_batch(gen, [2, 5, 1])
+        prefix = batch.prefix_lens.tolist()
+    else:
+        mode, prefix, extend = SCENARIOS[scenario]
+        reqs = make_requests([p + e for p, e in zip(prefix, extend)], SlotSource(16, gen), gen)
+        batch = build_batch(mode, prefix, extend, reqs, gen, chain=scenario.endswith("chain"))
     backend = CPUBackend()
-    pool = TensorKVPool(reqs.req_to_token.max().item() + 1, 1, 2, 8, torch.float32, "cpu")
+    pool = TensorKVPool(1000, 1, 2, 8, torch.float32, "cpu")
     attn = RowInvariantAttention(pool, 4, 2, 8, 0.5)
     expected = visible_slots(batch)
     if static:
         static_batch, rows = to_static(batch)
-        meta = attn.build_static_metadata(on_device(static_batch, backend, False), MAX_CONTEXT)
+        on_cpu = on_device(static_batch, backend, False)
+        meta = attn.build_static_metadata(_to(on_cpu, triton_device), MAX_CONTEXT)
+        lists, lens = meta.key_lists.cpu(), meta.key_lens.cpu()
+        # SDPA's static layout, turned into lists by device ops: the same list for every token
+        # of a real request (rows past a request's extend length included).
+        layout = SDPAAttention._build_static_metadata(attn, on_cpu, MAX_CONTEXT)
+        want_lists, want_lens = key_lists_from(layout)
+        q = on_cpu.num_tokens // on_cpu.batch_size
+        for t in range((on_cpu.batch_size - 1) * q):
+            n = int(want_lens[t])
+            assert int(lens[t]) == n and torch.equal(lists[t, :n], want_lists[t, :n]), t
+        for t in range((on_cpu.batch_size - 1) * q, on_cpu.num_tokens):  # the padding request
+            assert int(lens[t]) == 1 and int(lists[t, 0]) == 0, t
     else:
         rows = list(range(batch.num_tokens))
         meta = attn.build_metadata(on_device(batch, backend))
-    lists, lens = key_lists_from(meta)
-    assert torch.equal(lists, meta.key_lists) and torch.equal(lens, meta.key_lens)
+        lists, lens = key_lists_from(meta)
+        assert torch.equal(lists, meta.key_lists) and torch.equal(lens, meta.key_lens)
     for t, row in enumerate(rows):
         n = int(lens[row])
         assert lists[row, :n].tolist() == expected[t], (scenario, t)
     if mode is ForwardMode.TARGET_VERIFY:
         assert max(int(lens[r]) for r in rows) > max(prefix)  # ancestors are in the lists
+
+
+def test_static_key_lists_errors(triton_device):
+    """A captured verify without its tree mask, or a draft decode without lanes, is refused
+    with the field named."""
+    gen = _gen("lists/errors")
+    mode, prefix, extend = SCENARIOS["target_verify_tree"]
+    reqs = make_requests([p + e for p, e in zip(prefix, extend)], SlotSource(16, gen), gen)
+    batch = build_batch(mode, prefix, extend, reqs, gen, chain=False)
+    with pytest.raises(ValueError, match="tree_mask"):
+        static_key_lists(_to(dataclasses.replace(batch, tree_mask=None), triton_device), 64)
+    dd = _draft_decode_batch(gen, [1, 1, 1])
+    with pytest.raises(ValueError, match="lane_locs"):
+        static_key_lists(_to(dataclasses.replace(dd, lane_locs=None), triton_device), 64)
+    with pytest.raises(ValueError, match="T = bs"):
+        static_key_lists(
+            _to(dataclasses.replace(dd, input_ids=dd.input_ids[:-1]), triton_device), 64
+        )

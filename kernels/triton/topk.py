@@ -1,0 +1,90 @@
+"""The draft's top-k (``softmax_topk``) in one launch per call.
+
+Why: torch's ``softmax`` then ``topk`` over a draft vocabulary runs a radix select with one
+thread block per row, about 36 us for a SmolLM2 draft step's three rows on the H200, three
+times a speculative round (docs/benchmarks.md, "Fourteenth session"). Here one program per row
+streams the logits once: a running max and exp-sum (online softmax) and the ``k`` best logits,
+then writes ``p = exp(l - max) / sum`` for them, best first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from polyspec.kernels.triton._util import check, next_pow2
+
+BLOCK = 2048
+"""Logits per step of a row's loop."""
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    x_ptr,  # [n, V] (row stride x_stride)
+    p_ptr,  # [n, K] fp32 out
+    i_ptr,  # [n, K] int64 out
+    V,
+    x_stride,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    slot = tl.arange(0, K_PAD)
+    # The k best so far; padding slots hold +inf so they are never the one replaced.
+    top_v = tl.where(slot < K, float("-inf"), float("inf")).to(tl.float32)
+    top_i = tl.zeros((K_PAD,), tl.int64)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK):
+        c = start + tl.arange(0, BLOCK).to(tl.int64)
+        x = tl.load(x_ptr + r * x_stride + c, mask=c < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        alpha = tl.where(m_new > float("-inf"), tl.exp(m - m_new), 0.0)
+        e = tl.where(x > float("-inf"), tl.exp(x - m_new), 0.0)
+        s = s * alpha + tl.sum(e, 0)
+        m = m_new
+        for _ in tl.static_range(K):
+            best = tl.max(x, 0)
+            best_i = tl.min(tl.where(x == best, c, V), 0)  # ties: the lower id
+            worst = tl.min(top_v, 0)
+            # Of equal worst entries the higher id goes, so a later equal logit never displaces
+            # an earlier one (ties come lower id first, as in the cpu kernel).
+            worst_i = tl.max(tl.where(top_v == worst, top_i, -1), 0)
+            at = tl.min(tl.where((top_v == worst) & (top_i == worst_i), slot, K_PAD), 0)
+            put = slot == tl.where(best > worst, at, K_PAD)  # K_PAD: no slot
+            top_v = tl.where(put, best, top_v)
+            top_i = tl.where(put, best_i, top_i)
+            x = tl.where(c == best_i, float("-inf"), x)
+    live = slot < K
+    for a in tl.static_range(K):
+        v = tl.max(tl.where(live, top_v, float("-inf")), 0)
+        vi = tl.min(tl.where(live & (top_v == v), top_i, V), 0)
+        at = tl.min(tl.where(live & (top_v == v) & (top_i == vi), slot, K_PAD), 0)
+        live = live & (slot != at)
+        p = tl.where(v > float("-inf"), tl.exp(v - m) / s, 0.0)
+        tl.store(p_ptr + r * K + a, p)
+        tl.store(i_ptr + r * K + a, tl.minimum(vi, V - 1))
+
+
+def softmax_topk(
+    logits: torch.Tensor,  # [n, V] any float dtype
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
+    """``polyspec.kernels.reference.softmax_topk``: per row the ``k`` largest softmax
+    probabilities, best first, with their ids (equal logits: the lower id first)."""
+    check(logits.dim() == 2, f"softmax_topk needs logits [n, V], got {tuple(logits.shape)}")
+    n, vocab = logits.shape
+    check(1 <= k <= vocab, f"softmax_topk needs 1 <= k <= V, got k={k}")
+    check(k <= 64, f"softmax_topk: k={k} is past this kernel's 64 (the draft's topk)")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    p = torch.empty((n, k), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((n, k), dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return p, idx
+    _softmax_topk_kernel[(n,)](
+        logits, p, idx, vocab, logits.stride(0), K=k, K_PAD=next_pow2(k), BLOCK=BLOCK
+    )
+    return p, idx

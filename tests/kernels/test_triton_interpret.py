@@ -144,6 +144,52 @@ def _random_tree(seed: int, bs: int, topk: int, num_steps: int, n: int):
     return ref.organize_draft_results(*[[lv[k] for lv in levels] for k in range(3)], n)
 
 
+def _drive_draft(select, organize, steps, topk: int, n: int, dev: str):
+    """select_top_k over every step, then organize_draft_results; outputs on the CPU."""
+    scores, levels, selects = None, [], []
+    for step, (p, i, h) in enumerate(steps):
+        ids, hidden, scores, level = select(
+            step, _on(p, dev), _on(i, dev), _on(h, dev), scores, topk
+        )
+        levels.append(level)
+        selects.append([t.cpu() for t in (ids, hidden, scores, *level)])
+    organized = organize(*[[lv[k] for lv in levels] for k in range(3)], n)
+    return selects, [t.cpu() for t in organized]
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan"])
+@pytest.mark.parametrize(
+    "bs,topk,num_steps,n", [(3, 1, 3, 4), (2, 3, 3, 8), (3, 4, 4, 16), (2, 2, 1, 3), (1, 8, 2, 40)]
+)
+def test_select_top_k_and_organize_match_reference(
+    kernels, triton_device, bs, topk, num_steps, n, nan
+):
+    """Every output of the draft loop's expansion and of the node choice equals the
+    reference's: tokens, routed hidden states, path probabilities, parents, the chosen ids
+    (ascending) and their tokens; with NaN probabilities too (a broken draft), which rank
+    first as in torch.topk."""
+    g = _gen(SEED + 50 + topk * 10 + num_steps)
+    steps = []
+    for step in range(num_steps):
+        rows = bs if step == 0 else bs * topk
+        p, i = torch.randn(rows, 60, generator=g).softmax(-1).topk(topk, dim=-1)
+        if nan and step == num_steps - 1:  # one NaN: NaNs among themselves may come in any order
+            p[0, 0] = float("nan")
+        steps.append((p, i, torch.randn(rows, 1100, generator=g)))
+    got = _drive_draft(
+        kernels["select_top_k"], kernels["organize_draft_results"], steps, topk, n, triton_device
+    )
+    want = _drive_draft(ref.select_top_k, ref.organize_draft_results, steps, topk, n, "cpu")
+    for step, (a, b) in enumerate(zip(got[0], want[0])):
+        for name, x, y in zip(
+            ("ids", "hidden", "scores", "tree_scores", "tokens", "parents"), a, b
+        ):
+            assert x.shape == y.shape and x.dtype == y.dtype, (step, name, x.shape, y.shape)
+            assert torch.equal(x, y) or torch.allclose(x, y, equal_nan=True), (step, name, x, y)
+    for name, x, y in zip(("parent_list", "top_scores_index", "draft_tokens"), got[1], want[1]):
+        assert x.dtype == y.dtype and torch.equal(x, y), (name, x, y)
+
+
 def _tree_outs(mode: TreeMaskMode, bs: int, n: int, seq_lens: torch.Tensor, idt) -> dict:
     if mode is TreeMaskMode.FULL:
         mask = torch.empty(int((n * (seq_lens + n)).sum()), dtype=torch.bool)

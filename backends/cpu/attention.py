@@ -100,6 +100,10 @@ class SDPAAttention(AttentionBackend):
         self.group = num_heads // num_kv_heads
         self.exact_attention = exact_attention
 
+    write_kv = staticmethod(write_kv)
+    """``write_kv(k_cache, v_cache, loc, k, v)``: the store step of :meth:`store_kv` (a
+    subclass may put one kernel in place of the two ``index_copy_`` calls)."""
+
     # ------------------------------------------------------------------ metadata
 
     def build_metadata(self, batch: ForwardBatch) -> SDPAMetadata:
@@ -448,7 +452,7 @@ class SDPAAttention(AttentionBackend):
             )
         k_cache = self.kv_pool.k_cache(layer)
         v_cache = self.kv_pool.v_cache(layer)
-        write_kv(k_cache, v_cache, metadata.out_cache_loc, k, v)
+        self.write_kv(k_cache, v_cache, metadata.out_cache_loc, k, v)
         return k_cache, v_cache
 
     def forward(

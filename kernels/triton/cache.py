@@ -277,29 +277,35 @@ def move_kv(
 
 @triton.jit
 def _store_kv_kernel(
-    cache_ptr,  # [slots, Hkv, D] rows contiguous
+    k_cache_ptr,  # [slots, Hkv, D] rows contiguous
+    v_cache_ptr,  # [slots, Hkv, D] rows contiguous
     loc_ptr,  # [T]
-    x_ptr,  # [T, Hkv, D] any strides
+    k_ptr,  # [T, Hkv, D] any strides
+    v_ptr,  # [T, Hkv, D] any strides
     num_heads,
     head_dim,
-    stride_cache,
-    stride_xt,
-    stride_xh,
-    stride_xd,
+    stride_k_cache,
+    stride_v_cache,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    # K and V of one token per program: one launch per layer instead of two.
+    t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     m = (h[:, None] < num_heads) & (d[None, :] < head_dim)
     slot = tl.load(loc_ptr + t).to(tl.int64)
-    x = tl.load(
-        x_ptr + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh + d[None, :] * stride_xd,
-        mask=m,
-    )
-    out = cache_ptr + slot * stride_cache + h[:, None] * head_dim + d[None, :]
-    tl.store(out, x.to(cache_ptr.dtype.element_ty), mask=m)
+    row = h[:, None] * head_dim + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd, mask=m)
+    tl.store(k_cache_ptr + slot * stride_k_cache + row, k.to(k_cache_ptr.dtype.element_ty), mask=m)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd, mask=m)
+    tl.store(v_cache_ptr + slot * stride_v_cache + row, v.to(v_cache_ptr.dtype.element_ty), mask=m)
 
 
 def store_kv(
@@ -322,16 +328,13 @@ def store_kv(
             f"{what} must be [T={tokens}, Hkv, D] = [{tokens}, {cache.shape[1]}, "
             f"{cache.shape[2]}], got {tuple(x.shape)}",
         )
-        _store_kv_kernel[(tokens,)](
-            cache,
-            loc_flat,
-            x,
-            cache.shape[1],
-            cache.shape[2],
-            cache.stride(0),
-            x.stride(0),
-            x.stride(1),
-            x.stride(2),
-            BLOCK_H=next_pow2(cache.shape[1]),
-            BLOCK_D=next_pow2(cache.shape[2]),
-        )
+    check(
+        k_cache.shape[1:] == v_cache.shape[1:],
+        f"k_cache and v_cache must share [Hkv, D], got {tuple(k_cache.shape)} and "
+        f"{tuple(v_cache.shape)}",
+    )
+    _store_kv_kernel[(tokens,)](
+        k_cache, v_cache, loc_flat, k, v, k_cache.shape[1], k_cache.shape[2],
+        k_cache.stride(0), v_cache.stride(0), *k.stride(), *v.stride(),
+        BLOCK_H=next_pow2(k_cache.shape[1]), BLOCK_D=next_pow2(k_cache.shape[2]),
+    )  # fmt: skip

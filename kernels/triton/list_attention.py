@@ -33,6 +33,7 @@ import triton.language as tl
 from polyspec.backend import ForwardBatch, ForwardMode
 from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
 from polyspec.kernels.triton._util import check, interpreted, next_pow2
+from polyspec.kernels.triton.cache import store_kv
 
 BLOCK_N = 128
 """Keys per online-softmax step. Chosen on the H200 for this kernel's first, one-program-per-
@@ -183,6 +184,10 @@ def _static_key_lists_kernel(
     lane_lens_ptr,  # [bs] (LANES mode)
     lists_ptr,  # [T, list_stride] out
     lens_ptr,  # [T] int32 out
+    rows_stride,  # the per-request inputs may be strided views (a transposed [bs, 4] upload)
+    prefix_stride,
+    extend_stride,
+    lane_lens_stride,
     table_stride,
     table_cols,
     width,
@@ -199,8 +204,8 @@ def _static_key_lists_kernel(
     t = tl.program_id(0).to(tl.int64)
     b = t // Q
     j = t % Q
-    row = tl.load(rows_ptr + b).to(tl.int64)
-    prefix = tl.load(prefix_ptr + b).to(tl.int64)
+    row = tl.load(rows_ptr + b * rows_stride).to(tl.int64)
+    prefix = tl.load(prefix_ptr + b * prefix_stride).to(tl.int64)
     p = tl.minimum(prefix, width)
     out = lists_ptr + t * list_stride
     for start in range(0, p, BLOCK):
@@ -210,14 +215,14 @@ def _static_key_lists_kernel(
         tl.store(out + c, slots.to(tl.int64), mask=keep)
     if MODE == 2:
         w = tl.arange(0, W_PAD)
-        n_lane = tl.load(lane_lens_ptr + b).to(tl.int64)
+        n_lane = tl.load(lane_lens_ptr + b * lane_lens_stride).to(tl.int64)
         keep = w < n_lane
         slots = tl.load(lanes_ptr + b * lane_stride_b + j * lane_stride_k + w, mask=keep, other=0)
         tl.store(out + p + w, slots.to(tl.int64), mask=keep)
         n = p + tl.maximum(n_lane, 0)
     else:
         jj = tl.arange(0, Q_PAD)
-        extend = tl.load(extend_ptr + b).to(tl.int64)
+        extend = tl.load(extend_ptr + b * extend_stride).to(tl.int64)
         seen = (jj < Q) & (jj < extend)
         if MODE == 1:
             tree = tl.load(tree_ptr + t * Q + jj, mask=jj < Q, other=0)
@@ -281,11 +286,13 @@ def static_key_lists(
         mode = 0
     if table.stride(-1) != 1:
         table = table.contiguous()
+    per_request = (batch.req_pool_indices, batch.prefix_lens, batch.extend_lens)
     lists = torch.empty((num_tokens, width + block), dtype=torch.int64, device=dev)
     lens = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     _static_key_lists_kernel[(num_tokens,)](
-        table, batch.req_pool_indices, batch.prefix_lens, batch.extend_lens, tree, lanes,
-        lane_lens, lists, lens, table.stride(0), table.shape[1], width, lists.stride(0),
+        table, *per_request, tree, lanes,
+        lane_lens, lists, lens, *(x.stride(0) for x in per_request), lane_lens.stride(0),
+        table.stride(0), table.shape[1], width, lists.stride(0),
         *lane_strides, Q=q, Q_PAD=next_pow2(q), W_PAD=w_pad, MODE=mode, BLOCK=256,
     )  # fmt: skip
     return lists, lens
@@ -303,6 +310,8 @@ class RowInvariantAttention(SDPAAttention):
     """SDPA's metadata (every mode, eager and captured), attended by :func:`list_attention`.
     The base class's ``build_metadata`` and ``build_static_metadata`` both end in
     ``_with_key_lists``, which here adds the per-token key lists."""
+
+    write_kv = staticmethod(store_kv)  # K and V in one launch
 
     def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> ListMetadata:
         """A captured forward's metadata: the key lists from :func:`static_key_lists` (one

@@ -147,12 +147,19 @@ def _attend_float64(q, k_cache, v_cache, lists, lens, scale) -> torch.Tensor:
     return out
 
 
-def _to(batch, dev):
-    """``batch``'s tensors on ``dev`` (the Triton kernels' device)."""
+def _to(batch, dev, strided: bool = False):
+    """``batch``'s tensors on ``dev`` (the Triton kernels' device); ``strided``: the
+    per-request tensors as the columns of one [bs, 4] tensor, strided views as a worker's
+    transposed upload makes them."""
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    return dataclasses.replace(
-        batch, **{k: v.to(dev) for k, v in fields.items() if isinstance(v, torch.Tensor)}
-    )
+    out = {k: v.to(dev) for k, v in fields.items() if isinstance(v, torch.Tensor)}
+    if strided:
+        names = ["req_pool_indices", "prefix_lens", "extend_lens", "lane_lens"]
+        names = [n for n in names if out.get(n) is not None]
+        packed = torch.stack([out[n] for n in names], 1).contiguous()  # [bs, len(names)]
+        out.update({n: packed[:, i] for i, n in enumerate(names)})
+        assert out["prefix_lens"].stride(0) == len(names)
+    return dataclasses.replace(batch, **out)
 
 
 def _draft_decode_batch(gen: torch.Generator, lane_lens: list[int]):
@@ -201,7 +208,7 @@ def test_key_lists_are_the_visible_slots_in_order(triton_device, scenario, stati
     if static:
         static_batch, rows = to_static(batch)
         on_cpu = on_device(static_batch, backend, False)
-        meta = attn.build_static_metadata(_to(on_cpu, triton_device), MAX_CONTEXT)
+        meta = attn.build_static_metadata(_to(on_cpu, triton_device, True), MAX_CONTEXT)
         lists, lens = meta.key_lists.cpu(), meta.key_lens.cpu()
         # SDPA's static layout, turned into lists by device ops: the same list for every token
         # of a real request (rows past a request's extend length included).

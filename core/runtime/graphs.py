@@ -201,10 +201,12 @@ def block_slots(
     starts: torch.Tensor,  # [bs]
     lens: torch.Tensor,  # [bs]
     width: int,
+    j: torch.Tensor | None = None,  # [width] arange(width), when the caller keeps one
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([bs * width] slots, [bs * width] positions)
     """Slots and positions of ``width`` tokens per request from ``starts``; tokens past
     ``lens[b]`` get the padding slot 0 (and a position clamped into the table)."""
-    j = torch.arange(width, device=rows.device)
+    if j is None:
+        j = torch.arange(width, device=rows.device)
     pos = (starts.to(torch.int64)[:, None] + j[None, :]).clamp(max=req_to_token.shape[1] - 1)
     table_rows = req_to_token.index_select(0, rows.to(torch.int64))
     slots = torch.where(j[None, :] < lens[:, None], table_rows.gather(1, pos), 0)

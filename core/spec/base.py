@@ -86,6 +86,7 @@ class WorkerBase:
         self.backend = backend
         self.kernels = backend.kernels
         self.device = backend.device()
+        self._aranges: dict[tuple[int, int], torch.Tensor] = {}
         self.page_size = page_size
         self.target = target
         self.num_kv_slots = num_kv_slots
@@ -183,6 +184,15 @@ class WorkerBase:
             return runner.forward_draft(batch, features)
         return runner.forward_target(batch)
 
+    def arange(self, n: int, step: int = 1) -> torch.Tensor:  # [n] int64: 0, step, 2 * step..
+        """A cached ``torch.arange(0, n * step, step)`` on the device, read-only: made once
+        (the first time, which for a captured computation is its warm-up, outside the graph),
+        so captured rounds do not spend a launch on each index constant."""
+        key = (n, step)
+        if key not in self._aranges:
+            self._aranges[key] = torch.arange(0, n * step, step, device=self.device)
+        return self._aranges[key]
+
     def _prefill_width(self, bs: int, max_len: int, max_start: int) -> int | None:
         """The padded per-request width of a captured prefill; None to run it eagerly."""
         b = self.graphs.buckets.batch_bucket(bs)
@@ -245,7 +255,7 @@ class WorkerBase:
         host = s["host"].t().to(self.backend.index_dtype)
         rows, starts, lens = host[0], host[1], host[2]
         width = s["input_ids"].shape[0] // bs
-        slots, positions = block_slots(table, rows, starts, lens, width)
+        slots, positions = block_slots(table, rows, starts, lens, width, self.arange(width))
         mode = ForwardMode.DRAFT_EXTEND if draft else ForwardMode.EXTEND
         batch = static_batch(mode, table, rows, starts, lens, s["input_ids"], positions, slots)
         if draft:

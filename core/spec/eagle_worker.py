@@ -387,7 +387,7 @@ class EagleWorker(WorkerBase):
         """The captured verify forward -> (logits [b * N, V], draft features [b * N, F])."""
         table = self.req_pool.req_to_token
         n = self.num_draft_tokens
-        slots, _ = block_slots(table, cols.rows, cols.seq_lens, cols.widths, n)
+        slots, _ = block_slots(table, cols.rows, cols.seq_lens, cols.widths, n, self.arange(n))
         batch = static_batch(
             ForwardMode.TARGET_VERIFY, table, cols.rows, cols.seq_lens, cols.widths,
             input_ids, positions, slots, tree_mask=tree_mask,
@@ -436,7 +436,7 @@ class EagleWorker(WorkerBase):
         S, idx, dev = self.num_steps, next_token.dtype, logits.device
         # build_tree's retrive_index is b * N + j; rebuilt here because the padding rows of
         # an input buffer are zeroed, which would point them at request 0's nodes.
-        retrive_index = torch.arange(bs * N, device=dev).view(bs, N).to(idx)
+        retrive_index = self.arange(bs * N).view(bs, N).to(idx)
         predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
         accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
         accept_length = torch.empty(bs, dtype=idx, device=dev)
@@ -456,10 +456,12 @@ class EagleWorker(WorkerBase):
         already in place, a graph's padding requests) move the padding slot 0 onto itself."""
         b, depth = accept_index.shape
         table = self.req_pool.req_to_token
-        dev, last = accept_index.device, table.shape[1] - 1
-        d = torch.arange(depth, device=dev)
-        node = accept_index.long() - torch.arange(b, device=dev)[:, None] * self.num_draft_tokens
-        move = (d <= accept_length.long()[:, None]) & (node != d) & (cols.widths[:, None] > 0)
+        last = table.shape[1] - 1
+        d = self.arange(depth)
+        node = accept_index.long() - self.arange(b, self.num_draft_tokens)[:, None]
+        # Nodes already in place move onto themselves: harmless (move gathers every source
+        # first), and two launches fewer than masking them out.
+        move = (d <= accept_length.long()[:, None]) & (cols.widths[:, None] > 0)
         start = cols.seq_lens.long()[:, None]
         rows = cols.rows.long()[:, None]
         src = table[rows, (start + node).clamp(0, last)]
@@ -514,10 +516,10 @@ class EagleWorker(WorkerBase):
         table, width = self.req_pool.req_to_token, self.num_steps + 1
         length = accept_length.long()[:, None]
         path = accept_index.long()  # [b, S + 1], -1 past the path
-        j = torch.arange(width, device=path.device)
+        j = self.arange(width)
         node = torch.where(j <= length, path, path.gather(1, length)).flatten()
         ext = torch.where(cols.widths > 0, accept_length + 1, 0).to(cols.rows.dtype)
-        slots, positions = block_slots(table, cols.rows, cols.seq_lens, ext, width)
+        slots, positions = block_slots(table, cols.rows, cols.seq_lens, ext, width, j)
         batch = static_batch(
             ForwardMode.DRAFT_EXTEND, table, cols.rows, cols.seq_lens, ext,
             predicts[node], positions, slots,
@@ -525,7 +527,7 @@ class EagleWorker(WorkerBase):
         logit_h, next_feat = self.draft_runner.forward_draft(
             batch, feats[node], static_prefix=max_prefix
         )
-        last = torch.arange(bs, device=ext.device) * width + (ext.to(torch.int64) - 1).clamp(min=0)
+        last = self.arange(bs, width) + (ext.to(torch.int64) - 1).clamp(min=0)
         topk_p, topk_index = self.draft.topk(logit_h[last], self.topk)
         return topk_p, topk_index, next_feat[last]
 

@@ -70,7 +70,9 @@ class PlainWorker(WorkerBase):
     def _decode_graph(self, s, bs: int, max_prefix: int):
         """The captured plain decode: one target forward -> logits [bs, V]."""
         table = self.req_pool.req_to_token
-        slots, positions = block_slots(table, s["rows"], s["seq_lens"], s["extend_lens"], 1)
+        slots, positions = block_slots(
+            table, s["rows"], s["seq_lens"], s["extend_lens"], 1, self.arange(1)
+        )
         batch = static_batch(
             ForwardMode.DECODE, table, s["rows"], s["seq_lens"], s["extend_lens"],
             s["input_ids"], positions, slots,

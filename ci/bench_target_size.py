@@ -269,6 +269,16 @@ def instrument(llm: LLM) -> Probe:
     return probe
 
 
+def _ready(llm: LLM, key: tuple) -> None:
+    """Prepare graph ``key`` (where the runner needs it) and replay it once, untimed."""
+    graphs = llm.worker.graphs
+    name, b, p = key
+    if graphs.needs_prepare:
+        graphs.runner.prepare(key, {"batch_size": b, "max_prefix_len": p})
+    graphs.runner.replay(key, {})
+    llm.backend.synchronize()
+
+
 def time_replays(llm: LLM, keys: Sequence[tuple], replays: int) -> dict[tuple, float]:
     """Seconds per replay of each captured graph key, with the buffers the last round left
     (one untimed replay first, then ``replays`` back to back, the device synchronised around
@@ -278,11 +288,7 @@ def time_replays(llm: LLM, keys: Sequence[tuple], replays: int) -> dict[tuple, f
     out = {}
     with torch.inference_mode():
         for key in keys:
-            name, b, p = key
-            if graphs.needs_prepare:
-                runner.prepare(key, {"batch_size": b, "max_prefix_len": p})
-            runner.replay(key, {})
-            sync()
+            _ready(llm, key)
             t0 = time.perf_counter()
             for _ in range(replays):
                 runner.replay(key, {})
@@ -305,11 +311,8 @@ def profile_replays(llm: LLM, keys: Sequence[tuple], replays: int) -> dict[str, 
     out: dict[str, Any] = {}
     with torch.inference_mode():
         for key in keys:
+            _ready(llm, key)
             name, b, p = key
-            if graphs.needs_prepare:
-                runner.prepare(key, {"batch_size": b, "max_prefix_len": p})
-            runner.replay(key, {})
-            sync()
             with profile(activities=[activity]) as prof:
                 t0 = time.perf_counter()
                 for _ in range(replays):

@@ -25,6 +25,44 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_select_inputs(
+    step: int,
+    topk_p: torch.Tensor,
+    topk_index: torch.Tensor,
+    hidden: torch.Tensor,
+    scores: torch.Tensor | None,
+    topk: int,
+) -> int:
+    """``select_top_k``'s argument checks (shared with the Triton version); returns ``bs``."""
+    _check(topk >= 1, f"topk must be >= 1, got {topk}")
+    _check(step >= 0, f"step must be >= 0, got {step}")
+    if step == 0:
+        _check(
+            topk_p.dim() == 2 and topk_p.shape[1] == topk and topk_index.shape == topk_p.shape,
+            f"step 0 needs topk_p and topk_index of shape [bs, topk={topk}], got "
+            f"{tuple(topk_p.shape)} and {tuple(topk_index.shape)}",
+        )
+        bs = topk_p.shape[0]
+        _check(
+            hidden.shape[0] == bs,
+            f"step 0 needs hidden [bs={bs}, F], got {tuple(hidden.shape)}",
+        )
+        return bs
+    _check(scores is not None, "select_top_k needs the lanes' scores [bs, K] at step >= 1")
+    assert scores is not None
+    bs = scores.shape[0]
+    _check(
+        scores.shape == (bs, topk)
+        and topk_p.shape == (bs * topk, topk)
+        and topk_index.shape == (bs * topk, topk)
+        and hidden.shape[0] == bs * topk,
+        f"step {step} needs scores [bs, K], topk_p / topk_index [bs*K, K], hidden [bs*K, F] "
+        f"with K={topk}; got {tuple(scores.shape)}, {tuple(topk_p.shape)}, "
+        f"{tuple(topk_index.shape)}, {tuple(hidden.shape)}",
+    )
+    return bs
+
+
 def select_top_k(
     step: int,
     topk_p: torch.Tensor,  # [bs, K] at step 0, [bs*K, K] after
@@ -55,37 +93,15 @@ def select_top_k(
     Returns ``(input_ids, hidden, scores, (tree_scores, tree_tokens, tree_parents))``; index
     outputs have the dtype of ``topk_index``.
     """
-    _check(topk >= 1, f"topk must be >= 1, got {topk}")
-    _check(step >= 0, f"step must be >= 0, got {step}")
+    bs = check_select_inputs(step, topk_p, topk_index, hidden, scores, topk)
     idx_dtype = topk_index.dtype
     if step == 0:
-        _check(
-            topk_p.dim() == 2 and topk_p.shape[1] == topk and topk_index.shape == topk_p.shape,
-            f"step 0 needs topk_p and topk_index of shape [bs, topk={topk}], got "
-            f"{tuple(topk_p.shape)} and {tuple(topk_index.shape)}",
-        )
-        bs = topk_p.shape[0]
-        _check(
-            hidden.shape[0] == bs,
-            f"step 0 needs hidden [bs={bs}, F], got {tuple(hidden.shape)}",
-        )
         parents = torch.arange(-1, topk, device=topk_index.device, dtype=idx_dtype)
         tree_parents = parents.unsqueeze(0).expand(bs, topk + 1).contiguous()  # [bs, K+1]
         level = (topk_p, topk_index, tree_parents)
         return topk_index.flatten(), hidden.repeat_interleave(topk, dim=0), topk_p, level
 
-    _check(scores is not None, "select_top_k needs the lanes' scores [bs, K] at step >= 1")
     assert scores is not None
-    bs = scores.shape[0]
-    _check(
-        scores.shape == (bs, topk)
-        and topk_p.shape == (bs * topk, topk)
-        and topk_index.shape == (bs * topk, topk)
-        and hidden.shape[0] == bs * topk,
-        f"step {step} needs scores [bs, K], topk_p / topk_index [bs*K, K], hidden [bs*K, F] "
-        f"with K={topk}; got {tuple(scores.shape)}, {tuple(topk_p.shape)}, "
-        f"{tuple(topk_index.shape)}, {tuple(hidden.shape)}",
-    )
     expand = scores.unsqueeze(2) * topk_p.view(bs, topk, topk)  # [bs, K, K]
     flat_scores = expand.flatten(1)  # [bs, K*K]
     cs_p, cs_idx = flat_scores.topk(topk, dim=1)  # [bs, K]

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyspec.kernels._tree import check_select_inputs
 from polyspec.kernels.triton._util import check, next_pow2
 
 F_BLOCK = 1024
@@ -123,20 +124,12 @@ def select_top_k(
 ):
     """``polyspec.kernels.reference.select_top_k`` in one launch (module doc)."""
     k = topk
-    check(k >= 1, f"topk must be >= 1, got {k}")
-    check(step >= 0, f"step must be >= 0, got {step}")
+    bs = check_select_inputs(step, topk_p, topk_index, hidden, scores, k)
     dev, idx = topk_index.device, topk_index.dtype
     feat = hidden.shape[-1]
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     if step == 0:
-        check(
-            topk_p.dim() == 2 and topk_p.shape[1] == k and topk_index.shape == topk_p.shape,
-            f"step 0 needs topk_p and topk_index of shape [bs, topk={k}], got "
-            f"{tuple(topk_p.shape)} and {tuple(topk_index.shape)}",
-        )
-        bs = topk_p.shape[0]
-        check(hidden.shape[0] == bs, f"step 0 needs hidden [bs={bs}, F], got {tuple(hidden.shape)}")
         out_hidden = torch.empty((bs * k, feat), dtype=hidden.dtype, device=hidden.device)
         parents = torch.empty((bs, k + 1), dtype=idx, device=dev)
         if bs:
@@ -145,18 +138,7 @@ def select_top_k(
                 K=k, K1_PAD=next_pow2(k + 1), F_BLOCK=F_BLOCK,
             )  # fmt: skip
         return topk_index.flatten(), out_hidden, topk_p, (topk_p, topk_index, parents)
-    check(scores is not None, "select_top_k needs the lanes' scores [bs, K] at step >= 1")
     assert scores is not None
-    bs = scores.shape[0]
-    check(
-        scores.shape == (bs, k)
-        and topk_p.shape == (bs * k, k)
-        and topk_index.shape == (bs * k, k)
-        and hidden.shape[0] == bs * k,
-        f"step {step} needs scores [bs, K], topk_p / topk_index [bs*K, K], hidden [bs*K, F] "
-        f"with K={k}; got {tuple(scores.shape)}, {tuple(topk_p.shape)}, "
-        f"{tuple(topk_index.shape)}, {tuple(hidden.shape)}",
-    )
     topk_p, topk_index, scores = topk_p.contiguous(), topk_index.contiguous(), scores.contiguous()
     flat_dtype = torch.promote_types(scores.dtype, topk_p.dtype)
     flat = torch.empty((bs, k * k), dtype=flat_dtype, device=dev)

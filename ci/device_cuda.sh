@@ -21,7 +21,8 @@
 #   rowinv     ci/bench_rowinv_cuda.py: the row-invariant linear against cuBLAS, per tile config
 #   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
 #              and 16, per-phase times and the share of a round outside forwards
-#   size-smollm2  the same at SmolLM2-135M's shape with the shipped tree (S=3 K=2 N=6)
+#   size-smollm2  the same at SmolLM2-135M's shape with the shipped tree (S=3 K=3 N=8), with
+#              --profile: the kernels inside each captured graph (launches, device us)
 #   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench, for each
 #              S-K-N in $E2E_SETTINGS (default "3-3-8"); transformers runs with the first
 #              setting only (its figure does not depend on the tree; E2E_TRANSFORMERS=0: never)
@@ -142,7 +143,7 @@ run_step 06-size "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend 
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-llama3-8b"
 # SmolLM2's own shape with the shipped tree (S=3 K=3 N=8): the share of a round outside forwards
 run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda \
-  --preset smollm2-135m --num-steps 3 --topk 3 --num-draft-tokens 8 \
+  --preset smollm2-135m --num-steps 3 --topk 3 --num-draft-tokens 8 --profile \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2"
 
 e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the shipped 3-3-8)

@@ -132,6 +132,22 @@ def organize_draft_results(
 
     Returns ``(parent_list, top_scores_index, draft_tokens)``; ``top_scores_index`` is int64.
     """
+    scores, tokens, parent_list = draft_levels(
+        tree_scores_list, tree_tokens_list, tree_parents_list, num_draft_tokens
+    )
+    top_scores_index = scores.topk(num_draft_tokens - 1, dim=1).indices.sort(dim=1).values
+    draft_tokens = tokens.gather(1, top_scores_index)
+    return parent_list, top_scores_index, draft_tokens
+
+
+def draft_levels(
+    tree_scores_list: list[torch.Tensor],
+    tree_tokens_list: list[torch.Tensor],
+    tree_parents_list: list[torch.Tensor],
+    num_draft_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``organize_draft_results``' checks and concatenations (shared with the Triton version)
+    -> (scores [bs, C], tokens [bs, C], parent_list [bs, K*(S-1)+1] or [bs, 0])."""
     _check(
         len(tree_scores_list) >= 1
         and len(tree_scores_list) == len(tree_tokens_list) == len(tree_parents_list),
@@ -145,14 +161,12 @@ def organize_draft_results(
         f"num_draft_tokens={num_draft_tokens} needs 1 <= N-1 <= the {scores.shape[1]} candidates "
         "of this tree; lower num_draft_tokens or raise topk / num_steps",
     )
-    top_scores_index = scores.topk(num_draft_tokens - 1, dim=1).indices.sort(dim=1).values
-    draft_tokens = tokens.gather(1, top_scores_index)
     parents = tree_parents_list[:-1]
     if parents:
         parent_list = torch.cat(parents, dim=1)
     else:
         parent_list = tree_parents_list[0].new_empty((scores.shape[0], 0))
-    return parent_list, top_scores_index, draft_tokens
+    return scores, tokens, parent_list
 
 
 def _parent_nodes(

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from polyspec.kernels._tree import check_select_inputs
-from polyspec.kernels.triton._util import check, next_pow2
+from polyspec.kernels._tree import check_select_inputs, draft_levels
+from polyspec.kernels.triton._util import next_pow2
 
 F_BLOCK = 1024
 """Hidden-state elements copied per step of a lane's row."""
@@ -163,21 +163,11 @@ def organize_draft_results(
 ):
     """``polyspec.kernels.reference.organize_draft_results``: the concatenations in torch, the
     choice of the best ``N - 1`` (ascending ids) and their tokens in one launch."""
-    check(
-        len(tree_scores_list) >= 1
-        and len(tree_scores_list) == len(tree_tokens_list) == len(tree_parents_list),
-        "organize_draft_results needs one (scores, tokens, parents) triple per draft step, got "
-        f"{len(tree_scores_list)}, {len(tree_tokens_list)}, {len(tree_parents_list)}",
+    scores, tokens, parent_list = draft_levels(
+        tree_scores_list, tree_tokens_list, tree_parents_list, num_draft_tokens
     )
-    scores = torch.cat(tree_scores_list, dim=1)  # [bs, C]
-    tokens = torch.cat(tree_tokens_list, dim=1)  # [bs, C]
     bs, num_candidates = scores.shape
     m = num_draft_tokens - 1
-    check(
-        1 <= m <= num_candidates,
-        f"num_draft_tokens={num_draft_tokens} needs 1 <= N-1 <= the {num_candidates} "
-        "candidates of this tree; lower num_draft_tokens or raise topk / num_steps",
-    )
     index = torch.empty((bs, m), dtype=torch.int64, device=scores.device)
     draft_tokens = torch.empty((bs, m), dtype=tokens.dtype, device=tokens.device)
     if bs:
@@ -185,9 +175,4 @@ def organize_draft_results(
             scores, tokens, index, draft_tokens, num_candidates, M=m,
             C_PAD=next_pow2(num_candidates),
         )  # fmt: skip
-    parents = tree_parents_list[:-1]
-    if parents:
-        parent_list = torch.cat(parents, dim=1)
-    else:
-        parent_list = tree_parents_list[0].new_empty((bs, 0))
     return parent_list, index, draft_tokens

@@ -314,6 +314,7 @@ class KernelSet:
     assign_req_to_token: Callable[..., Any]
     assign_extend_cache_locs: Callable[..., Any]
     get_last_loc: Callable[..., Any]
+    assign_accept_locs: Callable[..., Any]
     move_kv: Callable[..., Any]
     store_kv: Callable[..., Any]
     rms_norm: Callable[..., Any]

@@ -41,6 +41,7 @@ __all__ = [
     "assign_req_to_token",
     "assign_extend_cache_locs",
     "get_last_loc",
+    "assign_accept_locs",
     "move_kv",
     "store_kv",
     "rms_norm",
@@ -200,6 +201,84 @@ def get_last_loc(
     last = (prefix_lens.long() - 1).clamp(min=0)
     loc = req_to_token[req_pool_indices.long(), last]
     return torch.where(prefix_lens > 0, loc, torch.full_like(loc, -1))
+
+
+def check_accept_locs_args(
+    req_pool_indices: torch.Tensor,  # [bs]
+    accept_index: torch.Tensor,  # [bs, S+1]
+    outs: tuple[torch.Tensor, ...],  # src_loc, dst_loc, positions, path_node [bs*(S+1)];
+    # extend_lens, last_index [bs]
+) -> tuple[int, int]:
+    """The argument checks of ``assign_accept_locs`` shared by every implementation (shapes
+    only, no host sync); returns (bs, S + 1)."""
+    _check(accept_index.dim() == 2, "accept_index must be [bs, S+1]")
+    bs, depth = accept_index.shape
+    _check(req_pool_indices.shape[0] == bs, "req_pool_indices and accept_index disagree on bs")
+    names = ("src_loc", "dst_loc", "positions", "path_node", "extend_lens", "last_index")
+    sizes = (bs * depth,) * 4 + (bs,) * 2
+    for name, out, size in zip(names, outs, sizes):
+        _check(out.numel() == size, f"{name} must have {size} entries, got {out.numel()}")
+    return bs, depth
+
+
+def assign_accept_locs(
+    req_pool_indices: torch.Tensor,  # [bs] rows of req_to_token
+    req_to_token: torch.Tensor,  # [R, C]
+    seq_lens: torch.Tensor,  # [bs] committed lengths before the round
+    widths: torch.Tensor,  # [bs] verify width N; 0 marks a padding request of a graph
+    accept_index: torch.Tensor,  # [bs, S+1] global node ids b*N + j, -1 past the path
+    accept_length: torch.Tensor,  # [bs] accepted draft tokens (the path has 1 + that nodes)
+    num_draft_tokens: int,
+    src_loc: torch.Tensor,  # out: [bs*(S+1)]
+    dst_loc: torch.Tensor,  # out: [bs*(S+1)]
+    positions: torch.Tensor,  # out: [bs*(S+1)]
+    path_node: torch.Tensor,  # out: [bs*(S+1)]
+    extend_lens: torch.Tensor,  # out: [bs]
+    last_index: torch.Tensor,  # out: [bs]
+) -> None:
+    """The slot and index arithmetic between greedy or sampled acceptance and the draft extend:
+    where the accepted path's target KV moves, and the draft extend's fixed-width batch.
+
+    Verify wrote tree node j of request b at position ``seq_lens[b] + j``; the accepted node at
+    depth d must end up at ``seq_lens[b] + d``. With ``row = req_pool_indices[b]``, ``s =
+    seq_lens[b]``, ``a = accept_length[b]``, ``C`` the table's columns, for each depth
+    ``d`` in ``0..S`` (entry ``e = b*(S+1) + d``), ``live = widths[b] > 0 and d <= a``:
+
+    - ``src_loc[e] = req_to_token[row, clamp(s + accept_index[b, d] - b*N, 0, C-1)]`` and
+      ``dst_loc[e] = req_to_token[row, min(s + d, C-1)]`` where live, else both 0 (slot 0 onto
+      itself: the padding slot). Nodes already in place move onto themselves. ``dst_loc`` is
+      also the draft extend's ``out_cache_loc``.
+    - ``positions[e] = min(s + d, C-1)``: the draft extend's positions.
+    - ``path_node[e] = accept_index[b, min(d, a)]``: the verify output row whose (feature,
+      predicted token) pair the draft extend reads; past the path, the last node again.
+    - ``extend_lens[b] = a + 1`` where ``widths[b] > 0``, else 0; ``last_index[b] = b*(S+1) +
+      max(extend_lens[b] - 1, 0)``: the draft extend's row of each request's newest token.
+    """
+    bs, depth = check_accept_locs_args(
+        req_pool_indices,
+        accept_index,
+        (src_loc, dst_loc, positions, path_node, extend_lens, last_index),
+    )
+    dev, last_col = accept_index.device, req_to_token.shape[1] - 1
+    d = torch.arange(depth, device=dev)  # [S+1]
+    b = torch.arange(bs, device=dev)  # [bs]
+    length = accept_length.long()[:, None]  # [bs, 1]
+    path = accept_index.long()  # [bs, S+1]
+    active = widths.long()[:, None] > 0  # [bs, 1]
+    live = (d[None, :] <= length) & active
+    start = seq_lens.long()[:, None]
+    rows = req_pool_indices.long()[:, None]
+    node = path - (b * num_draft_tokens)[:, None]  # local node ids
+    src = req_to_token[rows, (start + node).clamp(0, last_col)].long()
+    pos = (start + d[None, :]).clamp(max=last_col)
+    dst = req_to_token[rows, pos].long()
+    src_loc.copy_(torch.where(live, src, 0).view(src_loc.shape))
+    dst_loc.copy_(torch.where(live, dst, 0).view(dst_loc.shape))
+    positions.copy_(pos.view(positions.shape))
+    path_node.copy_(path.gather(1, torch.minimum(d[None, :], length)).view(path_node.shape))
+    ext = torch.where(active[:, 0], accept_length.long() + 1, 0)
+    extend_lens.copy_(ext.view(extend_lens.shape))
+    last_index.copy_((b * depth + (ext - 1).clamp(min=0)).view(last_index.shape))
 
 
 def move_kv(

@@ -42,6 +42,18 @@ class _Columns(NamedTuple):
     widths: torch.Tensor  # [bs] verify width N; 0 for the padding requests of a graph
 
 
+class _AcceptLocs(NamedTuple):
+    """``assign_accept_locs``'s outputs: the accepted path's KV moves and the draft extend's
+    fixed-width batch (S + 1 tokens per request)."""
+
+    src_loc: torch.Tensor  # [b * (S + 1)] where each accepted node's target KV is
+    dst_loc: torch.Tensor  # [b * (S + 1)] where it goes; also the draft extend's slots
+    positions: torch.Tensor  # [b * (S + 1)] the draft extend's positions (int64)
+    path_node: torch.Tensor  # [b * (S + 1)] verify row of each draft extend token (int64)
+    extend_lens: torch.Tensor  # [b] accepted tokens + 1; 0 for a graph's padding requests
+    last_index: torch.Tensor  # [b] draft extend row of each request's newest token (int64)
+
+
 def _columns(packed: torch.Tensor, index_dtype: torch.dtype) -> _Columns:
     """[4, bs] int64 (rows, lengths, roots, widths) -> :class:`_Columns` (views where the index
     dtype is int64)."""
@@ -266,11 +278,10 @@ class EagleWorker(WorkerBase):
         predicts, accept_index, accept_length = self._accept_greedy(
             candidates, next_token, next_sibling, logits
         )
+        locs = self._accept_locs(cols, accept_index, accept_length)
         if self.topk > 1:  # a chain's path is always in place
-            self._compact(cols, accept_index, accept_length)
-        next_state = self._draft_extend_core(
-            cols, predicts, feats, accept_index, accept_length, bs, max_prefix
-        )
+            self._compact(locs)
+        next_state = self._draft_extend_core(cols, predicts, feats, locs, bs, max_prefix)
         return _pack_verified(accept_length, accept_index, predicts), *next_state
 
     def _staged_round(self, rids, sts, inp: _RoundInputs, state) -> list[list[int]]:
@@ -315,7 +326,7 @@ class EagleWorker(WorkerBase):
         accepted, path_nodes, predicted = self._read_verified(packed, bs, b)
         accept_index, accept_length = accept_index[:bs], accept_length[:bs]
         if _path_moved(path_nodes, N):  # chains (topk == 1) are always in place
-            self._compact(inp.cols, accept_index, accept_length)
+            self._compact(self._accept_locs(inp.cols, accept_index, accept_length))
         self.timer.lap("accept")
 
         if self.root_forward:
@@ -447,28 +458,29 @@ class EagleWorker(WorkerBase):
         return predicts, accept_index, accept_length
 
     # -- accept ---------------------------------------------------------------------------------
-    def _compact(self, cols: _Columns, accept_index, accept_length) -> None:
-        """Move the accepted path's target KV to the front: node j of a request's tree was
-        written at position seq_len + j; the node at depth d must end up at seq_len + d.
-
-        Device index math over every (request, depth) of ``accept_index`` [b, S + 1], so it
-        runs inside a captured round as well: entries with nothing to move (past the path,
-        already in place, a graph's padding requests) move the padding slot 0 onto itself."""
+    def _accept_locs(self, cols: _Columns, accept_index, accept_length) -> _AcceptLocs:
+        """``assign_accept_locs`` over a round's accepted paths (``accept_index`` [b, S + 1],
+        ``accept_length`` [b]): device work only, so it runs inside a captured round too; a
+        graph's padding requests (width 0) move nothing and extend nothing."""
         b, depth = accept_index.shape
-        table = self.req_pool.req_to_token
-        last = table.shape[1] - 1
-        d = self.arange(depth)
-        node = accept_index.long() - self.arange(b, self.num_draft_tokens)[:, None]
-        # Nodes already in place move onto themselves: harmless (move gathers every source
-        # first), and two launches fewer than masking them out.
-        move = (d <= accept_length.long()[:, None]) & (cols.widths[:, None] > 0)
-        start = cols.seq_lens.long()[:, None]
-        rows = cols.rows.long()[:, None]
-        src = table[rows, (start + node).clamp(0, last)]
-        dst = table[rows, (start + d).clamp(max=last)]
-        self.target_runner.kv_pool.move(
-            torch.where(move, dst, 0).flatten(), torch.where(move, src, 0).flatten()
+        table, dev = self.req_pool.req_to_token, accept_index.device
+        locs = _AcceptLocs(
+            *(torch.empty(b * depth, dtype=table.dtype, device=dev) for _ in range(2)),
+            *(torch.empty(b * depth, dtype=torch.int64, device=dev) for _ in range(2)),
+            torch.empty(b, dtype=cols.rows.dtype, device=dev),
+            torch.empty(b, dtype=torch.int64, device=dev),
         )
+        self.kernels.assign_accept_locs(
+            cols.rows, table, cols.seq_lens, cols.widths, accept_index, accept_length,
+            self.num_draft_tokens, *locs,
+        )  # fmt: skip
+        return locs
+
+    def _compact(self, locs: _AcceptLocs) -> None:
+        """Move the accepted path's target KV to the front: node j of a request's tree was
+        written at position seq_len + j; the node at depth d must end up at seq_len + d. Nodes
+        already in place move onto themselves (``move_kv`` gathers every source first)."""
+        self.target_runner.kv_pool.move(locs.dst_loc, locs.src_loc)
 
     # -- draft extend ---------------------------------------------------------------------------
     def _draft_extend(
@@ -500,36 +512,26 @@ class EagleWorker(WorkerBase):
         self._keep_draft_state(rids, topk_p, topk_index, next_feat[last])
 
     def _draft_extend_graph(self, s, bs: int, max_prefix: int):
-        return self._draft_extend_core(
-            self._graph_columns(s), s["predicts"], s["features"], s["accept_index"],
-            s["accept_length"], bs, max_prefix,
-        )  # fmt: skip
+        cols = self._graph_columns(s)
+        locs = self._accept_locs(cols, s["accept_index"], s["accept_length"])
+        return self._draft_extend_core(cols, s["predicts"], s["features"], locs, bs, max_prefix)
 
     def _draft_extend_core(
-        self, cols: _Columns, predicts, feats, accept_index, accept_length, bs: int,
-        max_prefix: int,
-    ):  # fmt: skip
+        self, cols: _Columns, predicts, feats, locs: _AcceptLocs, bs: int, max_prefix: int
+    ):
         """The captured draft extend, at a fixed width S + 1 per request: the accepted path's
         (feature at node, token predicted after it) pairs, then its last node repeated (masked
-        past the path), gathered from the verify's outputs on the device.
-        -> (topk_p [b, K], topk_index [b, K], next feature [b, H])."""
-        table, width = self.req_pool.req_to_token, self.num_steps + 1
-        length = accept_length.long()[:, None]
-        path = accept_index.long()  # [b, S + 1], -1 past the path
-        j = self.arange(width)
-        node = torch.where(j <= length, path, path.gather(1, length)).flatten()
-        ext = torch.where(cols.widths > 0, accept_length + 1, 0).to(cols.rows.dtype)
-        slots, positions = block_slots(table, cols.rows, cols.seq_lens, ext, width, j)
+        past the path), gathered from the verify's outputs on the device (``predicts`` [b * N],
+        ``feats`` [b * N, F]). -> (topk_p [b, K], topk_index [b, K], next feature [b, H])."""
         batch = static_batch(
-            ForwardMode.DRAFT_EXTEND, table, cols.rows, cols.seq_lens, ext,
-            predicts[node], positions, slots,
+            ForwardMode.DRAFT_EXTEND, self.req_pool.req_to_token, cols.rows, cols.seq_lens,
+            locs.extend_lens, predicts[locs.path_node], locs.positions, locs.dst_loc,
         )  # fmt: skip
         logit_h, next_feat = self.draft_runner.forward_draft(
-            batch, feats[node], static_prefix=max_prefix
+            batch, feats[locs.path_node], static_prefix=max_prefix
         )
-        last = self.arange(bs, width) + (ext.to(torch.int64) - 1).clamp(min=0)
-        topk_p, topk_index = self.draft.topk(logit_h[last], self.topk)
-        return topk_p, topk_index, next_feat[last]
+        topk_p, topk_index = self.draft.topk(logit_h[locs.last_index], self.topk)
+        return topk_p, topk_index, next_feat[locs.last_index]
 
     # -- standalone draft -----------------------------------------------------------------------
     def _root_forward(self, sts, inp: _RoundInputs):
@@ -673,18 +675,23 @@ class EagleWorker(WorkerBase):
             # Padding requests (row 0, length 0) get lanes too: the scratch holds the bucket.
             scratch = self.lane_scratch[: bs * K * self.lane_width]
             lane_locs, tails = self._assign_lanes(rows, seq_t, scratch)
-            seq_lens = seq_t.to(torch.int64)
-            idx = rows.dtype
-            prefix = (seq_lens - tails).to(idx)
+            start = seq_t.to(torch.int64) - tails  # the lane's page-aligned prefix
+            prefix = start.to(rows.dtype)
             extend = torch.full_like(rows, K)
+            # Every step's lane column, slots, positions and lane lengths at once: a few
+            # launches for the whole loop instead of a few per step (in a graph each launch
+            # costs its latency). Step i writes lane column tails + i at position seq_len + i.
+            col = self.arange(self.num_steps - 1)[:, None] + tails[None, :]  # [S-1, bs]
+            out_locs = lane_locs.gather(2, col.t()[:, None, :].expand(bs, K, -1))  # [bs, K, S-1]
+            out_locs = out_locs.permute(2, 0, 1).contiguous()  # [S-1, bs, K]
+            positions = (col + start[None, :])[:, :, None].expand(-1, -1, K).contiguous()
+            lane_lens = (col + 1).to(rows.dtype)  # [S-1, bs]
 
         def draft_step(i: int, input_ids: torch.Tensor, hidden: torch.Tensor):
-            col = (tails + i).view(bs, 1, 1).expand(bs, K, 1)
             batch = static_batch(
                 ForwardMode.DRAFT_DECODE, table, rows, prefix, extend, input_ids,
-                (seq_lens + i).repeat_interleave(K),
-                lane_locs.gather(2, col).flatten(),
-                lane_locs=lane_locs, lane_lens=(tails + i + 1).to(idx), topk=K,
+                positions[i].view(-1), out_locs[i].view(-1),
+                lane_locs=lane_locs, lane_lens=lane_lens[i], topk=K,
             )  # fmt: skip
             return self.draft_runner.forward_draft(batch, hidden, static_prefix=max_prefix)
 

@@ -548,6 +548,75 @@ def test_get_last_loc_matches_reference(backend, reference_backend):
     _assert_equal(ref, torch.tensor([table[3, 6], -1, table[5, 29], table[1, 0]]), "independent")
 
 
+def _accept_case(g: torch.Generator, bs: int, num_steps: int, n: int, cols: int):
+    """Accepted paths as verify leaves them: root first, then nodes of the tree (global ids
+    b*N + j), -1 past the path; request 1 is a graph's padding request (width 0) and request
+    2 ends near the table's last column (positions clamp)."""
+    depth = num_steps + 1
+    accept_length = torch.randint(0, depth, (bs,), generator=g)
+    accept_length[0] = num_steps  # a whole path
+    accept_index = torch.full((bs, depth), -1)
+    for b in range(bs):
+        nodes = torch.randperm(n - 1, generator=g)[: int(accept_length[b])] + 1
+        accept_index[b, 0] = b * n
+        accept_index[b, 1 : 1 + nodes.numel()] = nodes.sort().values + b * n
+    seq_lens = torch.randint(0, cols - n, (bs,), generator=g)
+    seq_lens[2] = cols - 2
+    widths = torch.full((bs,), n)
+    widths[1] = 0
+    return seq_lens, widths, accept_index, accept_length
+
+
+@pytest.mark.parametrize("num_steps,n", [(3, 8), (1, 2), (5, 16)])
+def test_assign_accept_locs_matches_reference(backend, reference_backend, num_steps, n):
+    g = _gen(SEED + 24 + num_steps)
+    bs, rows, cols = 5, 9, 48
+    depth = num_steps + 1
+    req_pool_indices = torch.randperm(rows, generator=g)[:bs]
+    table = torch.randint(1, 10000, (rows, cols), generator=g)
+    seq_lens, widths, accept_index, accept_length = _accept_case(g, bs, num_steps, n, cols)
+    names = ("req_pool_indices", "req_to_token", "seq_lens", "widths", "accept_index")
+    values = (req_pool_indices, table, seq_lens, widths, accept_index)
+    args = {k: _idx(backend, v) for k, v in zip(names, values)}
+    args |= {"accept_length": _idx(backend, accept_length), "num_draft_tokens": n}
+    ref_args = dict(zip(names, values)) | {"accept_length": accept_length, "num_draft_tokens": n}
+
+    def outs(device, index_dtype) -> dict[str, torch.Tensor]:
+        flat = {k: torch.empty(bs * depth, dtype=index_dtype, device=device)
+                for k in ("src_loc", "dst_loc")}  # fmt: skip
+        flat |= {k: torch.empty(bs * depth, dtype=torch.int64, device=device)
+                 for k in ("positions", "path_node", "last_index")}  # fmt: skip
+        flat["last_index"] = flat["last_index"][:bs]
+        return flat | {"extend_lens": torch.empty(bs, dtype=index_dtype, device=device)}
+
+    got = _call_poisoned(
+        backend.kernels.assign_accept_locs, args, outs(backend.device(), backend.index_dtype)
+    )
+    ref = _call_poisoned(
+        reference_backend.kernels.assign_accept_locs, ref_args, outs("cpu", torch.int64)
+    )
+    _check_outs(got, ref, "assign_accept_locs")
+
+    # The reference against the formula, entry by entry.
+    r = ref[0]
+    for b in range(bs):
+        row, s, a = int(req_pool_indices[b]), int(seq_lens[b]), int(accept_length[b])
+        active = int(widths[b]) > 0
+        assert int(r["extend_lens"][b]) == (a + 1 if active else 0)
+        assert int(r["last_index"][b]) == b * depth + (a if active else 0)
+        for d in range(depth):
+            e = b * depth + d
+            pos = min(s + d, cols - 1)
+            assert int(r["positions"][e]) == pos
+            assert int(r["path_node"][e]) == int(accept_index[b, min(d, a)])
+            if active and d <= a:
+                j = int(accept_index[b, d]) - b * n
+                assert int(r["src_loc"][e]) == int(table[row, min(s + j, cols - 1)])
+                assert int(r["dst_loc"][e]) == int(table[row, pos])
+            else:
+                assert int(r["src_loc"][e]) == int(r["dst_loc"][e]) == 0
+
+
 def _kv(g: torch.Generator, slots: int, dtype: torch.dtype):
     return (
         torch.randn(slots, 2, 8, generator=g).to(dtype),

@@ -18,6 +18,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "assign_draft_cache_locs",
         "assign_req_to_token",
         "assign_extend_cache_locs",
+        "assign_accept_locs",
         "move_kv",
         "store_kv",
     ),

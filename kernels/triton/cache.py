@@ -1,5 +1,6 @@
 """Triton slot-bookkeeping and KV-copy kernels: ``assign_draft_cache_locs``,
-``assign_req_to_token``, ``assign_extend_cache_locs``, ``move_kv``, ``store_kv``.
+``assign_req_to_token``, ``assign_extend_cache_locs``, ``assign_accept_locs``, ``move_kv``,
+``store_kv``.
 
 Drop-ins for the functions of the same name in :mod:`polyspec.kernels.reference`. Portable
 Triton only. Segment kernels run one program per request and find their offset in the
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyspec.kernels.reference import check_draft_cache_locs_args
+from polyspec.kernels.reference import check_accept_locs_args, check_draft_cache_locs_args
 from polyspec.kernels.triton._util import check, next_pow2, writable
 
 
@@ -208,6 +209,105 @@ def assign_extend_cache_locs(
     buf, finish = writable(out)
     _launch_segments(req_pool_indices, req_to_token, start, end, buf, False)
     finish()
+
+
+@triton.jit
+def _assign_accept_locs_kernel(
+    req_pool_indices_ptr,  # [bs]
+    req_to_token_ptr,  # [R, C]
+    seq_lens_ptr,  # [bs]
+    widths_ptr,  # [bs]
+    accept_index_ptr,  # [bs, S+1]
+    accept_length_ptr,  # [bs]
+    src_loc_ptr,  # out [bs*(S+1)]
+    dst_loc_ptr,  # out [bs*(S+1)]
+    positions_ptr,  # out [bs*(S+1)]
+    path_node_ptr,  # out [bs*(S+1)]
+    extend_lens_ptr,  # out [bs]
+    last_index_ptr,  # out [bs]
+    depth,  # S + 1
+    num_draft_tokens,
+    max_context,  # C
+    stride_rt,
+    stride_ai,
+    stride_rows,  # the per-request inputs may be strided columns of one upload
+    stride_seq,
+    stride_w,
+    stride_len,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    in_path = d < depth
+    row = tl.load(req_pool_indices_ptr + b * stride_rows).to(tl.int64)
+    start = tl.load(seq_lens_ptr + b * stride_seq).to(tl.int64)
+    length = tl.load(accept_length_ptr + b * stride_len).to(tl.int64)
+    active = tl.load(widths_ptr + b * stride_w) > 0
+    live = (d <= tl.where(active, length, -1)) & in_path  # padding requests move nothing
+    path = tl.load(accept_index_ptr + b * stride_ai + d, mask=in_path, other=0).to(tl.int64)
+    node = path - b.to(tl.int64) * num_draft_tokens
+    src_col = tl.minimum(tl.maximum(start + node, 0), max_context - 1)
+    pos = tl.minimum(start + d, max_context - 1)
+    table = req_to_token_ptr + row * stride_rt
+    src = tl.load(table + src_col, mask=live, other=0)
+    dst = tl.load(table + pos, mask=live, other=0)
+    last_node = tl.load(accept_index_ptr + b * stride_ai + tl.minimum(length, depth - 1))
+    out = b.to(tl.int64) * depth + d
+    tl.store(src_loc_ptr + out, src, mask=in_path)
+    tl.store(dst_loc_ptr + out, dst, mask=in_path)
+    tl.store(positions_ptr + out, pos, mask=in_path)
+    tl.store(path_node_ptr + out, tl.where(d <= length, path, last_node), mask=in_path)
+    ext = tl.where(active, length + 1, 0)
+    tl.store(extend_lens_ptr + b, ext)
+    tl.store(last_index_ptr + b, b.to(tl.int64) * depth + tl.maximum(ext - 1, 0))
+
+
+def assign_accept_locs(
+    req_pool_indices: torch.Tensor,  # [bs]
+    req_to_token: torch.Tensor,  # [R, C]
+    seq_lens: torch.Tensor,  # [bs]
+    widths: torch.Tensor,  # [bs]
+    accept_index: torch.Tensor,  # [bs, S+1]
+    accept_length: torch.Tensor,  # [bs]
+    num_draft_tokens: int,
+    src_loc: torch.Tensor,  # out: [bs*(S+1)]
+    dst_loc: torch.Tensor,  # out: [bs*(S+1)]
+    positions: torch.Tensor,  # out: [bs*(S+1)]
+    path_node: torch.Tensor,  # out: [bs*(S+1)]
+    extend_lens: torch.Tensor,  # out: [bs]
+    last_index: torch.Tensor,  # out: [bs]
+) -> None:
+    """Triton ``assign_accept_locs`` (one program per request); see
+    :func:`polyspec.kernels.reference.assign_accept_locs`."""
+    outs = (src_loc, dst_loc, positions, path_node, extend_lens, last_index)
+    bs, depth = check_accept_locs_args(req_pool_indices, accept_index, outs)
+    check(req_to_token.stride(-1) == 1, "req_to_token must be contiguous in its last dimension")
+    check(accept_index.stride(-1) == 1, "accept_index must be contiguous in its last dimension")
+    if bs == 0:
+        return
+    bufs = [writable(t) for t in outs]
+    _assign_accept_locs_kernel[(bs,)](
+        req_pool_indices,
+        req_to_token,
+        seq_lens,
+        widths,
+        accept_index,
+        accept_length,
+        *(buf for buf, _ in bufs),
+        depth,
+        num_draft_tokens,
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        accept_index.stride(0),
+        req_pool_indices.stride(0),
+        seq_lens.stride(0),
+        widths.stride(0),
+        accept_length.stride(0),
+        BLOCK_D=next_pow2(depth),
+        num_warps=1,
+    )
+    for _, finish in bufs:
+        finish()
 
 
 @triton.jit

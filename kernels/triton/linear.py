@@ -75,9 +75,12 @@ def _row_invariant_linear_kernel(
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
+            # The interpreter: numpy's BLAS may round a row differently by its place in the
+            # tile (OpenBLAS's Haswell kernels do), so each product is summed over K in order.
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        if IEEE:
+            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        elif IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)

@@ -24,7 +24,12 @@ from polyspec.backends.cpu.backend import CPUBackend  # noqa: E402
 from polyspec.kernels import reference as ref  # noqa: E402
 from polyspec.kernels.triton import KERNELS, triton_kernel_overrides  # noqa: E402
 
-# The conformance suite's golden tree cases, run here on the Triton kernels (fixture below).
+# The conformance suite's accepted-path case and golden tree cases, run here on the Triton
+# kernels (fixture below).
+from polyspec.testing.test_kernels import (  # noqa: E402, F401
+    _accept_case,
+    test_assign_accept_locs_matches_reference,
+)
 from polyspec.testing.test_tree_golden import (  # noqa: E402, F401
     test_chain,
     test_missing_parent,
@@ -463,6 +468,44 @@ def test_store_kv_casts_and_reads_strided_inputs(kernels, triton_device, cache_d
     untouched = torch.ones(32, dtype=torch.bool)
     untouched[loc] = False
     assert torch.equal(gk.cpu()[untouched], k[untouched]), "store_kv touched an unlisted slot"
+
+
+def test_assign_accept_locs_reads_strided_columns(kernels, triton_device):
+    """A captured round passes rows / lengths / widths as columns of one [bs, 4] upload (its
+    transpose), and accept_length may be a strided slice too."""
+    g = _gen(SEED + 25)
+    bs, num_steps, n, cols = 4, 3, 8, 40
+    depth = num_steps + 1
+    table = torch.randint(1, 10000, (6, cols), generator=g)
+    rows = torch.randperm(6, generator=g)[:bs]
+    seq_lens, widths, accept_index, accept_length = _accept_case(g, bs, num_steps, n, cols)
+    host = torch.stack([rows, seq_lens, widths, accept_length], dim=1)  # [bs, 4]
+
+    def outs(device: str) -> dict[str, torch.Tensor]:
+        flat = {k: torch.empty(bs * depth, dtype=torch.int64, device=device)
+                for k in ("src_loc", "dst_loc", "positions", "path_node")}  # fmt: skip
+        return flat | {k: torch.empty(bs, dtype=torch.int64, device=device)
+                       for k in ("extend_lens", "last_index")}  # fmt: skip
+
+    expected = outs("cpu")
+    ref.assign_accept_locs(rows, table, seq_lens, widths, accept_index, accept_length, n,
+                           **expected)  # fmt: skip
+    dh = _on(host, triton_device)
+    got = _poisoned(
+        kernels["assign_accept_locs"],
+        {
+            "req_pool_indices": dh[:, 0],
+            "req_to_token": _on(table, triton_device),
+            "seq_lens": dh[:, 1],
+            "widths": dh[:, 2],
+            "accept_index": _on(accept_index, triton_device),
+            "accept_length": dh[:, 3],
+            "num_draft_tokens": n,
+        },
+        outs(triton_device),
+        triton_device,
+    )
+    _same(got, expected, "assign_accept_locs (strided)")
 
 
 # ----------------------------------------------------------------------------- model kernels

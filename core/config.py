@@ -96,6 +96,42 @@ def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class TreeCandidate:
+    """A draft tree a head was measured with: ``acceptance`` is its mean tokens per round
+    (accepted drafts + the bonus token) on a reference workload (docs/benchmarks.md)."""
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    acceptance: float
+
+    def __post_init__(self) -> None:
+        SpeculativeConfig(  # the same checks as a tree given directly
+            algorithm="eagle3",
+            num_steps=self.num_steps,
+            topk=self.topk,
+            num_draft_tokens=self.num_draft_tokens,
+        )
+        a = self.acceptance
+        if (
+            isinstance(a, bool)
+            or not isinstance(a, (int, float))
+            or not 1 <= a <= self.num_steps + 1
+        ):
+            raise _invalid(
+                "speculative.tree_candidates",
+                a,
+                f"a candidate's acceptance must be a number in [1, num_steps + 1 = "
+                f"{self.num_steps + 1}]",
+            )
+        object.__setattr__(self, "acceptance", float(a))
+
+    @property
+    def label(self) -> str:
+        return f"S={self.num_steps} K={self.topk} N={self.num_draft_tokens}"
+
+
+@dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """The draft tree: ``num_steps`` (S) draft levels, ``topk`` (K) children kept per level, and
     ``num_draft_tokens`` (N) tree nodes verified per request, root (bonus token) included.
@@ -117,6 +153,13 @@ class SpeculativeConfig:
     scores per level, so it applies where the draft loop runs eagerly; a captured loop (CUDA
     graphs) always runs every level. 0 turns it off; None (default) means the head's
     ``polyspec.json`` value (with the head's own tree), else 0.
+
+    ``tree_candidates``: trees to choose from when the engine starts (:mod:`polyspec.engine.
+    tree_choice`): where rounds run eagerly, the engine times the target and draft forwards
+    at each candidate's widths on this machine and keeps the tree with the most tokens per
+    second predicted from its acceptance; ``num_steps`` / ``topk`` / ``num_draft_tokens`` then
+    become that tree's. Filled from the head's ``polyspec.json`` when no tree setting is given
+    and ``auto_tree`` is true (default); empty: the tree is used as given.
     """
 
     algorithm: str
@@ -125,9 +168,23 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = None
     draft_quantization: str = "auto"
     dynamic_depth: float | None = None
+    auto_tree: bool = True
+    tree_candidates: tuple[TreeCandidate, ...] = ()
 
     def __post_init__(self) -> None:
         _check_choice("speculative.algorithm", self.algorithm, ALGORITHMS)
+        if not isinstance(self.auto_tree, bool):
+            raise _invalid("speculative.auto_tree", self.auto_tree, "must be true or false")
+        cands = self.tree_candidates
+        if not isinstance(cands, (list, tuple)):
+            raise _invalid(
+                "speculative.tree_candidates", cands, "must be a list of candidate trees"
+            )
+        object.__setattr__(
+            self,
+            "tree_candidates",
+            tuple(c if isinstance(c, TreeCandidate) else TreeCandidate(**c) for c in cands),
+        )
         _check_choice(
             "speculative.draft_quantization", self.draft_quantization, DRAFT_QUANTIZATIONS
         )
@@ -311,7 +368,10 @@ class EngineConfig:
 
 # -- loading ---------------------------------------------------------------------------------
 
-_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
+# tree_candidates come from the head's polyspec.json (or Python), not from flags or files.
+_SPEC_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SpeculativeConfig) if f.name != "tree_candidates"
+)
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "speculative")
 
@@ -322,6 +382,7 @@ _KINDS: dict[str, str] = {
     "num_draft_tokens": "opt_int",
     "draft_quantization": "str",
     "dynamic_depth": "opt_float",
+    "auto_tree": "bool",
     "max_new_tokens": "int",
     "temperature": "float",
     "top_k": "int",
@@ -608,6 +669,9 @@ def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
     if head is None or not isinstance(head, (str, os.PathLike)):
         return  # EngineConfig reports a bad draft value, or the missing draft
     recommended = head_settings(head)
+    given = [k for k in ("num_steps", "topk", "num_draft_tokens") if spec.get(k) is not None]
+    if not given and spec.get("auto_tree", True) and recommended.get("candidates"):
+        spec.setdefault("tree_candidates", tuple(recommended["candidates"]))
     for key in ("num_steps", "topk"):
         if spec.get(key) is None and key in recommended:
             spec[key] = recommended[key]

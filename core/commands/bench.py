@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from polyspec.commands.generate import _ENGINE_KEYS, add_engine_arguments, tune_shipped_head
+from polyspec.engine.tree_choice import tree_note
 from polyspec.errors import ConfigError
 
 _BENCH_FLAGS = (
@@ -273,8 +274,15 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
             skipped["temperature_sweep"] = "needs the speculative system"
     else:
         llm = LLM(config=spec_cfg)
-        num_steps = spec_cfg.speculative.num_steps
+        spec = llm.config.speculative  # the tree chosen for this machine, where it chose
+        num_steps = spec.num_steps
+        settings.update(
+            num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens
+        )
         settings["draft_quantization"] = llm.draft_quantization
+        if llm.tree_choice is not None:
+            settings["tree_choice"] = llm.tree_choice
+            print(f"note: {tree_note(llm.tree_choice)}", file=sys.stderr)
         results["spec"] = runner.run_polyspec(
             llm, "spec", ids, sampling, progress, phase_times, warmup_prompts=warm,
             repeats=args.repeats,

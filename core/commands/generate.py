@@ -98,7 +98,12 @@ def engine_from_args(args: argparse.Namespace):
             notes.append("no trained draft head is shipped yet: running plain decoding")
         else:
             cfg = _replace(cfg, draft=str(head), speculative={"algorithm": "eagle3"})
-    return LLM(config=cfg), sampling, notes
+    llm = LLM(config=cfg)
+    if llm.tree_choice is not None:
+        from polyspec.engine.tree_choice import tree_note
+
+        notes.append(tree_note(llm.tree_choice))
+    return llm, sampling, notes
 
 
 _SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens", "draft_quantization", "dynamic_depth")

@@ -10,7 +10,8 @@ from polyspec.errors import ModelLoadError
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_HEAD = "smollm2-135m-eagle3"
-HEAD_SETTING_KEYS = ("num_steps", "topk", "num_draft_tokens", "dynamic_depth")
+CANDIDATE_KEYS = ("num_steps", "topk", "num_draft_tokens", "acceptance")
+HEAD_SETTING_KEYS = ("num_steps", "topk", "num_draft_tokens", "dynamic_depth", "candidates")
 
 
 def default_target_path() -> Path:
@@ -54,12 +55,17 @@ def head_settings(head: str | os.PathLike) -> dict:
         table = json.loads(path.read_text())["speculative"]
         if not isinstance(table, dict) or set(table) - set(HEAD_SETTING_KEYS):
             raise ValueError(f"keys must be among {', '.join(HEAD_SETTING_KEYS)}")
-        tree = [v for k, v in table.items() if k != "dynamic_depth"]
+        tree = [v for k, v in table.items() if k not in ("dynamic_depth", "candidates")]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in tree):
             raise ValueError("num_steps, topk and num_draft_tokens must be integers")
         depth = table.get("dynamic_depth", 0.0)
         if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth < 1:
             raise ValueError("dynamic_depth must be a number in [0, 1)")
+        candidates = table.get("candidates", [])
+        if not isinstance(candidates, list) or not all(
+            isinstance(c, dict) and set(c) == set(CANDIDATE_KEYS) for c in candidates
+        ):
+            raise ValueError(f"candidates must be a list of {{{', '.join(CANDIDATE_KEYS)}}}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{path} is not a valid head settings file ({exc}): it must hold "

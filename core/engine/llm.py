@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -206,6 +207,16 @@ class LLM:
 
     def _start_engine(self) -> None:
         """The worker and the scheduler over ``self.target`` / ``self.draft``."""
+        self.draft_quantization = "none"
+        if self.draft is not None:
+            from polyspec.model.quantize import quantize_draft
+
+            self.draft_quantization = quantize_draft(
+                self.draft, self.backend, self.config.speculative.draft_quantization
+            )
+        self.tree_choice = None
+        if self.draft is not None and self.config.speculative.tree_candidates:
+            self._choose_tree()
         cfg = self.config
         spec = cfg.speculative
         num_slots = cfg.num_kv_slots or self._default_num_slots()
@@ -220,13 +231,6 @@ class LLM:
             max_graph_batch_size=cfg.max_graph_batch_size,
             max_graph_prefill_tokens=2 * cfg.max_tokens_per_step,  # padded to widths
         )
-        self.draft_quantization = "none"
-        if self.draft is not None:
-            from polyspec.model.quantize import quantize_draft
-
-            self.draft_quantization = quantize_draft(
-                self.draft, self.backend, spec.draft_quantization
-            )
         if self.draft is None:
             from polyspec.spec.plain_worker import PlainWorker
 
@@ -240,6 +244,46 @@ class LLM:
             eos = tuple(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos))
+
+    def _choose_tree(self) -> None:
+        """Settle ``speculative.tree_candidates`` into one tree for this machine
+        (:mod:`polyspec.engine.tree_choice`): times the candidates' forwards on a small
+        worker of its own, then keeps the tree predicted fastest in ``self.config``. Where the
+        rounds replay captured graphs, eager forward times do not tell their cost: the tree
+        stays as given (the head's recommendation)."""
+        from polyspec.engine import tree_choice
+        from polyspec.spec.base import uses_graphs
+        from polyspec.spec.eagle_worker import EagleWorker
+
+        cfg = self.config
+        spec = cfg.speculative
+        if uses_graphs(self.backend.capabilities, cfg.graphs):
+            self.tree_choice = {
+                "chosen": tree_choice.TreeCandidate(
+                    spec.num_steps, spec.topk, spec.num_draft_tokens, 1.0
+                ).label,
+                "reason": "rounds replay captured graphs: the head's recommended tree",
+            }
+            return
+        cands = spec.tree_candidates
+        ps = cfg.page_size
+        target_w, draft_w = tree_choice.widths(cands)
+        context = tree_choice.PREFIX_LEN + max(target_w + draft_w) + 2 * ps
+        lanes = spec.topk * draft_lane_width(spec.num_steps, ps)
+        slots = (2 * context + spec.num_draft_tokens + lanes + 4 * ps + ps - 1) // ps * ps
+        probe = EagleWorker(
+            self.backend, self.target, self.draft, spec, self.dtype, max_batch_size=1,
+            max_context=context, num_kv_slots=slots, page_size=ps, graphs="off",
+        )  # fmt: skip
+        costs = tree_choice.measure_costs(probe, cands)
+        del probe
+        chosen = tree_choice.choose_tree(cands, costs)
+        self.tree_choice = tree_choice.report(cands, costs, chosen)
+        spec = dataclasses.replace(
+            spec, num_steps=chosen.num_steps, topk=chosen.topk,
+            num_draft_tokens=chosen.num_draft_tokens,
+        )  # fmt: skip
+        self.config = dataclasses.replace(cfg, speculative=spec)
 
     def _default_num_slots(self) -> int:
         cfg = self.config

@@ -58,6 +58,12 @@ class PhaseTimer:
             self._t = now
 
 
+def uses_graphs(caps, graphs: str) -> bool:
+    """Whether a worker on a backend with capabilities ``caps`` replays captured graphs for
+    the engine option ``graphs`` ("on", "off", "auto": where the backend captures)."""
+    return caps.static_metadata and (graphs == "on" or (graphs == "auto" and caps.graph_capture))
+
+
 class WorkerBase:
     """Owns the target model runner, the slot bookkeeping and each request's state."""
 
@@ -100,9 +106,7 @@ class WorkerBase:
         self.states: dict[int, SeqState] = {}
         self.timer = PhaseTimer(backend)
         caps = backend.capabilities
-        use_graphs = caps.static_metadata and (
-            graphs == "on" or (graphs == "auto" and caps.graph_capture)
-        )
+        use_graphs = uses_graphs(caps, graphs)
         self.graphs: CapturedForwards | None = None
         # Prefill graphs only where the graph budget is unbounded: a backend that can hold a
         # few shapes (max_graph_shapes) keeps them for the decode rounds, which run far more.

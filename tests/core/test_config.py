@@ -359,8 +359,13 @@ def test_the_shipped_heads_settings_apply_where_the_engine_uses_it(tmp_path):
     if shipped_head_path() is None:
         pytest.skip("no head shipped")
     shipped = shipped_head_settings()
+    candidates = shipped.pop("candidates", [])
     got = load_config(cli={"algorithm": "eagle3"}, env={})[0].speculative
     assert {k: getattr(got, k) for k in shipped} == shipped
+    assert [dataclasses.asdict(c) for c in got.tree_candidates] == candidates
+    # a tree setting given, or auto_tree off: the tree is the user's, no candidates
+    for cli in ({"algorithm": "eagle3", "topk": 2}, {"algorithm": "eagle3", "auto_tree": False}):
+        assert load_config(cli=cli, env={})[0].speculative.tree_candidates == ()
     # another target, or an EAGLE-1 head, gets the plain defaults: the shipped head is not used
     other = load_config(cli={"algorithm": "eagle3", "target": "some/model"}, env={})[0]
     assert other.speculative == SpeculativeConfig("eagle3")

@@ -108,3 +108,37 @@ def test_refusals(reference_backend) -> None:
         )
     with pytest.raises(ConfigError, match="from the modules"):
         LLM.from_modules(target, backend=be, dtype="float32")
+
+
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) -> None:
+    """Eager rounds: the engine times the candidates' forwards, keeps one of them and decodes
+    with it, losslessly; captured rounds keep the tree as given."""
+    from polyspec.config import TreeCandidate
+
+    be = reference_backend
+    target = _target(be)
+    cands = (TreeCandidate(2, 1, 3, 1.5), TreeCandidate(3, 2, 6, 2.5), TreeCandidate(4, 1, 5, 2.0))
+    spec = SpeculativeConfig("eagle3", num_steps=3, topk=2, num_draft_tokens=6,
+                             tree_candidates=cands)  # fmt: skip
+    kw = dict(backend=be, max_batch_size=2, max_context=128, graphs=graphs)
+    llm = LLM.from_modules(target, _eagle3(target, be), spec, **kw)
+    got = llm.config.speculative
+    tree = (got.num_steps, got.topk, got.num_draft_tokens)
+    assert tree in {(c.num_steps, c.topk, c.num_draft_tokens) for c in cands}
+    assert (llm.worker.num_steps, llm.worker.topk, llm.worker.num_draft_tokens) == tree
+    choice = llm.tree_choice
+    if graphs == "on":
+        assert tree == (3, 2, 6) and "captured graphs" in choice["reason"]
+    else:
+        assert set(choice["predicted_speedup"]) == {c.label for c in cands}
+        assert set(choice["target_ms"]) == {"1", "3", "5", "6"}
+        assert set(choice["draft_ms"]) == {"1", "2", "3", "4", "5"}
+        assert all(ms > 0 for ms in choice["target_ms"].values())
+        best = max(choice["predicted_speedup"].values())
+        assert choice["predicted_speedup"][choice["chosen"]] == best
+    plain = LLM.from_modules(target, **kw)
+    prompts = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(5)).tolist()
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=sp)]
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp)] == want

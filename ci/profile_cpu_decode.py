@@ -2,9 +2,10 @@
 
 Plain decoding: wall time per token, then the torch ops by self time (the row-invariant C++
 kernels are not torch ops: their time is the wall time minus what the table lists).
-``--spec``: speculative decoding with the shipped head and its default tree
-(``polyspec.json``): wall time per round, then a cProfile of the rounds by cumulative time (the
-worker's verify / draft / draft extend, the model forward, the C++ kernels); ``--sort
+``--spec``: speculative decoding with the shipped head and the tree the engine picks from its
+``polyspec.json`` candidates on this machine: wall time per round, then a cProfile of the
+rounds by cumulative time (the worker's verify / draft / draft extend, the model forward, the
+C++ kernels); ``--sort
 tottime`` lists them by self time instead (where the Python between the kernels goes).
 
     python ci/profile_cpu_decode.py [--tokens 48] [--threads 2] [--spec [--sort tottime]]
@@ -35,9 +36,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     spec = {}
     if args.spec:
+        settings = shipped_head_settings()
+        # the tree the engine would pick here by default: the head's candidates, timed
+        settings["tree_candidates"] = settings.pop("candidates", ())
         spec = dict(
             draft=shipped_head_path(),
-            speculative=SpeculativeConfig(algorithm="eagle3", **shipped_head_settings()),
+            speculative=SpeculativeConfig(algorithm="eagle3", **settings),
         )
     llm = LLM(backend="cpu", dtype="bfloat16", max_batch_size=1, max_context=512, **spec)
     prompt = ["Write a story about a dragon."]

@@ -265,7 +265,16 @@ class LLM:
                 "reason": "rounds replay captured graphs: the head's recommended tree",
             }
             return
-        cands = spec.tree_candidates
+        caps = self.backend.capabilities
+        # A backend without tree attention verifies chains only (EagleWorker refuses topk > 1).
+        cands = [c for c in spec.tree_candidates if caps.tree_attention or c.topk == 1]
+        if not cands:
+            return
+        widest = max(cands, key=lambda c: (c.topk, c.num_steps))
+        spec = dataclasses.replace(
+            spec, num_steps=widest.num_steps, topk=widest.topk,
+            num_draft_tokens=widest.num_draft_tokens,
+        )  # fmt: skip
         ps = cfg.page_size
         target_w, draft_w = tree_choice.widths(cands)
         context = tree_choice.PREFIX_LEN + max(target_w + draft_w) + 2 * ps

@@ -110,13 +110,20 @@ def test_refusals(reference_backend) -> None:
         LLM.from_modules(target, backend=be, dtype="float32")
 
 
-@pytest.mark.parametrize("graphs", ["off", "on"])
+@pytest.mark.parametrize("graphs", ["off", "on", "chains"])
 def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) -> None:
     """Eager rounds: the engine times the candidates' forwards, keeps one of them and decodes
-    with it, losslessly; captured rounds keep the tree as given."""
+    with it, losslessly; captured rounds keep the tree as given; a backend that verifies
+    chains only chooses among the chains."""
+    import copy
+
     from polyspec.config import TreeCandidate
 
     be = reference_backend
+    if graphs == "chains":
+        be = copy.copy(be)
+        be.capabilities = dataclasses.replace(be.capabilities, tree_attention=False)
+        graphs = "off"
     target = _target(be)
     cands = (TreeCandidate(2, 1, 3, 1.5), TreeCandidate(3, 2, 6, 2.5), TreeCandidate(4, 1, 5, 2.0))
     spec = SpeculativeConfig("eagle3", num_steps=3, topk=2, num_draft_tokens=6,
@@ -130,6 +137,8 @@ def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) ->
     choice = llm.tree_choice
     if graphs == "on":
         assert tree == (3, 2, 6) and "captured graphs" in choice["reason"]
+    elif not be.capabilities.tree_attention:
+        assert got.topk == 1 and set(choice["predicted_speedup"]) == {"S=2 K=1 N=3", "S=4 K=1 N=5"}
     else:
         assert set(choice["predicted_speedup"]) == {c.label for c in cands}
         assert set(choice["target_ms"]) == {"1", "3", "5", "6"}

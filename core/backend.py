@@ -409,6 +409,14 @@ class Backend(abc.ABC):
         quantizes nothing."""
         return None
 
+    def auto_weight_quantization(self, dtype: torch.dtype) -> str | None:
+        """The scheme ``speculative.draft_quantization = "auto"`` applies to a draft head of
+        ``dtype``: one of ``capabilities.weight_quantization`` where drafting is faster with
+        it on this machine, None where the head should stay in ``dtype``. An explicit scheme
+        is applied whatever this says. The default: the first scheme listed."""
+        listed = self.capabilities.weight_quantization
+        return listed[0] if listed else None
+
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in]
         """The tensor ``F.linear`` should read for ``weight``: same values and shape, possibly
         another memory layout (the cpu backend stores fp32 weights column-major, which its

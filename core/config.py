@@ -141,8 +141,9 @@ class SpeculativeConfig:
 
     ``draft_quantization``: how an EAGLE head's weights are stored for drafting. "int8":
     weight-only int8 (one scale per output row), an error where the backend cannot; "none":
-    the model's dtype; "auto" (default): int8 where the backend lists it in
-    ``capabilities.weight_quantization`` and can quantize the head's dtype, else none. It
+    the model's dtype; "auto" (default): the scheme the backend names for this machine and the
+    head's dtype (:meth:`Backend.auto_weight_quantization`; by default the first one listed in
+    ``capabilities.weight_quantization``) where it can apply it, else none. It
     changes what the draft proposes (acceptance), never the output.
 
     ``dynamic_depth``: draft fewer than ``num_steps`` levels in a round where the draft is

@@ -76,11 +76,15 @@ class SDPAAttention(AttentionBackend):
         head_dim: int,
         scale: float,
         exact_attention: Callable[..., torch.Tensor] | None = None,
+        exact_store_and_attend: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         """``num_heads`` must be a multiple of ``num_kv_heads``; the pool must match the KV
         head count and head dim. ``exact_attention(q, k_cache, v_cache, kv_indptr, kv_indices,
         scale)`` (``polyspec.backends.cpu.rowinv.attention``) replaces SDPA for every mode
-        (see the module doc)."""
+        (see the module doc). ``exact_store_and_attend(q, k, v, k_cache, v_cache, loc,
+        kv_indptr, kv_indices, scale)``, where given, does a layer's store and that attention
+        in one call (``rowinv.store_and_attend``: the same bits, one dispatch instead of
+        three)."""
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"attention: num_heads ({num_heads}) must be a positive multiple of "
@@ -99,6 +103,7 @@ class SDPAAttention(AttentionBackend):
         self.scale = float(scale)
         self.group = num_heads // num_kv_heads
         self.exact_attention = exact_attention
+        self.exact_store_and_attend = exact_store_and_attend
 
     write_kv = staticmethod(write_kv)
     """``write_kv(k_cache, v_cache, loc, k, v)``: the store step of :meth:`store_kv` (a
@@ -445,11 +450,7 @@ class SDPAAttention(AttentionBackend):
         """Check that ``q`` matches the metadata, write ``k``/``v`` at ``out_cache_loc`` of
         ``layer``, and return that layer's K and V caches: the first step of every forward
         built on this layout (this class and the Triton attentions)."""
-        if q.shape[0] != metadata.num_tokens:
-            raise ValueError(
-                f"attention: q has {q.shape[0]} tokens but the metadata was built for "
-                f"{metadata.num_tokens}; build_metadata must be called for this batch"
-            )
+        _check_tokens(q, metadata)
         k_cache = self.kv_pool.k_cache(layer)
         v_cache = self.kv_pool.v_cache(layer)
         self.write_kv(k_cache, v_cache, metadata.out_cache_loc, k, v)
@@ -465,6 +466,13 @@ class SDPAAttention(AttentionBackend):
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at ``out_cache_loc`` of ``layer``, then attend (see module doc)."""
         m = metadata
+        if m.kv_indices is not None and self.exact_store_and_attend is not None:
+            _check_tokens(q, m)
+            pool = self.kv_pool
+            return self.exact_store_and_attend(
+                q, k, v, pool.k_cache(layer), pool.v_cache(layer), m.out_cache_loc,
+                m.kv_indptr, m.kv_indices, self.scale,
+            )  # [T, Hq, D]  # fmt: skip
         k_cache, v_cache = self.store_kv(q, k, v, layer, m)  # [slots, Hkv, D] each
         if m.kv_indices is not None and self.exact_attention is not None:
             return self.exact_attention(
@@ -493,6 +501,14 @@ class SDPAAttention(AttentionBackend):
         if m.output_index is not None:
             out = out.index_select(0, m.output_index)
         return out  # [T, Hq, D]
+
+
+def _check_tokens(q: torch.Tensor, metadata: SDPAMetadata) -> None:  # q [T, Hq, D]
+    if q.shape[0] != metadata.num_tokens:
+        raise ValueError(
+            f"attention: q has {q.shape[0]} tokens but the metadata was built for "
+            f"{metadata.num_tokens}; build_metadata must be called for this batch"
+        )
 
 
 def _host_list(host: list[int] | None, dev: torch.Tensor, bs: int, name: str) -> list[int]:

@@ -119,11 +119,19 @@ class CPUBackend(Backend):
         from polyspec.kernels.quant import quantize_int8
 
         q, scale = quantize_int8(weight)
+        # fn(x, bias) straight into the kernel (no Python frame per call)
+        return self.row_invariant_kernels().BoundLinearW8(q, scale)
 
-        def int8_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return rowinv.linear_w8(x, q, scale, bias)
-
-        return int8_linear
+    def auto_weight_quantization(self, dtype: torch.dtype) -> str | None:
+        """int8 where the C++ kernels run on AVX-512 or AMX. On an AVX2-only CPU the int8
+        kernel's unpacking (two instructions per 8 weights, against two per 16 for bf16) costs
+        more than the bytes it saves: the draft lm_head at 1 row took 1.07 ms in int8 against
+        0.85 ms in bf16 (``ci/bench_draft_kernels.py``, 2-core AMD EPYC, sixteenth session),
+        so the head stays in bf16 there."""
+        module = self.row_invariant_kernels() if dtype == torch.bfloat16 else None
+        if module is None or module.isa() == "avx2":
+            return None
+        return "int8"
 
     def linear_fn(self, weight: torch.Tensor):  # weight [out, in]
         """bf16: the row-invariant kernel (module doc) where it is built. Otherwise weights
@@ -140,13 +148,11 @@ class CPUBackend(Backend):
         (docs/benchmarks.md). None where oneDNN is missing, or for other dtypes."""
         if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32):
             return None
-        if weight.dtype == torch.bfloat16 and self.row_invariant_kernels() is not None:
-            w = weight.contiguous()
-
-            def row_invariant_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-                return rowinv.linear(x, w, bias)
-
-            return row_invariant_linear
+        module = self.row_invariant_kernels() if weight.dtype == torch.bfloat16 else None
+        if module is not None:
+            # fn(x, bias) straight into the kernel: a Python closure and rowinv.linear's
+            # wrapper cost ~2 us a call, ~0.25 ms a SmolLM2 forward
+            return module.BoundLinear(weight.contiguous())
         if not torch.backends.mkldnn.is_available():
             return None
         if weight.dtype == torch.bfloat16 and _onednn_bf16():
@@ -198,10 +204,13 @@ class CPUBackend(Backend):
                 f"cpu backend: make_attention needs a pool from make_kv_pool, got "
                 f"{type(kv_pool).__name__}"
             )
-        exact = None
-        if kv_pool.dtype == torch.bfloat16 and self.row_invariant_kernels() is not None:
-            exact = rowinv.attention
-        return SDPAAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale, exact)
+        exact = store_and_attend = None
+        module = self.row_invariant_kernels()
+        if kv_pool.dtype == torch.bfloat16 and module is not None:
+            exact, store_and_attend = rowinv.attention, module.store_and_attend
+        return SDPAAttention(
+            kv_pool, num_heads, num_kv_heads, head_dim, scale, exact, store_and_attend
+        )
 
     def make_graph_runner(self) -> EagerGraphRunner:
         """An eager runner that enforces the capture / replay rules."""
@@ -227,11 +236,12 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
 
     def pick(name: str, is_bf16):
         ref = getattr(reference, name)
-        native = getattr(rowinv, name)
 
         def kernel(*args, **kwargs):
-            if is_bf16(*args) and backend.row_invariant_kernels() is not None:
-                return native(*args, **kwargs)
+            # the extension's entry point itself: these run a few times per layer, and a
+            # Python wrapper around each cost as much as the kernel at batch 1
+            if is_bf16(*args) and (module := backend.row_invariant_kernels()) is not None:
+                return getattr(module, name)(*args, **kwargs)
             return ref(*args, **kwargs)
 
         kernel.__name__ = kernel.__qualname__ = name

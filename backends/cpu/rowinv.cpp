@@ -23,6 +23,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <tuple>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -1435,8 +1437,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-std::vector<at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
-                                           double eps) {
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                     const at::Tensor& w, double eps) {
   check_bf16_rows(x, "fused_add_rms_norm: x");
   check_bf16_rows(residual, "fused_add_rms_norm: residual");
   TORCH_CHECK(residual.sizes() == x.sizes(), "fused_add_rms_norm: residual ", residual.sizes(),
@@ -1527,8 +1529,9 @@ void rotate_heads(const uint16_t* x, uint16_t* out, int64_t T, int64_t H, int64_
   });
 }
 
-std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& cos_sin_cache, bool is_neox) {
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
+                                                   const at::Tensor& k, const at::Tensor& cos_sin_cache,
+                                                   bool is_neox) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && q.dim() == 3 && k.dim() == 3,
               "rotary_embedding: q and k must be bfloat16 [T, H, D]");
   const int64_t T = q.size(0), D = q.size(2);
@@ -1547,6 +1550,91 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
   }
   return {q_out, k_out};
 }
+
+// ---------------------------------------------------------------------------------------------
+// Entry points the cpu backend calls once per op of a decoder layer, dozens of times a forward.
+// They take what the Python model hands over as it is (non-contiguous views, any leading dims)
+// and do in C++ what a Python wrapper did around each call: at batch 1 those wrappers cost
+// about as much as the kernels they wrapped. The arithmetic is the kernels' own, unchanged.
+
+at::Tensor rms_norm_any(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm(x.contiguous(), weight.contiguous(), eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm_any(const at::Tensor& x, const at::Tensor& residual,
+                                                          const at::Tensor& weight, double eps) {
+  return fused_add_rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps);
+}
+
+at::Tensor silu_and_mul_any(const at::Tensor& x) {  // [..., 2I] -> [..., I]
+  TORCH_CHECK(x.dim() >= 1, "silu_and_mul: x must have at least one dim");
+  if (x.dim() == 2) return silu_and_mul(x.contiguous());
+  const int64_t last = x.size(-1);
+  at::Tensor out = silu_and_mul(x.reshape({-1, last}).contiguous());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = last / 2;
+  return out.view(shape);
+}
+
+// k_cache[loc] = k, v_cache[loc] = v (as index_copy_), then attention() over the CSR lists: the
+// store and the attend of one layer in one call. k / v may be strided views (slices of a qkv).
+at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                            at::Tensor& v_cache, const at::Tensor& loc_in, const at::Tensor& kv_indptr,
+                            const at::Tensor& kv_indices, double scale) {
+  const int64_t T = k.size(0);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16,
+              "store_and_attend: k and v must be bfloat16 [T, Hkv, D] of one shape, got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2),
+              "store_and_attend: the caches must be contiguous bfloat16 [slots, Hkv, D] matching k ", k.sizes(),
+              ", got ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(loc_in.dim() == 1 && loc_in.size(0) == T, "store_and_attend: loc must be [T=", T, "], got ",
+              loc_in.sizes());
+  const at::Tensor loc = loc_in.to(at::kLong).contiguous();
+  const int64_t slots = k_cache.size(0), row = k.size(1) * k.size(2);
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(lp[t] >= 0 && lp[t] < slots, "store_and_attend: loc ", lp[t], " outside the cache's ", slots,
+                " slots");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  auto* kd = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+  auto* vd = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+  const auto* ks = reinterpret_cast<const uint16_t*>(kc.data_ptr());
+  const auto* vs = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {  // a repeated slot keeps the last row, as index_copy_ on the CPU
+    std::memcpy(kd + lp[t] * row, ks + t * row, row * 2);
+    std::memcpy(vd + lp[t] * row, vs + t * row, row * 2);
+  }
+  return attention(q.contiguous(), k_cache, v_cache, kv_indptr, kv_indices, scale, false);
+}
+
+// A weight bound once, called as fn(x, bias) by polyspec.model.linear: the call goes straight
+// from Python to the kernel. x may have any leading dims.
+at::Tensor flat_call(const at::Tensor& x, int64_t n, const std::function<at::Tensor(const at::Tensor&)>& f) {
+  if (x.dim() == 2) return f(x);
+  TORCH_CHECK(x.dim() >= 1, "linear: x must have at least one dim");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  const int64_t K = shape.back();
+  shape.back() = n;
+  return f(x.reshape({x.numel() / std::max<int64_t>(K, 1), K})).view(shape);
+}
+
+struct BoundLinear {
+  at::Tensor w;  // [N, K] bf16, contiguous
+  at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& bias) const {
+    return flat_call(x, w.size(0), [&](const at::Tensor& x2) { return linear(x2, w, bias, false); });
+  }
+};
+
+struct BoundLinearW8 {
+  at::Tensor q, scale;  // [N, K] int8, [N] fp32
+  at::Tensor operator()(const at::Tensor& x, const c10::optional<at::Tensor>& bias) const {
+    return flat_call(x, q.size(0), [&](const at::Tensor& x2) { return linear_w8(x2, q, scale, bias, false); });
+  }
+};
 
 }  // namespace
 
@@ -1851,11 +1939,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "Row-invariant CSR attention over a bf16 slot pool", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_indptr"), py::arg("kv_indices"), py::arg("scale"),
         py::arg("out_fp32") = false, release_gil());
-  m.def("rms_norm", &rms_norm, "RMSNorm, bf16 [T, H]", release_gil());
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "(rms_norm(x + residual), x + residual), bf16", release_gil());
-  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:], bf16", release_gil());
-  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, bf16, fp32 cos/sin cache",
+  m.def("rms_norm", &rms_norm_any, "RMSNorm, bf16 [T, H]", py::arg("x"), py::arg("weight"), py::arg("eps"),
         release_gil());
+  m.def("fused_add_rms_norm", &fused_add_rms_norm_any, "(rms_norm(x + residual), x + residual), bf16",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), release_gil());
+  m.def("silu_and_mul", &silu_and_mul_any, "silu(x[..., :I]) * x[..., I:], bf16", py::arg("x"), release_gil());
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, bf16, fp32 cos/sin cache",
+        py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos_sin_cache"), py::arg("is_neox") = true,
+        release_gil());
+  m.def("store_and_attend", &store_and_attend,
+        "k_cache[loc] = k, v_cache[loc] = v, then attention(q, ...); bf16 caches", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("loc"), py::arg("kv_indptr"),
+        py::arg("kv_indices"), py::arg("scale"), release_gil());
+  py::class_<BoundLinear>(m, "BoundLinear", "linear(x, w, bias) with w bound: fn(x, bias=None)")
+      .def(py::init([](const at::Tensor& w) {
+             TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+                         "BoundLinear: w must be a contiguous 2-D bfloat16 tensor [N, K]");
+             return BoundLinear{w};
+           }),
+           py::arg("w"))
+      .def("__call__", &BoundLinear::operator(), py::arg("x"), py::arg("bias") = py::none(), release_gil())
+      .def_readonly("weight", &BoundLinear::w);
+  py::class_<BoundLinearW8>(m, "BoundLinearW8", "linear_w8(x, q, scale, bias) with q, scale bound")
+      .def(py::init([](const at::Tensor& q, const at::Tensor& scale) { return BoundLinearW8{q, scale}; }),
+           py::arg("q"), py::arg("scale"))
+      .def("__call__", &BoundLinearW8::operator(), py::arg("x"), py::arg("bias") = py::none(), release_gil())
+      .def_readonly("q", &BoundLinearW8::q)
+      .def_readonly("scale", &BoundLinearW8::scale);
   m.def("select_top_k_step", &select_top_k_step, "select_top_k at step >= 1 in one call", release_gil());
   m.def("softmax_topk", &softmax_topk, "the k largest softmax probabilities per row and their ids",
         release_gil());

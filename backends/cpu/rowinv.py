@@ -281,7 +281,7 @@ def rms_norm(
     eps: float,
 ) -> torch.Tensor:  # [T, H] bf16
     """``polyspec.kernels.reference.rms_norm`` in one call (bf16 only)."""
-    return _module().rms_norm(x.contiguous(), weight.contiguous(), float(eps))
+    return _module().rms_norm(x, weight, float(eps))
 
 
 def fused_add_rms_norm(
@@ -291,17 +291,12 @@ def fused_add_rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H], [T, H])
     """``polyspec.kernels.reference.fused_add_rms_norm`` in one call (bf16 only)."""
-    normed, total = _module().fused_add_rms_norm(
-        x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps)
-    )
-    return normed, total
+    return _module().fused_add_rms_norm(x, residual, weight, float(eps))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] bf16 -> [T, I]
-    """``polyspec.kernels.reference.silu_and_mul`` in one call (bf16 only)."""
-    lead = x.shape[:-1]
-    out = _module().silu_and_mul(x.reshape(lead.numel(), x.shape[-1]).contiguous())
-    return out.reshape(*lead, x.shape[-1] // 2)
+    """``polyspec.kernels.reference.silu_and_mul`` in one call (bf16 only; any leading dims)."""
+    return _module().silu_and_mul(x)
 
 
 def rotary_embedding(
@@ -312,8 +307,7 @@ def rotary_embedding(
     is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hq, D], [T, Hkv, D])
     """``polyspec.kernels.reference.rotary_embedding`` in one call (bf16 q / k only)."""
-    q_out, k_out = _module().rotary_embedding(positions, q, k, cos_sin_cache, bool(is_neox))
-    return q_out, k_out
+    return _module().rotary_embedding(positions, q, k, cos_sin_cache, bool(is_neox))
 
 
 def verify_tree_greedy(

@@ -34,23 +34,24 @@ def check_draft_quantization(setting: str, algorithm: str, backend: Backend) -> 
 
 def quantize_draft(head: Any, backend: Backend, setting: str) -> str:
     """Apply ``setting`` ("auto", "none" or a scheme) to ``head``'s own matrices and return the
-    scheme applied ("none" when nothing was quantized). "auto" takes the first scheme the
-    backend lists and can apply to every matrix of the head; an explicit scheme that the
-    backend declines for some matrix is a ConfigError naming it."""
+    scheme applied ("none" when nothing was quantized). "auto" takes the scheme
+    :meth:`Backend.auto_weight_quantization` names for the head's dtype, if the backend can
+    apply it to every matrix of the head; an explicit scheme that the backend declines for
+    some matrix is a ConfigError naming it."""
     own = getattr(head, "own_matrices", None)
     if own is None:
         return "none"
     if setting == "none":
         _restore(own())
         return "none"
+    matrices = own()
     if setting == "auto":
-        listed = backend.capabilities.weight_quantization
-        if not listed:
+        scheme = backend.auto_weight_quantization(matrices[0].dtype) if matrices else None
+        if scheme is None:
+            _restore(matrices)
             return "none"
-        scheme = listed[0]
     else:
         scheme = setting
-    matrices = own()
     fns = [backend.quantized_linear_fn(w.data, scheme) for w in matrices]
     declined = [tuple(w.shape) for w, fn in zip(matrices, fns) if fn is None]
     if declined:

@@ -899,3 +899,70 @@ def test_select_top_k_steps_equal_the_reference(index_dtype):
     _, _, cs_p, level = rowinv.select_top_k(1, p, torch.zeros(3, 3, dtype=torch.int64),
                                             torch.zeros(3, 4), torch.ones(1, 3), 3)  # fmt: skip
     assert level[2].tolist() == [[3, 4, 5]] and cs_p.tolist() == [[0.5, 0.5, 0.5]]
+
+
+def test_store_and_attend_equals_index_copy_then_attention():
+    """One call (the cpu backend's per-layer store + attend) = index_copy_ into both caches,
+    then rowinv.attention: the same bits, strided k/v views and int32 slots included; a slot
+    outside the pool is an error before anything is written."""
+    m = rowinv.load()
+    g = torch.Generator().manual_seed(5)
+    t, hq, hkv, d, slots = 3, 9, 3, 64, 40
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=g).bfloat16()
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # strided, as in the model
+    k_cache = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    v_cache = torch.randn(slots, hkv, d, generator=g).bfloat16()
+    loc = torch.tensor([31, 7, 12], dtype=torch.int32)
+    indptr = torch.tensor([0, 10, 21, 33])
+    indices = torch.cat([torch.arange(10), torch.tensor([31] + list(range(10))), torch.arange(12)])
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    k_want.index_copy_(0, loc.long(), k)
+    v_want.index_copy_(0, loc.long(), v)
+    want = rowinv.attention(q.contiguous(), k_want, v_want, indptr, indices, 0.125)
+    got = m.store_and_attend(q, k, v, k_cache, v_cache, loc, indptr, indices, 0.125)
+    assert same(got, want) and same(k_cache, k_want) and same(v_cache, v_want)
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="loc 40 outside the cache's 40 slots"):
+        m.store_and_attend(
+            q, k, v, k_cache, v_cache, torch.tensor([1, 2, 40]), indptr, indices, 0.1
+        )
+    assert same(k_cache, before)
+
+
+def test_bound_linears_equal_the_plain_calls():
+    """The cpu backend's per-weight callables (BoundLinear, BoundLinearW8): fn(x, bias) gives
+    rowinv.linear / linear_w8's bits, for 2-D and batched x, with and without a bias."""
+    from polyspec.kernels.quant import quantize_int8
+
+    m = rowinv.load()
+    w, b = bf16_rand(24, 40, seed=1), bf16_rand(24, seed=2)
+    x = bf16_rand(2, 3, 40, seed=3)
+    fn = m.BoundLinear(w)
+    assert same(fn(x[0], None), rowinv.linear(x[0], w))
+    assert same(fn(x[0], b), rowinv.linear(x[0], w, b))
+    assert same(fn(x, b), rowinv.linear(x, w, b)) and fn(x, b).shape == (2, 3, 24)
+    q, scale = quantize_int8(w)
+    fn8 = m.BoundLinearW8(q, scale)
+    assert same(fn8(x[1], b), rowinv.linear_w8(x[1], q, scale, b))
+    assert same(fn8(x, None).reshape(6, 24), rowinv.linear_w8(x.reshape(6, 40), q, scale))
+    with pytest.raises(RuntimeError, match="contiguous 2-D bfloat16"):
+        m.BoundLinear(w.float())
+
+
+def test_layer_op_entry_points_take_views_and_leading_dims():
+    """The extension's own rms_norm / fused_add_rms_norm / silu_and_mul / rotary_embedding,
+    which the cpu backend calls directly: strided inputs and [..., 2I] work, tuples come back."""
+    from polyspec.kernels import reference
+
+    m = rowinv.load()
+    x = bf16_rand(4, 2, 48, seed=4)
+    assert same(m.silu_and_mul(x), reference.silu_and_mul(x))
+    h = bf16_rand(6, 64, seed=5)[:, :32]  # a strided view
+    r, w = bf16_rand(6, 32, seed=6), bf16_rand(32, seed=7)
+    normed, total = m.fused_add_rms_norm(h, r, w, 1e-5)
+    assert same(total, h + r) and same(normed, m.rms_norm(total, w, 1e-5))
+    q, k = bf16_rand(3, 4, 16, seed=8), bf16_rand(3, 2, 16, seed=9)
+    from polyspec.model.rope import cos_sin_cache
+
+    out = m.rotary_embedding(torch.tensor([0, 5, 9]), q, k, cos_sin_cache(16, 32, 10000.0))
+    assert isinstance(out, tuple) and len(out) == 2

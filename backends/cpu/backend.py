@@ -83,7 +83,7 @@ class CPUBackend(Backend):
                     f"cpu backend: row-invariant bf16 kernels unavailable "
                     f"({rowinv.unavailable_reason()}); bf16 runs on stock PyTorch, slower at "
                     "several rows, and its speculative output can part from plain output after "
-                    "a near-tie",
+                    "a near-tie (dtype 'auto' loads a GGUF target in float32 here instead)",
                     stacklevel=2,
                 )
         return self._rowinv_module

@@ -5,8 +5,11 @@
 
 dtype: a torch dtype or its name ("float32", "bfloat16", "float16", also "fp32"/"bf16"/"fp16"),
 or "auto". For a target, "auto" means the checkpoint's ``torch_dtype`` when config.json gives
-one, else float32 (so a dequantised GGUF loads in float32 unless a dtype is asked for). For a
-draft, "auto" means the target's dtype (the head consumes the target's hidden states).
+one, else float32. A GGUF file names no dtype (its weights are quantized blocks, dequantised on
+load): "auto" loads it in bfloat16 where the backend supports bfloat16 and claims row-invariant
+bfloat16 forwards (:meth:`Backend.row_invariant`: fast, and speculative output equal to plain),
+else float32. For a draft, "auto" means the target's dtype (the head consumes the target's
+hidden states).
 
 EAGLE-3 aux layers: checkpoints (SpecForge ``eagle_config.eagle_aux_hidden_state_layer_ids``)
 count "the output of layer i"; polyspec captures the INPUT of layer i + 1 (the same tensor), so
@@ -57,6 +60,14 @@ def resolve_dtype(
     return getattr(torch, name)
 
 
+def _gguf_auto_dtype(backend: Backend) -> str | None:
+    """bfloat16 where the backend runs it fast and exactly (module doc), else None (float32)."""
+    if "bfloat16" in (getattr(backend.capabilities, "dtypes", None) or ()):
+        if backend.row_invariant(torch.bfloat16):
+            return "bfloat16"
+    return None
+
+
 def _is_gguf(path: Path) -> bool:
     return path.suffix.lower() == ".gguf"
 
@@ -90,11 +101,13 @@ def load_target(path: str | Path, backend: Backend, dtype: str | torch.dtype = "
 
         g = read_gguf(path)
         config, tensors = g.config, g.tensors
+        checkpoint_dtype = _gguf_auto_dtype(backend) if dtype == "auto" else None
     else:
         raw, tensors = read_hf_checkpoint(path)
         config = config_from_hf(raw)
+        checkpoint_dtype = config.torch_dtype
     model = CausalLM(
-        config, backend.kernels, backend.device(), resolve_dtype(dtype, config.torch_dtype, backend)
+        config, backend.kernels, backend.device(), resolve_dtype(dtype, checkpoint_dtype, backend)
     )
     model.load_weights(tensors)
     apply_weight_layout(model, backend)

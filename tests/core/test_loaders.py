@@ -78,7 +78,7 @@ def test_pytorch_model_bin_and_dtype_auto(target_dir, target, cpu, tmp_path):
         load_target(d, cpu, "int8")
 
 
-def test_gguf_written_like_llama_cpp_matches_hf(target_dir, target, cpu, tmp_path):
+def test_gguf_written_like_llama_cpp_matches_hf(target_dir, target, cpu, tmp_path, monkeypatch):
     gguf = pytest.importorskip("gguf")
     cfg = json.loads((target_dir / "config.json").read_text())
     sd = load_file(target_dir / "model.safetensors")
@@ -119,7 +119,14 @@ def test_gguf_written_like_llama_cpp_matches_hf(target_dir, target, cpu, tmp_pat
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    model = load_target(tmp_path / "tiny.gguf", cpu)
+    model = load_target(tmp_path / "tiny.gguf", cpu, "float32")
+    # "auto": a GGUF names no dtype; bf16 where the backend's bf16 forwards are exact
+    auto = torch.bfloat16 if cpu.row_invariant(torch.bfloat16) else torch.float32
+    assert load_target(tmp_path / "tiny.gguf", cpu).embed_tokens.dtype == auto
+    monkeypatch.setenv("POLYSPEC_CPU_KERNELS", "torch")  # stock bf16 is not exact: float32
+    stock = type(cpu)()
+    assert load_target(tmp_path / "tiny.gguf", stock).embed_tokens.dtype == torch.float32
+    monkeypatch.delenv("POLYSPEC_CPU_KERNELS")
     ids = torch.arange(7, 30)
     ours, ref = run_prefill(model, cpu, ids)[1], run_prefill(target, cpu, ids)[1]
     # weights went through float16: close, not equal; a q/k permutation bug would be far off

@@ -205,8 +205,9 @@ class CPUBackend(Backend):
                 f"{type(kv_pool).__name__}"
             )
         exact = store_and_attend = None
-        module = self.row_invariant_kernels()
-        if kv_pool.dtype == torch.bfloat16 and module is not None:
+        # fp32 pools never ask for the extension: asking builds it, and fp32 runs must not wait
+        module = self.row_invariant_kernels() if kv_pool.dtype == torch.bfloat16 else None
+        if module is not None:
             exact, store_and_attend = rowinv.attention, module.store_and_attend
         return SDPAAttention(
             kv_pool, num_heads, num_kv_heads, head_dim, scale, exact, store_and_attend

@@ -1599,14 +1599,20 @@ at::Tensor store_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(lp[t] >= 0 && lp[t] < slots, "store_and_attend: loc ", lp[t], " outside the cache's ", slots,
                 " slots");
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  // A token's [Hkv, D] block is contiguous in the model's k / v (slices of qkv along heads):
+  // copy from the view with its token stride; only other layouts get a contiguous copy first.
+  auto token_rows = [](const at::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const at::Tensor kc = token_rows(k), vc = token_rows(v);
   auto* kd = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
   auto* vd = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
   const auto* ks = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const auto* vs = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  const int64_t k_step = kc.stride(0), v_step = vc.stride(0);
   for (int64_t t = 0; t < T; ++t) {  // a repeated slot keeps the last row, as index_copy_ on the CPU
-    std::memcpy(kd + lp[t] * row, ks + t * row, row * 2);
-    std::memcpy(vd + lp[t] * row, vs + t * row, row * 2);
+    std::memcpy(kd + lp[t] * row, ks + t * k_step, row * 2);
+    std::memcpy(vd + lp[t] * row, vs + t * v_step, row * 2);
   }
   return attention(q.contiguous(), k_cache, v_cache, kv_indptr, kv_indices, scale, false);
 }

@@ -108,6 +108,15 @@ def main() -> None:
     print("target ms by width:", {w: round(t, 2) for w, t in target_ms.items()})
     print("draft ms by width: ", {w: round(t, 2) for w, t in draft_ms.items()})
 
+    print("\nfirst draft's probability -> rounds, share whose first draft was accepted:")
+    bins: dict[int, list[int]] = {}
+    for r in rounds:
+        b = bins.setdefault(min(int(r["q"][0] * 10), 9), [0, 0])
+        b[0] += 1
+        b[1] += r["accepted"] >= 1
+    for b, (n, hit) in sorted(bins.items()):
+        print(f"  [{b / 10:.1f}, {(b + 1) / 10:.1f}): {n} rounds, {hit / n:.0%} accepted")
+
     print("\n| policy | tokens / round | predicted vs plain |\n|---|---|---|")
     for levels in range(1, DEPTH + 1):
         acc, speed = replay(

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from polyspec.config import SpeculativeConfig, TreeCandidate
-from polyspec.engine.tree_choice import ForwardCosts, choose_tree, tree_note, widths
+from polyspec.engine.tree_choice import (
+    ForwardCosts,
+    choose_tree,
+    disturbed,
+    monotone,
+    tree_note,
+    widths,
+)
 from polyspec.errors import ConfigError
 
 CANDIDATES = (
@@ -36,6 +43,16 @@ def test_the_choice_follows_the_cost_of_verify_width():
     assert choose_tree(CANDIDATES, _costs(0.0)) == CANDIDATES[2]
     assert choose_tree(CANDIDATES, _costs(0.05)) == CANDIDATES[1]
     assert choose_tree(CANDIDATES, _costs(0.3)) == CANDIDATES[0]
+
+
+def test_a_narrow_width_timed_above_a_wider_one_is_disturbed():
+    # the seventeenth session's outlier: 2 tokens timed like 3 (ms; 1 a little above 2 too)
+    best = {1: 25.2, 2: 32.4, 3: 32.1, 4: 36.8, 8: 71.9}
+    assert disturbed(best) == [2]
+    assert disturbed({1: 2.75, 2: 2.62, 3: 3.3}) == [1]
+    assert disturbed({1: 1.0, 2: 1.0, 3: 2.0}) == []  # equal is in order
+    assert monotone(best) == {1: 25.2, 2: 32.1, 3: 32.1, 4: 36.8, 8: 71.9}
+    assert monotone({1: 3.0, 2: 2.0, 4: 5.0}) == {1: 2.0, 2: 2.0, 4: 5.0}
 
 
 def test_widths_cover_every_candidate():

@@ -114,8 +114,12 @@ constexpr int64_t kXChunkBytes = 192 * 1024;  // otherwise chunks of packed x ro
 // w: C weight rows, K apart. pf: if set, points kPrefetchBytes past this tile's weights (at what a
 // later tile will read); C/2 lines per K block is the rate at which this tile consumes its own.
 // The hint is NTA: the weights are read once a call, and on a Zen 1 (AVX2 only) one forward's
-// linears took 7 % / 4 % / 3 % less at 1 / 2 / 3 rows than with T0, the same from 4 rows
-// (interleaved A/B in one process; row blocks after the first find the group's weights in L1).
+// linears took 0-7 % less at 1-2 rows than with T0 and never more at 1-6 rows (row blocks
+// after the first still find the group's weights in L1). ci/ab_weight_prefetch.py builds this
+// file with another hint (-DPOLYSPEC_WEIGHT_PREFETCH=...) and times both in one process.
+#ifndef POLYSPEC_WEIGHT_PREFETCH
+#define POLYSPEC_WEIGHT_PREFETCH _MM_HINT_NTA
+#endif
 template <int R, int C>
 inline void tile(const float* xp, int64_t ldx, const uint16_t* w, int64_t K, float* out, const char* pf) {
   __m256 acc[R][C];
@@ -136,7 +140,7 @@ inline void tile(const float* xp, int64_t ldx, const uint16_t* w, int64_t K, flo
   const int64_t nfull = K / 16;
   for (int64_t b = 0; b < nfull; ++b) {
     if (pf)
-      for (int j = 0; j < (C + 1) / 2; ++j) _mm_prefetch(pf + b * 32 * C + 64 * j, _MM_HINT_NTA);
+      for (int j = 0; j < (C + 1) / 2; ++j) _mm_prefetch(pf + b * 32 * C + 64 * j, POLYSPEC_WEIGHT_PREFETCH);
     step(w + b * 16, K, b * 16);
   }
   if (K % 16) {  // a 16-wide load would run past the row (maybe past the allocation): copy, zero-pad

@@ -18,8 +18,9 @@ other work on a shared host. A wider forward does strictly more work than a narr
 narrower width whose best time is still above a wider one's was disturbed in every run: it is
 timed again (a few more times at most), and what stays out of order is capped at the wider
 width's time. (On a noisy 2-core host one such outlier, a 2-token verify timed like a 3-token
-one, made the engine pick S=2 K=1 N=3 over S=1 K=1 N=2: 1.08x plain instead of 1.34x.) The prediction leaves out the tree kernels and host work between
-forwards (the same order for every candidate), so it ranks trees; it is not a benchmark.
+one, made the engine pick S=2 K=1 N=3: 1.08x plain, where runs with S=1 K=1 N=2 gave
+1.22-1.34x.) The prediction leaves out the tree kernels and host work between forwards (the
+same order for every candidate), so it ranks trees; it is not a benchmark.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def measure_costs(
     worker, candidates: Sequence[TreeCandidate], repeats: int = 5, retries: int = 4
 ) -> ForwardCosts:
     """Time the forwards of ``candidates``' rounds on ``worker`` (an EAGLE worker with no
-    requests, whose KV cache holds :data:`PREFIX_LEN` plus the widest forward for one request).
+    requests, whose KV cache holds :data:`PREFIX_LEN` plus the widest forward for one request):
+    the best of ``repeats`` interleaved runs per width, then up to ``retries`` more runs of the
+    widths still timed above a wider one (:func:`disturbed`), then :func:`monotone`.
     Uses one request row, released before returning."""
     target_w, draft_w = widths(candidates)
     longest = max(target_w + draft_w)

@@ -46,10 +46,10 @@ def test_the_choice_follows_the_cost_of_verify_width():
 
 
 def test_a_narrow_width_timed_above_a_wider_one_is_disturbed():
-    # the seventeenth session's outlier: 2 tokens timed like 3 (ms; 1 a little above 2 too)
+    # the seventeenth session's outlier (ms): a 2-token target forward timed like a 3-token one
     best = {1: 25.2, 2: 32.4, 3: 32.1, 4: 36.8, 8: 71.9}
     assert disturbed(best) == [2]
-    assert disturbed({1: 2.75, 2: 2.62, 3: 3.3}) == [1]
+    assert disturbed({1: 2.75, 2: 2.62, 3: 3.3}) == [1]  # draft widths: 1 above 2
     assert disturbed({1: 1.0, 2: 1.0, 3: 2.0}) == []  # equal is in order
     assert monotone(best) == {1: 25.2, 2: 32.1, 3: 32.1, 4: 36.8, 8: 71.9}
     assert monotone({1: 3.0, 2: 2.0, 4: 5.0}) == {1: 2.0, 2: 2.0, 4: 5.0}

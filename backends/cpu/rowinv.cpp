@@ -114,7 +114,7 @@ constexpr int64_t kXChunkBytes = 192 * 1024;  // otherwise chunks of packed x ro
 // w: C weight rows, K apart. pf: if set, points kPrefetchBytes past this tile's weights (at what a
 // later tile will read); C/2 lines per K block is the rate at which this tile consumes its own.
 // The hint is NTA: the weights are read once a call, and on a Zen 1 (AVX2 only) one forward's
-// linears took 0-7 % less at 1-2 rows than with T0 and never more at 1-6 rows (row blocks
+// linears took 0-6 % less at 1-2 rows than with T0, and within noise at 3-6 rows (row blocks
 // after the first still find the group's weights in L1). ci/ab_weight_prefetch.py builds this
 // file with another hint (-DPOLYSPEC_WEIGHT_PREFETCH=...) and times both in one process.
 #ifndef POLYSPEC_WEIGHT_PREFETCH

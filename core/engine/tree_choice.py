@@ -63,12 +63,6 @@ def widths(candidates: Sequence[TreeCandidate]) -> tuple[list[int], list[int]]:
     return target, draft
 
 
-def disturbed(best: Mapping[int, float]) -> list[int]:
-    """The widths whose time is above that of some wider width (ascending)."""
-    ws = sorted(best)
-    return [w for i, w in enumerate(ws) if any(best[w] > best[v] for v in ws[i + 1 :])]
-
-
 def monotone(best: Mapping[int, float]) -> dict[int, float]:
     """Each width's time capped at the smallest time of any wider width."""
     out, floor = {}, float("inf")
@@ -76,6 +70,12 @@ def monotone(best: Mapping[int, float]) -> dict[int, float]:
         floor = min(floor, best[w])
         out[w] = floor
     return dict(sorted(out.items()))
+
+
+def disturbed(best: Mapping[int, float]) -> list[int]:
+    """The widths whose time is above that of some wider width (ascending)."""
+    capped = monotone(best)
+    return [w for w in capped if best[w] > capped[w]]
 
 
 def measure_costs(

@@ -62,9 +62,8 @@ def resolve_dtype(
 
 def _gguf_auto_dtype(backend: Backend) -> str | None:
     """bfloat16 where the backend runs it fast and exactly (module doc), else None (float32)."""
-    if "bfloat16" in (getattr(backend.capabilities, "dtypes", None) or ()):
-        if backend.row_invariant(torch.bfloat16):
-            return "bfloat16"
+    if "bfloat16" in backend.capabilities.dtypes and backend.row_invariant(torch.bfloat16):
+        return "bfloat16"
     return None
 
 

@@ -8,6 +8,9 @@
   pays) and ``graph`` = the same call captured in a CUDA graph and replayed (device time only).
 * rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul at decode shapes (Llama-8B-like,
   bf16), Triton vs the torch reference, both eager.
+* softmax_topk at the shipped head's draft shapes (16,384 bf16 logits a row; 1 and 3 rows a
+  step at batch 1, 48 at batch 16; k = 3): the kernel's ``loop`` and ``whole`` forms (the
+  latter at several warp counts) and torch's softmax + topk.
 Prints a table and writes every row to OUT.json.
 """
 
@@ -146,6 +149,35 @@ def bench_model(iters: int, dev: torch.device) -> list[dict]:
     return rows
 
 
+def bench_topk(iters: int, dev: torch.device) -> list[dict]:
+    from polyspec.kernels import reference as ref
+    from polyspec.kernels.triton.topk import softmax_topk_form, whole_warps
+
+    rows, vocab, k = [], 16384, 3
+    for n in (1, 3, 48):
+        shape = f"n={n} V={vocab} k={k} bf16"
+        logits = (4 * torch.randn(n, vocab, device=dev)).to(torch.bfloat16)
+        want_p, _ = ref.softmax_topk(logits, k)
+        forms = [("loop", {"form": "loop"})]
+        forms += [(f"whole{w}", {"form": "whole", "num_warps": w}) for w in (4, 8, 16, 32)]
+        for impl, kw in forms:
+            call = functools.partial(softmax_topk_form, logits, k, **kw)
+            p, idx = call()
+            _check_close(f"softmax_topk {impl}", p, want_p)
+            rows.append(_row("softmax_topk", shape, impl, call, iters))
+        rows.append(
+            _row(
+                "softmax_topk",
+                shape,
+                "torch",
+                functools.partial(ref.softmax_topk, logits, k),
+                iters,
+            )
+        )
+        print(f"  (the wrapper's whole form runs {whole_warps(vocab)} warps at V={vocab})")
+    return rows
+
+
 def _check_close(name: str, got: object, expected: object) -> None:
     """Sanity: the benchmarked Triton kernel agrees with torch on the benchmark inputs."""
     pairs = zip(got, expected) if isinstance(got, tuple) else [(got, expected)]
@@ -181,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_us": {"build_tree": 20.0, "verify_tree_greedy": 20.0},
     }
     print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}")
-    rows = bench_tree(args.iters, dev) + bench_model(args.iters, dev)
+    rows = bench_tree(args.iters, dev) + bench_model(args.iters, dev) + bench_topk(args.iters, dev)
     verdicts = {}
     for row in rows:
         if row["impl"] == "triton" and row["kernel"] in meta["target_us"]:

@@ -3,6 +3,11 @@ timed inside CUDA graphs (as the engine runs them), for several tile configurati
 each configuration, whether a row computed alone equals that row in a larger batch bitwise.
 
     python ci/bench_rowinv_cuda.py OUT.json      # on a CUDA machine (ci/device_cuda.sh rowinv)
+    python ci/bench_rowinv_cuda.py OUT.json --attention-only
+
+The attention part times ``list_attention`` per ``block_n`` (and, at 256, per warp count) at
+1, 6, 8, 96 and 128 query tokens (a batch-1 decode, small and SmolLM2-tree verifies, a
+batch-16 S=3 K=3 N=8 verify of 128 tokens) over lists of 128 to 1,000 keys.
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ def graph_time_us(fn, reps: int = 50) -> float:
 
 
 def main() -> None:
-    out_path = sys.argv[1] if len(sys.argv) > 1 else "bench_rowinv.json"
+    args = [a for a in sys.argv[1:] if a != "--attention-only"]
+    out_path = args[0] if args else "bench_rowinv.json"
     torch.manual_seed(0)
     dev = torch.device("cuda")
     results = []
-    for name, (n, k) in SHAPES.items():
+    shapes = {} if "--attention-only" in sys.argv else SHAPES
+    for name, (n, k) in shapes.items():
         w = (torch.randn(n, k, device=dev) / k**0.5).bfloat16()
         for m in ROWS:
             x = torch.randn(m, k, device=dev).bfloat16()
@@ -80,17 +87,18 @@ def main() -> None:
     hq, hkv, d = 9, 3, 64  # SmolLM2's heads
     k_cache = torch.randn(8192, hkv, d, device=dev).bfloat16()
     v_cache = torch.randn(8192, hkv, d, device=dev).bfloat16()
-    for t in (1, 6, 96):
-        for length in (128, 400, 1000):
+    for t in (1, 6, 8, 96, 128):
+        for length in (128, 260, 400, 1000):
             q = torch.randn(t, hq, d, device=dev).bfloat16()
             lists = torch.stack([torch.randperm(8192, device=dev)[:length] for _ in range(t)])
             lens = torch.full((t,), length, dtype=torch.int32, device=dev)
             kv = k_cache.index_select(0, lists[0]).unsqueeze(0)  # SDPA on one gathered row
             row = {"T": t, "L": length}
-            for block_n in (32, 64, 128):
-                row[f"list{block_n}_us"] = graph_time_us(
-                    lambda q=q, lists=lists, lens=lens, b=block_n: list_attention(
-                        q, k_cache, v_cache, lists, lens, 0.125, block_n=b
+            for block_n, warps in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 4), (256, 8)):
+                key = f"list{block_n}" + ("" if warps == 4 else f"w{warps}")
+                row[f"{key}_us"] = graph_time_us(
+                    lambda q=q, lists=lists, lens=lens, b=block_n, w=warps: list_attention(
+                        q, k_cache, v_cache, lists, lens, 0.125, block_n=b, num_warps=w
                     )
                 )
             qs = q[:1].transpose(0, 1).unsqueeze(0)  # [1, Hq, 1, D]

@@ -18,7 +18,8 @@
 #   kernels    tests/kernels compiled on the GPU (POLYSPEC_TRITON_DEVICE=cuda, no interpreter)
 #   conformance  pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q
 #   bench      ci/bench_kernels.py -> $OUT/bench.json
-#   rowinv     ci/bench_rowinv_cuda.py: the row-invariant linear against cuBLAS, per tile config
+#   rowinv     ci/bench_rowinv_cuda.py: the row-invariant linear against cuBLAS, per tile config,
+#              and list_attention per block size ($ROWINV_ARGS: e.g. --attention-only)
 #   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
 #              and 16, per-phase times and the share of a round outside forwards
 #   size-smollm2  the same at SmolLM2-135M's shape with the shipped tree (S=3 K=3 N=8), with
@@ -138,7 +139,7 @@ run_step 02-backends 60 "$PY" -m polyspec backends
 run_step 03-kernels 240 env POLYSPEC_TRITON_DEVICE=cuda "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
 run_step 04-conformance "${CONFORMANCE_TIMEOUT:-480}" "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda --maxfail=5 -q -p no:cacheprovider --durations=10
 run_step 05-bench 180 "$PY" ci/bench_kernels.py "$OUT/bench.json"
-run_step 05-rowinv 240 "$PY" ci/bench_rowinv_cuda.py "$OUT/bench-rowinv.json"
+run_step 05-rowinv 240 "$PY" ci/bench_rowinv_cuda.py "$OUT/bench-rowinv.json" ${ROWINV_ARGS:-}
 run_step 06-size "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda --preset llama3-8b \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-llama3-8b"
 # SmolLM2's own shape with the shipped tree (S=3 K=3 N=8): the share of a round outside forwards

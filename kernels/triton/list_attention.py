@@ -120,10 +120,12 @@ def list_attention(
     key_lens: torch.Tensor,  # [T] keys of each list (>= 1)
     scale: float,
     block_n: int = BLOCK_N,
+    num_warps: int = 4,
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Attention of each query token over ``key_lists[t, :key_lens[t]]`` (module doc); query
-    head ``h`` reads kv head ``h // (Hq // Hkv)``. ``block_n`` is for benchmarks: one process
-    must keep one value, or equal lists stop giving equal results."""
+    head ``h`` reads kv head ``h // (Hq // Hkv)``. ``block_n`` and ``num_warps`` are for
+    benchmarks: one process must keep one ``block_n``, or equal lists stop giving equal
+    results."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if hq % hkv or d & (d - 1) or d < 16 or k_cache.shape[2] != d:
@@ -145,7 +147,7 @@ def list_attention(
         q, k_cache, v_cache, out, key_lists, key_lens, key_lists.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), float(scale),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, num_warps=num_warps,
     )  # fmt: skip
     return out
 

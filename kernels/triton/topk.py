@@ -3,9 +3,18 @@
 Why: torch's ``softmax`` then ``topk`` over a draft vocabulary runs a radix select with one
 thread block per row: on the H200 about 36 us for each draft step of a SmolLM2-shaped round
 (three rows of 8,192; docs/benchmarks.md, "Fourteenth session"), where this kernel's three
-calls a round take ~28 us together. Here one program per row
-streams the logits once: a running max and exp-sum (online softmax) and the ``k`` best logits,
-then writes ``p = exp(l - max) / sum`` for them, best first.
+calls a round take ~28 us together. One program per row, in one of two forms:
+
+- ``loop`` (any vocabulary): streams the row in ``BLOCK``-wide steps, keeping a running max and
+  exp-sum (online softmax) and the ``k`` best logits so far: per step two reductions for the
+  softmax and five for each of the ``k`` insertions, one step after another.
+- ``whole`` (vocabularies up to ``WHOLE_MAX``, a draft vocabulary's size): the whole row in one
+  block spread over more warps, so the softmax takes two reductions and each of the ``k``
+  picks two (the best logit, then its lowest id). For the shipped head's 16,384-token
+  vocabulary and k = 3 that is 8 reductions a row where ``loop`` runs 8 steps of 17.
+
+Both write ``p = exp(l - max) / sum`` for the ``k`` best, best first, equal logits lower id
+first.
 """
 
 from __future__ import annotations
@@ -17,7 +26,11 @@ import triton.language as tl
 from polyspec.kernels.triton._util import check, next_pow2
 
 BLOCK = 2048
-"""Logits per step of a row's loop."""
+"""Logits per step of a row's loop (the ``loop`` form)."""
+
+WHOLE_MAX = 16384
+"""The largest vocabulary read as one block (the ``whole`` form); past it the ``loop`` form runs.
+A 16,384-wide fp32 row over 16 warps is 32 values a thread, plus as many ids."""
 
 
 @triton.jit
@@ -69,23 +82,81 @@ def _softmax_topk_kernel(
         tl.store(i_ptr + r * K + a, tl.minimum(vi, V - 1))
 
 
+@triton.jit
+def _softmax_topk_whole_kernel(
+    x_ptr,  # [n, V] (row stride x_stride)
+    p_ptr,  # [n, K] fp32 out
+    i_ptr,  # [n, K] int64 out
+    V,
+    x_stride,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,  # >= V
+):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    live = c < V
+    x = tl.load(x_ptr + r * x_stride + c, mask=live, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), 0)
+    # An id leaves the row once picked (BLOCK: out), so a -inf logit picked for a row with
+    # fewer than K finite ones is never picked twice; padding is out from the start.
+    ids = tl.where(live, c, BLOCK)
+    for a in tl.static_range(K):
+        best = tl.max(tl.where(ids < BLOCK, x, float("-inf")), 0)
+        best_i = tl.min(tl.where((x == best) & (ids < BLOCK), ids, BLOCK), 0)
+        p = tl.where(best > float("-inf"), tl.exp(best - m) / s, 0.0)
+        tl.store(p_ptr + r * K + a, p)
+        tl.store(i_ptr + r * K + a, tl.minimum(best_i, V - 1).to(tl.int64))
+        ids = tl.where(ids == best_i, BLOCK, ids)
+
+
 def softmax_topk(
     logits: torch.Tensor,  # [n, V] any float dtype
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """``polyspec.kernels.reference.softmax_topk``: per row the ``k`` largest softmax
     probabilities, best first, with their ids (equal logits: the lower id first)."""
+    return softmax_topk_form(logits, k)
+
+
+def whole_warps(vocab: int) -> int:
+    """Warps of the ``whole`` form for a ``vocab``-wide row: 32 values a thread at most."""
+    return min(16, max(4, next_pow2(vocab) // 1024))
+
+
+def softmax_topk_form(
+    logits: torch.Tensor,  # [n, V] any float dtype
+    k: int,
+    form: str = "auto",
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
+    """:func:`softmax_topk` in a given form (``"loop"``, ``"whole"``, or ``"auto"``: whole up to
+    ``WHOLE_MAX``); ``num_warps`` overrides the whole form's :func:`whole_warps`. For
+    ci/bench_kernels.py, which times the forms against each other."""
     check(logits.dim() == 2, f"softmax_topk needs logits [n, V], got {tuple(logits.shape)}")
     n, vocab = logits.shape
     check(1 <= k <= vocab, f"softmax_topk needs 1 <= k <= V, got k={k}")
     check(k <= 64, f"softmax_topk: k={k} is past this kernel's 64 (the draft's topk)")
+    check(form in ("auto", "loop", "whole"), f"softmax_topk: unknown form {form!r}")
+    if form == "auto":
+        form = "whole" if vocab <= WHOLE_MAX else "loop"
+    check(
+        form == "loop" or vocab <= WHOLE_MAX,
+        f"softmax_topk: the whole form reads at most {WHOLE_MAX} logits a row, got {vocab}",
+    )
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     p = torch.empty((n, k), dtype=torch.float32, device=logits.device)
     idx = torch.empty((n, k), dtype=torch.int64, device=logits.device)
     if n == 0:
         return p, idx
-    _softmax_topk_kernel[(n,)](
-        logits, p, idx, vocab, logits.stride(0), K=k, K_PAD=next_pow2(k), BLOCK=BLOCK
-    )
+    if form == "whole":
+        _softmax_topk_whole_kernel[(n,)](
+            logits, p, idx, vocab, logits.stride(0), K=k, BLOCK=next_pow2(vocab),
+            num_warps=num_warps or whole_warps(vocab),
+        )  # fmt: skip
+    else:
+        _softmax_topk_kernel[(n,)](
+            logits, p, idx, vocab, logits.stride(0), K=k, K_PAD=next_pow2(k), BLOCK=BLOCK
+        )
     return p, idx

@@ -597,19 +597,28 @@ def test_silu_and_mul_matches_reference(kernels, triton_device, dtype):
     torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("form", ["auto", "loop", "whole"])
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_softmax_topk_matches_reference(kernels, triton_device, dtype, k):
+def test_softmax_topk_matches_reference(kernels, triton_device, dtype, k, form):
     """Ids of equal logits to the reference's (equal logits may swap), probabilities within
-    fp32 rounding, best first, over rows that span several of the kernel's blocks; ties come
-    lower id first, and -inf logits (a masked vocabulary) get probability 0."""
+    fp32 rounding, best first, over rows that span several of the loop form's blocks; ties
+    come lower id first, and -inf logits (a masked vocabulary) get probability 0. Both forms
+    of the kernel, and the one the wrapper picks (``auto``: the whole row up to WHOLE_MAX)."""
+    from polyspec.kernels.triton.topk import softmax_topk_form
+
+    def call(x, k):
+        if form == "auto":
+            return kernels["softmax_topk"](x, k)
+        return softmax_topk_form(x, k, form=form)
+
     g = _gen(SEED + 34 + k)
     for rows, vocab in ((3, 5000), (2, 13), (1, 2048)):
         logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
         logits[0, 7] = logits[0, 2100 % vocab] = logits[0].max() + 1  # a tie at the top
         if rows > 1 and vocab > 20:
             logits[1, 10:] = float("-inf")  # only 10 finite logits
-        p, idx = kernels["softmax_topk"](_on(logits, triton_device), k)
+        p, idx = call(_on(logits, triton_device), k)
         want_p, want_idx = ref.softmax_topk(logits, k)
         assert p.dtype == torch.float32 and p.shape == (rows, k)
         assert idx.dtype == torch.int64 and idx.shape == (rows, k)
@@ -619,9 +628,34 @@ def test_softmax_topk_matches_reference(kernels, triton_device, dtype, k):
         assert int(idx[0, 0]) == 7, "ties come lower id first"
         assert (p.cpu()[:, :-1] >= p.cpu()[:, 1:]).all()
     strided = (4 * torch.randn(4, 600, generator=g)).to(dtype)[:, ::2]
-    p, idx = kernels["softmax_topk"](_on(strided, triton_device), k)
+    p, idx = call(_on(strided, triton_device), k)
     want_p, _ = ref.softmax_topk(strided, k)
     torch.testing.assert_close(p.cpu(), want_p, rtol=1e-5, atol=1e-7)
+    few = torch.full((2, 40), float("-inf"), dtype=dtype)
+    few[0, 3], few[1, 5], few[1, 30] = 1.0, 2.0, 2.0  # fewer finite logits than k (k = 3, 8)
+    p, idx = call(_on(few, triton_device), k)
+    p, idx = p.cpu(), idx.cpu()
+    assert int(idx[0, 0]) == 3 and float(p[0, 0]) == 1.0
+    assert idx[1, :2].tolist() == [5, 30][:k] and torch.allclose(p[1, :2], torch.tensor(0.5))
+    assert (p[:, 2:] == 0).all() and (p[0, 1:] == 0).all()
+    if form != "loop":  # the loop form fills the places past the finite logits with id 0
+        assert all(len(set(r)) == len(r) for r in idx.tolist()), "an id picked twice in a row"
+
+
+def test_softmax_topk_past_the_whole_form_loops(kernels, triton_device):
+    """Vocabularies past WHOLE_MAX (a full target vocabulary) take the loop form; the whole
+    form refuses them with a clear error."""
+    from polyspec.kernels.triton.topk import WHOLE_MAX, softmax_topk_form
+
+    g = _gen(SEED + 35)
+    logits = torch.randn(1, WHOLE_MAX + 5, generator=g)
+    logits[0, WHOLE_MAX + 2] = 9.0
+    p, idx = kernels["softmax_topk"](_on(logits, triton_device), 2)
+    want_p, want_idx = ref.softmax_topk(logits, 2)
+    assert idx.cpu().tolist() == want_idx.tolist()
+    torch.testing.assert_close(p.cpu(), want_p, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="whole form reads at most"):
+        softmax_topk_form(_on(logits, triton_device), 2, form="whole")
 
 
 def test_bad_shapes_raise_clear_errors(kernels, triton_device):

@@ -39,7 +39,12 @@ ruff check .
 ruff format --check .
 
 step "tests"
-pytest tests -q
+# Every Triton launch the tests make (in the interpreter) is recorded for the compile check.
+rm -f .triton-launches.json*
+POLYSPEC_TRITON_RECORD="$PWD/.triton-launches.json" pytest tests -q
+
+step "the recorded Triton launches compile for the GPU (cuda sm_90, no GPU needed)"
+python ci/check_triton_compile.py .triton-launches.json*
 
 step "conformance suite on the cpu backend"
 pytest --pyargs polyspec.testing --polyspec-backend cpu -q

@@ -22,10 +22,10 @@
 #              and list_attention per block size ($ROWINV_ARGS: e.g. --attention-only)
 #   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
 #              and 16, per-phase times and the share of a round outside forwards
-#   size-smollm2  the same at SmolLM2-135M's shape with the shipped tree (S=3 K=3 N=8), with
-#              --profile: the kernels inside each captured graph (launches, device us)
+#   size-smollm2  the same at SmolLM2-135M's shape with the recommended tree ($SIZE_TREE, default
+#              3-6-16), with --profile: the kernels inside each captured graph (launches, us)
 #   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench, for each
-#              S-K-N in $E2E_SETTINGS (default "3-3-8"); transformers runs with the first
+#              S-K-N in $E2E_SETTINGS (default "3-6-16"); transformers runs with the first
 #              setting only (its figure does not depend on the tree; E2E_TRANSFORMERS=0: never)
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
@@ -142,14 +142,15 @@ run_step 05-bench 180 "$PY" ci/bench_kernels.py "$OUT/bench.json"
 run_step 05-rowinv 240 "$PY" ci/bench_rowinv_cuda.py "$OUT/bench-rowinv.json" ${ROWINV_ARGS:-}
 run_step 06-size "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda --preset llama3-8b \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-llama3-8b"
-# SmolLM2's own shape with the shipped tree (S=3 K=3 N=8): the share of a round outside forwards
+# SmolLM2's own shape with the recommended tree: the share of a round outside forwards
+IFS=- read -r SIZE_S SIZE_K SIZE_N <<< "${SIZE_TREE:-3-6-16}"
 run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda \
-  --preset smollm2-135m --num-steps 3 --topk 3 --num-draft-tokens 8 --profile \
+  --preset smollm2-135m --num-steps "$SIZE_S" --topk "$SIZE_K" --num-draft-tokens "$SIZE_N" --profile \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2"
 
-e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the shipped 3-3-8)
+e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the recommended 3-6-16)
   local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs skn s k n
-  local settings="${E2E_SETTINGS:-3-3-8}" extra=()
+  local settings="${E2E_SETTINGS:-3-6-16}" extra=()
   for skn in $settings; do
     IFS=- read -r s k n <<< "$skn"
     [ "$skn" = "${settings%% *}" ] && [ "${E2E_TRANSFORMERS:-1}" != 0 ] && extra=() ||

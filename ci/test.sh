@@ -41,7 +41,7 @@ ruff format --check .
 step "tests"
 # Every Triton launch the tests make (in the interpreter) is recorded for the compile check.
 rm -f .triton-launches.json*
-POLYSPEC_TRITON_RECORD="$PWD/.triton-launches.json" pytest tests -q
+POLYSPEC_TRITON_RECORD="$PWD/.triton-launches.json" pytest tests -q -n 2
 
 step "the recorded Triton launches compile for the GPU (cuda sm_90, no GPU needed)"
 python ci/check_triton_compile.py .triton-launches.json*

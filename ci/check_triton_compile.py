@@ -80,6 +80,9 @@ def compile_one(spec: dict, arch: int) -> tuple[str, float, str | None]:
 def _worker_init() -> None:
     # The interpreter is chosen when @triton.jit runs, at import: this process must compile.
     os.environ.pop("TRITON_INTERPRET", None)
+    # FP fusion on, as the device's Triton compiles by default (newer Triton warns while the
+    # default is unset, once per process, and means to turn it off).
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 def main(argv: list[str] | None = None) -> int:

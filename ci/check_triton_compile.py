@@ -21,6 +21,7 @@ error; exits 1 if any failed, 2 if there was nothing to compile.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -35,7 +36,7 @@ def device_variants(spec: dict) -> list[dict]:
     out = [spec]
     if spec["constexprs"].get("UPCAST"):
         first_pointer = next(t for t in spec["signature"].values() if t.startswith("*"))
-        gpu = json.loads(json.dumps(spec))
+        gpu = copy.deepcopy(spec)
         gpu["constexprs"]["UPCAST"] = False
         if "IEEE" in gpu["constexprs"]:
             gpu["constexprs"]["IEEE"] = first_pointer == "*fp32"

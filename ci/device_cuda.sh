@@ -24,8 +24,10 @@
 #              and 16, per-phase times and the share of a round outside forwards
 #   size-smollm2  the same at SmolLM2-135M's shape with the recommended tree ($SIZE_TREE, default
 #              3-6-16), with --profile: the kernels inside each captured graph (launches, us)
-#   e2e        polyspec bench on SmolLM2 with the shipped head, batch 1 and 16, MT-bench, for each
-#              S-K-N in $E2E_SETTINGS (default "3-6-16"); transformers runs with the first
+#   e2e        polyspec bench on SmolLM2 with the shipped head, MT-bench, at each batch size of
+#              $E2E_BATCH_SIZES (default "1 16"), for each setting in $E2E_SETTINGS (default
+#              "3-6-16"): S-K-N, S-K-N,MIN:S-K-N[,...] (batch trees), or "head" (the head's own
+#              polyspec.json); transformers runs with the first
 #              setting only (its figure does not depend on the tree; E2E_TRANSFORMERS=0: never)
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
@@ -148,19 +150,31 @@ run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --
   --preset smollm2-135m --num-steps "$SIZE_S" --topk "$SIZE_K" --num-draft-tokens "$SIZE_N" --profile \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2"
 
-e2e() {  # batch 1 and 16 for each S-K-N of $E2E_SETTINGS (default: the recommended 3-6-16)
-  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs skn s k n
-  local settings="${E2E_SETTINGS:-3-6-16}" extra=()
-  for skn in $settings; do
-    IFS=- read -r s k n <<< "$skn"
-    [ "$skn" = "${settings%% *}" ] && [ "${E2E_TRANSFORMERS:-1}" != 0 ] && extra=() ||
+e2e() {  # each batch size of $E2E_BATCH_SIZES (default "1 16") for each setting of $E2E_SETTINGS
+  # A setting: S-K-N (default: the recommended 3-6-16), S-K-N,MIN:S-K-N[,...] (with batch trees),
+  # or "head" (no tree flags: the head's polyspec.json, its batch trees included).
+  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs setting
+  local settings="${E2E_SETTINGS:-3-6-16}" extra=() tree=() s k n name
+  for setting in $settings; do
+    [ "$setting" = "${settings%% *}" ] && [ "${E2E_TRANSFORMERS:-1}" != 0 ] && extra=() ||
       extra=(--no-transformers)
-    for bs in 1 16; do
+    if [ "$setting" = head ]; then
+      tree=() name=head
+    else
+      IFS=- read -r s k n <<< "${setting%%,*}"
+      tree=(--num-steps "$s" --topk "$k" --num-draft-tokens "$n") name="s${s}k${k}n${n}"
+      if [ "$setting" != "${setting%%,*}" ]; then
+        tree+=(--batch-trees "${setting#*,}")
+        name+="-bt$(echo "${setting#*,}" | tr ':,' '_+')"
+      fi
+    fi
+    for bs in ${E2E_BATCH_SIZES:-1 16}; do
       polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
-        --draft core/heads/smollm2-135m-eagle3 --num-steps "$s" --topk "$k" --num-draft-tokens "$n" \
+        --draft core/heads/smollm2-135m-eagle3 "${tree[@]}" \
         --dataset "$data" --max-new-tokens 128 --batch-size "$bs" \
-        --num-prompts "$([ "$bs" = 1 ] && echo 10 || echo 80)" --no-progress "${extra[@]}" \
-        --repeats "${E2E_REPEATS:-3}" --json "$OUT/e2e-bs$bs-s${s}k${k}n${n}.json" || return 1
+        --num-prompts "$(case "$bs" in 1) echo 10 ;; 2|3|4) echo 40 ;; *) echo 80 ;; esac)" \
+        --no-progress "${extra[@]}" \
+        --repeats "${E2E_REPEATS:-3}" --json "$OUT/e2e-bs$bs-$name.json" || return 1
     done
   done
 }

@@ -132,6 +132,89 @@ class TreeCandidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchTree:
+    """The draft tree of rounds with at least ``min_batch_size`` requests
+    (``SpeculativeConfig.batch_trees``). ``num_draft_tokens`` None: the default for the tree,
+    as in :class:`SpeculativeConfig`."""
+
+    min_batch_size: int
+    num_steps: int
+    topk: int
+    num_draft_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("speculative.batch_trees min_batch_size", self.min_batch_size, 2)
+        tree = SpeculativeConfig(  # the same checks as the main tree
+            algorithm="eagle3",
+            num_steps=self.num_steps,
+            topk=self.topk,
+            num_draft_tokens=self.num_draft_tokens,
+        )
+        object.__setattr__(self, "num_draft_tokens", tree.num_draft_tokens)
+
+    @property
+    def label(self) -> str:
+        return f"S={self.num_steps} K={self.topk} N={self.num_draft_tokens}"
+
+    @property
+    def text(self) -> str:
+        """The form ``--batch-trees`` takes: ``MIN:S-K-N``."""
+        return f"{self.min_batch_size}:{self.num_steps}-{self.topk}-{self.num_draft_tokens}"
+
+
+def parse_batch_trees(text: str) -> tuple[BatchTree, ...]:
+    """``"8:3-3-8,24:3-2-6"`` (``MIN_BATCH:S-K-N``, comma-separated; "none" or "" for none)
+    -> batch trees. :raises ValueError: text not of that form."""
+    text = text.strip()
+    if text.lower() in ("", "none", "off"):
+        return ()
+    trees = []
+    for part in text.split(","):
+        head, sep, tree = part.strip().partition(":")
+        fields = tree.split("-")
+        if not sep or len(fields) != 3:
+            raise ValueError(f"{part.strip()!r} is not MIN_BATCH:S-K-N")
+        bs, s, k, n = int(head), *map(int, fields)
+        trees.append(BatchTree(bs, s, k, n))
+    return tuple(trees)
+
+
+def _as_batch_trees(value: Any) -> tuple[BatchTree, ...]:
+    """A list of :class:`BatchTree` (or of their fields as mappings), or the text form."""
+    key = "speculative.batch_trees"
+    allowed = (
+        "must be MIN_BATCH:S-K-N entries (e.g. '8:3-3-8,24:3-2-6') or a list of "
+        "{min_batch_size, num_steps, topk, num_draft_tokens}"
+    )
+    if isinstance(value, str):
+        try:
+            value = parse_batch_trees(value)
+        except ValueError as exc:
+            raise _invalid(key, value, f"{allowed} ({exc})") from None
+    if not isinstance(value, (list, tuple)):
+        raise _invalid(key, value, allowed)
+    trees = []
+    for t in value:
+        if isinstance(t, Mapping):
+            extra = set(t) - {f.name for f in dataclasses.fields(BatchTree)}
+            if extra:
+                raise _invalid(key, dict(t), f"{allowed}; unknown keys {sorted(extra)}")
+            try:
+                t = BatchTree(**t)
+            except TypeError:
+                raise _invalid(key, dict(t), allowed) from None
+        if not isinstance(t, BatchTree):
+            raise _invalid(key, t, allowed)
+        trees.append(t)
+    sizes = [t.min_batch_size for t in trees]
+    if sizes != sorted(set(sizes)):
+        raise _invalid(
+            key, ",".join(t.text for t in trees), "min_batch_size must strictly increase"
+        )
+    return tuple(trees)
+
+
+@dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """The draft tree: ``num_steps`` (S) draft levels, ``topk`` (K) children kept per level, and
     ``num_draft_tokens`` (N) tree nodes verified per request, root (bonus token) included.
@@ -161,6 +244,14 @@ class SpeculativeConfig:
     second predicted from its acceptance; ``num_steps`` / ``topk`` / ``num_draft_tokens`` then
     become that tree's. Filled from the head's ``polyspec.json`` when no tree setting is given
     and ``auto_tree`` is true (default); empty: the tree is used as given.
+
+    ``batch_trees``: other trees for larger batches. A round of ``bs`` requests uses the last
+    entry with ``min_batch_size <= bs``, and the tree above (``num_steps`` / ``topk`` /
+    ``num_draft_tokens``) below the first one. On an accelerator a wider tree costs little at
+    batch 1 and more as the batch fills it, so the best tree shrinks as the batch grows
+    (docs/benchmarks.md). Filled from the head's ``polyspec.json`` with its own tree; where
+    the engine times ``tree_candidates`` (eager rounds) its one chosen tree replaces them.
+    The output does not depend on the tree.
     """
 
     algorithm: str
@@ -171,9 +262,11 @@ class SpeculativeConfig:
     dynamic_depth: float | None = None
     auto_tree: bool = True
     tree_candidates: tuple[TreeCandidate, ...] = ()
+    batch_trees: tuple[BatchTree, ...] = ()
 
     def __post_init__(self) -> None:
         _check_choice("speculative.algorithm", self.algorithm, ALGORITHMS)
+        object.__setattr__(self, "batch_trees", _as_batch_trees(self.batch_trees))
         if not isinstance(self.auto_tree, bool):
             raise _invalid("speculative.auto_tree", self.auto_tree, "must be true or false")
         cands = self.tree_candidates
@@ -223,6 +316,19 @@ class SpeculativeConfig:
     def is_chain(self) -> bool:
         """True when topk == 1 (the draft tree is a single chain of num_steps tokens)."""
         return self.topk == 1
+
+    @property
+    def trees(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Every tree rounds may use, as (min_batch_size, S, K, N), the main tree first (1)."""
+        main = (1, self.num_steps, self.topk, self.num_draft_tokens)
+        rest = tuple(
+            (t.min_batch_size, t.num_steps, t.topk, t.num_draft_tokens) for t in self.batch_trees
+        )
+        return (main, *rest)
+
+    def tree_for(self, batch_size: int) -> tuple[int, int, int]:
+        """(S, K, N) of a round of ``batch_size`` requests."""
+        return next(t[1:] for t in reversed(self.trees) if t[0] <= batch_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,6 +490,7 @@ _KINDS: dict[str, str] = {
     "draft_quantization": "str",
     "dynamic_depth": "opt_float",
     "auto_tree": "bool",
+    "batch_trees": "batch_trees",
     "max_new_tokens": "int",
     "temperature": "float",
     "top_k": "int",
@@ -416,6 +523,8 @@ _FALSE_WORDS = ("0", "false", "no", "off")
 def _parse_text(key: str, field: str, text: str) -> Any:
     """Turn the text of an env var / CLI value into the field's Python type."""
     kind = _KINDS[field]
+    if kind == "batch_trees":  # its own errors say what was wrong in which entry
+        return _as_batch_trees(text)
     low = text.strip().lower()
     try:
         if kind.startswith("opt_") and low in _NONE_WORDS:
@@ -655,9 +764,9 @@ def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingPar
 def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
     """Tree settings no layer set come from the EAGLE head's own ``polyspec.json`` (the head
     in ``draft``, or the shipped one where the engine will use it), as SGLang picks settings
-    for a known draft when none are given. ``num_draft_tokens`` and ``dynamic_depth`` are taken
-    only with the head's own ``num_steps`` and ``topk``: they are chosen for that tree (and
-    ``num_draft_tokens`` may not fit another)."""
+    for a known draft when none are given. ``num_draft_tokens``, ``dynamic_depth`` and
+    ``batch_trees`` are taken only with the head's own ``num_steps`` and ``topk``: they are
+    chosen for that tree (and ``num_draft_tokens`` may not fit another)."""
     if spec.get("algorithm") not in ("eagle", "eagle3"):
         return
     if all(spec.get(k) is not None for k in ("num_steps", "topk", "num_draft_tokens")):
@@ -670,13 +779,17 @@ def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
     if head is None or not isinstance(head, (str, os.PathLike)):
         return  # EngineConfig reports a bad draft value, or the missing draft
     recommended = head_settings(head)
-    given = [k for k in ("num_steps", "topk", "num_draft_tokens") if spec.get(k) is not None]
+    if spec.get("batch_trees") is not None:
+        spec["batch_trees"] = _as_batch_trees(spec["batch_trees"])
+    # Batch trees given mean a tree layout of the user's; "none" (empty) only turns them off.
+    tree_keys = ("num_steps", "topk", "num_draft_tokens", "batch_trees")
+    given = [k for k in tree_keys if spec.get(k) not in (None, ())]
     if not given and spec.get("auto_tree", True) and recommended.get("candidates"):
         spec.setdefault("tree_candidates", tuple(recommended["candidates"]))
     for key in ("num_steps", "topk"):
         if spec.get(key) is None and key in recommended:
             spec[key] = recommended[key]
     own_tree = all(spec.get(k) == recommended.get(k) for k in ("num_steps", "topk"))
-    for key in ("num_draft_tokens", "dynamic_depth"):  # chosen for the head's own tree
+    for key in ("num_draft_tokens", "dynamic_depth", "batch_trees"):  # for the head's own tree
         if spec.get(key) is None and own_tree and key in recommended:
             spec[key] = recommended[key]

@@ -257,6 +257,8 @@ def format_markdown(report: Mapping[str, Any]) -> str:
             workload += f", {s['draft_quantization']} draft weights"
         if s.get("dynamic_depth"):
             workload += f", dynamic depth {s['dynamic_depth']:g}"
+        if s.get("batch_trees"):
+            workload += f", batch trees {','.join(s['batch_trees'])} (MIN:S-K-N)"
     table = ["| " + " | ".join(_HEADER) + " |", "|" + "---|" * len(_HEADER)]
     table += ["| " + " | ".join(r) + " |" for r in _table_rows(report)]
     parts = [

@@ -203,7 +203,9 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "num_draft_tokens": spec.num_draft_tokens if spec else None,
         "draft_quantization": None,  # the scheme applied, filled in once the head is loaded
         "dynamic_depth": spec.dynamic_depth if spec else None,
+        "batch_trees": [t.text for t in spec.batch_trees] if spec else None,
         "rounds_by_levels_drafted": None,  # dynamic depth's effect, filled in after the runs
+        "rounds_by_tree": None,  # with batch trees: engine rounds per tree, after the runs
         "backend": None,  # filled in once the engine has picked it
         "dtype": plain_cfg.dtype,
         "resolved_dtype": None,
@@ -275,10 +277,11 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     else:
         llm = LLM(config=spec_cfg)
         spec = llm.config.speculative  # the tree chosen for this machine, where it chose
-        num_steps = spec.num_steps
+        num_steps = max(t[1] for t in spec.trees)  # the deepest tree's, for the positions
         settings.update(
-            num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens
-        )
+            num_steps=spec.num_steps, topk=spec.topk, num_draft_tokens=spec.num_draft_tokens,
+            batch_trees=[t.text for t in spec.batch_trees],
+        )  # fmt: skip
         settings["draft_quantization"] = llm.draft_quantization
         if llm.tree_choice is not None:
             settings["tree_choice"] = llm.tree_choice
@@ -289,6 +292,8 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         )  # fmt: skip
         if spec_cfg.speculative.dynamic_depth:  # warm-up and every repeat included
             settings["rounds_by_levels_drafted"] = llm.worker.drafted_levels[1:]
+        if spec.batch_trees:  # engine rounds per tree, warm-up and every repeat included
+            settings["rounds_by_tree"] = dict(llm.worker.rounds_by_tree)
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
             sweep[t] = runner.run_polyspec(

@@ -48,6 +48,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="stop drafting deeper levels in a round once the most probable draft path is "
         "below this probability (eager draft loops; 0 = off; default: the head's own value)",
     )
+    p.add_argument(
+        "--batch-trees",
+        dest="batch_trees",
+        metavar="MIN:S-K-N[,...]",
+        help="other draft trees for larger batches: a round of at least MIN requests uses "
+        "S-K-N (e.g. 8:3-3-8); 'none' for one tree at every batch size (default: the head's "
+        "own, with its tree)",
+    )
     p.add_argument("--backend", help="backend name (see `polyspec backends`)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--page-size", type=int, dest="page_size")
@@ -76,7 +84,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
                 "prefill_wait_steps", "algorithm", "num_steps", "topk", "num_draft_tokens",
-                "draft_quantization", "dynamic_depth",
+                "draft_quantization", "dynamic_depth", "batch_trees",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 
 
@@ -106,7 +114,9 @@ def engine_from_args(args: argparse.Namespace):
     return llm, sampling, notes
 
 
-_SPEC_KEYS = ("num_steps", "topk", "num_draft_tokens", "draft_quantization", "dynamic_depth")
+_SPEC_KEYS = (
+    "num_steps", "topk", "num_draft_tokens", "draft_quantization", "dynamic_depth", "batch_trees",
+)  # fmt: skip
 
 
 def tune_shipped_head(cli: dict) -> None:
@@ -165,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         else f"{spec.algorithm} (num_steps {spec.num_steps}, topk {spec.topk}, num_draft_tokens "
         f"{spec.num_draft_tokens}"
         + (f", dynamic depth {spec.dynamic_depth:g}" if spec.dynamic_depth else "")
+        + "".join(f", from batch {t.min_batch_size}: {t.label}" for t in spec.batch_trees)
         + f") draft {llm.draft_path}"
         + ("" if llm.draft_quantization == "none" else f" ({llm.draft_quantization} weights)")
     )

@@ -11,7 +11,10 @@ from polyspec.errors import ModelLoadError
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_HEAD = "smollm2-135m-eagle3"
 CANDIDATE_KEYS = ("num_steps", "topk", "num_draft_tokens", "acceptance")
-HEAD_SETTING_KEYS = ("num_steps", "topk", "num_draft_tokens", "dynamic_depth", "candidates")
+BATCH_TREE_KEYS = ("min_batch_size", "num_steps", "topk", "num_draft_tokens")
+HEAD_SETTING_KEYS = (
+    "num_steps", "topk", "num_draft_tokens", "dynamic_depth", "candidates", "batch_trees",
+)  # fmt: skip
 
 
 def default_target_path() -> Path:
@@ -40,7 +43,7 @@ def shipped_head_path() -> Path | None:
 def head_settings(head: str | os.PathLike) -> dict:
     """The speculative settings a draft head recommends for itself: the ``speculative`` table of
     ``polyspec.json`` in the head's directory (``num_steps``, ``topk``, ``num_draft_tokens``
-    integers, ``dynamic_depth`` a number in [0, 1)), or {} when the head has none (a file
+    integers, ``dynamic_depth`` a number in [0, 1), ``candidates``, ``batch_trees``), or {} when the head has none (a file
     path, a name, a directory without the file).
 
     :raises ConfigError: the file exists but is not JSON of that shape."""
@@ -55,7 +58,7 @@ def head_settings(head: str | os.PathLike) -> dict:
         table = json.loads(path.read_text())["speculative"]
         if not isinstance(table, dict) or set(table) - set(HEAD_SETTING_KEYS):
             raise ValueError(f"keys must be among {', '.join(HEAD_SETTING_KEYS)}")
-        tree = [v for k, v in table.items() if k not in ("dynamic_depth", "candidates")]
+        tree = [table[k] for k in ("num_steps", "topk", "num_draft_tokens") if k in table]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in tree):
             raise ValueError("num_steps, topk and num_draft_tokens must be integers")
         depth = table.get("dynamic_depth", 0.0)
@@ -66,6 +69,11 @@ def head_settings(head: str | os.PathLike) -> dict:
             isinstance(c, dict) and set(c) == set(CANDIDATE_KEYS) for c in candidates
         ):
             raise ValueError(f"candidates must be a list of {{{', '.join(CANDIDATE_KEYS)}}}")
+        batch_trees = table.get("batch_trees", [])
+        if not isinstance(batch_trees, list) or not all(
+            isinstance(t, dict) and set(t) == set(BATCH_TREE_KEYS) for t in batch_trees
+        ):
+            raise ValueError(f"batch_trees must be a list of {{{', '.join(BATCH_TREE_KEYS)}}}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{path} is not a valid head settings file ({exc}): it must hold "

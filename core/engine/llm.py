@@ -258,11 +258,14 @@ class LLM:
         cfg = self.config
         spec = cfg.speculative
         if uses_graphs(self.backend.capabilities, cfg.graphs):
+            chosen = tree_choice.TreeCandidate(
+                spec.num_steps, spec.topk, spec.num_draft_tokens, 1.0
+            ).label
+            for t in spec.batch_trees:
+                chosen += f"; from batch {t.min_batch_size}: {t.label}"
             self.tree_choice = {
-                "chosen": tree_choice.TreeCandidate(
-                    spec.num_steps, spec.topk, spec.num_draft_tokens, 1.0
-                ).label,
-                "reason": "rounds replay captured graphs: the head's recommended tree",
+                "chosen": chosen,
+                "reason": "rounds replay captured graphs: the head's recommended tree(s)",
             }
             return
         caps = self.backend.capabilities
@@ -273,7 +276,7 @@ class LLM:
         widest = max(cands, key=lambda c: (c.topk, c.num_steps))
         spec = dataclasses.replace(
             spec, num_steps=widest.num_steps, topk=widest.topk,
-            num_draft_tokens=widest.num_draft_tokens,
+            num_draft_tokens=widest.num_draft_tokens, batch_trees=(),
         )  # fmt: skip
         ps = cfg.page_size
         target_w, draft_w = tree_choice.widths(cands)
@@ -288,17 +291,20 @@ class LLM:
         del probe
         chosen = tree_choice.choose_tree(cands, costs)
         self.tree_choice = tree_choice.report(cands, costs, chosen)
+        # One tree for every batch size: the head's batch trees were chosen for graphed
+        # rounds, and only batch 1 was timed here.
         spec = dataclasses.replace(
             spec, num_steps=chosen.num_steps, topk=chosen.topk,
-            num_draft_tokens=chosen.num_draft_tokens,
+            num_draft_tokens=chosen.num_draft_tokens, batch_trees=(),
         )  # fmt: skip
         self.config = dataclasses.replace(cfg, speculative=spec)
 
     def _default_num_slots(self) -> int:
         cfg = self.config
         spec = cfg.speculative
-        per_req = min(cfg.max_context, 2048) + (spec.num_draft_tokens if spec else 1)
-        lanes = spec.topk * draft_lane_width(spec.num_steps, cfg.page_size) if spec else 0
+        trees = spec.trees if spec else ()
+        per_req = min(cfg.max_context, 2048) + max((n for *_, n in trees), default=1)
+        lanes = max((k * draft_lane_width(s, cfg.page_size) for _, s, k, _ in trees), default=0)
         return cfg.max_batch_size * (per_req + lanes + 2 * cfg.page_size) + cfg.page_size
 
     # -- generation ---------------------------------------------------------------------------

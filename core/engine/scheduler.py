@@ -31,7 +31,8 @@ class Scheduler:
         self.reserved: dict[int, int] = {}
         ps = worker.page_size
         self.kv_capacity = worker.num_kv_slots - ps - worker.scratch_kv
-        self.decode_width = getattr(worker, "num_draft_tokens", 1)
+        # A request's tokens in a decode round: the widest verify it may get (1: plain).
+        self.decode_width = max(1, worker.extra_kv_per_request)
         self.held_steps = 0  # steps admission has waited for more rows (prefill_wait_steps)
 
     def add(self, req: Request) -> None:

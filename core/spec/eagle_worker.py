@@ -23,6 +23,7 @@ import torch
 from polyspec.backend import ForwardMode, TreeMaskMode
 from polyspec.config import SpeculativeConfig
 from polyspec.errors import ConfigError
+from polyspec.kernels.reference import draft_lane_width
 from polyspec.runtime.graphs import block_slots, static_batch
 from polyspec.runtime.kv_cache import OutOfKVSlots
 from polyspec.runtime.model_runner import ModelRunner
@@ -31,6 +32,20 @@ from polyspec.spec.base import SeqState, WorkerBase
 
 ROUND_GREEDY = "round_greedy"
 """The captured computation of a whole all-greedy round (EAGLE heads)."""
+
+
+class _Tree(NamedTuple):
+    """One draft tree a round may use (``SpeculativeConfig.trees``)."""
+
+    num_steps: int  # S
+    topk: int  # K
+    num_draft_tokens: int  # N
+    lane_width: int  # W, the slots each draft lane owns
+    suffix: str  # of its graphs' names: "" for the main tree, "@S-K-N" for a batch tree
+
+    @property
+    def label(self) -> str:
+        return f"S={self.num_steps} K={self.topk} N={self.num_draft_tokens}"
 
 
 class _Columns(NamedTuple):
@@ -101,27 +116,36 @@ class _DraftBatch:
 class EagleWorker(WorkerBase):
     def __init__(self, backend, target, draft, spec: SpeculativeConfig, dtype, **kw):
         caps = backend.capabilities
-        if spec.topk > 1 and not caps.tree_attention:
+        widest = max(k for _, _, k, _ in spec.trees)
+        if widest > 1 and not caps.tree_attention:
             raise ConfigError(
                 f"backend {backend.name!r} verifies chains only (no tree attention); "
-                f"set topk = 1 (got topk = {spec.topk})"
+                f"set topk = 1 in every tree (got topk = {widest})"
             )
         super().__init__(backend, target, dtype, capture_layers=tuple(draft.aux_layer_ids), **kw)
         self.draft = draft
         self.spec = spec
-        self.topk, self.num_steps, self.num_draft_tokens = (
-            spec.topk,
-            spec.num_steps,
-            spec.num_draft_tokens,
-        )
+        ps = self.page_size
+        # (min batch size, tree), ascending. Each lane holds the prefix's partial last page
+        # (copied) plus its draft tokens.
+        self.trees = [
+            (b, _Tree(s, k, n, draft_lane_width(s, ps), "" if b == 1 else f"@{s}-{k}-{n}"))
+            for b, s, k, n in spec.trees
+        ]
+        main = self.trees[0][1]
+        # The main tree's (a batch of one): what callers that know one tree read.
+        self.num_steps, self.topk, self.num_draft_tokens = main[:3]
+        self.lane_width = main.lane_width
+        # The draft keeps the top-K of the widest tree between rounds: a round of a narrower
+        # tree reads its first K columns (top-K is sorted, so they are that tree's top-K).
+        self.state_topk = max(t.topk for _, t in self.trees)
         self.dynamic_depth = spec.dynamic_depth or 0.0
         # Dynamic depth's statistics: rounds by the number of levels drafted (index 1..S).
-        self.drafted_levels = [0] * (self.num_steps + 1)
-        ps = self.page_size
-        # Each lane holds the prefix's partial last page (copied) plus its draft tokens.
-        self.lane_width = self.num_steps if ps == 1 else ps * -(-(ps - 1 + self.num_steps) // ps)
-        self.extra_kv_per_request = self.num_draft_tokens
-        self.scratch_kv = kw["max_batch_size"] * self.topk * self.lane_width
+        self.drafted_levels = [0] * (max(t.num_steps for _, t in self.trees) + 1)
+        self.rounds_by_tree = {t.label: 0 for _, t in self.trees}
+        self.extra_kv_per_request = max(t.num_draft_tokens for _, t in self.trees)
+        lanes = max(t.topk * t.lane_width if t.num_steps > 1 else 0 for _, t in self.trees)
+        self.scratch_kv = kw["max_batch_size"] * lanes
         self.draft_runner = ModelRunner(draft, backend, self.num_kv_slots, dtype)
         self.use_aux = bool(draft.aux_layer_ids)
         # A standalone LM has no target features: it reads token p at position p, so each
@@ -132,7 +156,7 @@ class EagleWorker(WorkerBase):
         # a per-round alloc / free would cost a device-to-host sync (free checks the slots)
         # in the middle of the round. The scheduler already keeps scratch_kv out of its budget.
         self.lane_scratch = None
-        if self.num_steps > 1:
+        if self.scratch_kv:
             self.lane_scratch = self.allocator.alloc(self.scratch_kv)
             if self.lane_scratch is None:
                 raise OutOfKVSlots(
@@ -140,14 +164,21 @@ class EagleWorker(WorkerBase):
                     f"{self.allocator.available} free; raise num_kv_slots"
                 )
 
-    def round_graphs(self, greedy: bool = True) -> tuple[str, ...]:
-        """The captured computations a round replays when its batch fits a graph bucket (for
-        benchmarks that time the forwards by replaying them)."""
+    def tree_for(self, bs: int) -> _Tree:
+        """The draft tree of a round of ``bs`` requests."""
+        return next(t for b, t in reversed(self.trees) if b <= bs)
+
+    def round_graphs(self, greedy: bool = True, batch_size: int = 1) -> tuple[str, ...]:
+        """The captured computations a round of ``batch_size`` requests replays when it fits a
+        graph bucket (for benchmarks that time the forwards by replaying them)."""
+        tree = self.tree_for(batch_size)
         if self.root_forward:  # its draft and draft extend run eagerly
-            return ("verify_greedy",) if greedy else ("verify",)
-        if greedy:
-            return (ROUND_GREEDY,)
-        return (("draft",) if self.num_steps > 1 else ()) + ("verify", "draft_extend")
+            names = ("verify_greedy",) if greedy else ("verify",)
+        elif greedy:
+            names = (ROUND_GREEDY,)
+        else:
+            names = (("draft",) if tree.num_steps > 1 else ()) + ("verify", "draft_extend")
+        return tuple(n + tree.suffix for n in names)
 
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
@@ -173,7 +204,7 @@ class EagleWorker(WorkerBase):
             self.draft_runner, [s.row for s in sts], starts, lens, ids, features
         )
         if done and not self.root_forward:
-            topk_p, topk_index = self.draft.topk(logit_h[last[done]], self.topk)
+            topk_p, topk_index = self.draft.topk(logit_h[last[done]], self.state_topk)
             for i, p, t, f in zip(done, topk_p, topk_index, next_feat[last[done]]):
                 sts[i].topk_p, sts[i].topk_index, sts[i].draft_feature = p, t, f
         self.timer.lap("prefill")
@@ -220,7 +251,9 @@ class EagleWorker(WorkerBase):
     # -- one decode round ---------------------------------------------------------------------
     def decode(self, rids: Sequence[int]) -> list[list[int]]:
         sts = [self.states[r] for r in rids]
-        N = self.num_draft_tokens
+        tree = self.tree_for(len(sts))
+        self.rounds_by_tree[tree.label] += 1
+        N = tree.num_draft_tokens
         self.timer.start()
         # Slots for the N tree nodes of each request. The rejected nodes' slots are not freed
         # after the round (the next round's tree reuses them), and growth allocates ahead
@@ -232,12 +265,14 @@ class EagleWorker(WorkerBase):
         else:
             state = self._draft_state(rids, sts)
         if not self.root_forward and all(s.sampler.greedy for s in sts):
-            out = self._round_greedy(rids, sts, inp, state)
+            out = self._round_greedy(tree, rids, sts, inp, state)
             if out is not None:
                 return out
-        return self._staged_round(rids, sts, inp, state)
+        return self._staged_round(tree, rids, sts, inp, state)
 
-    def _round_greedy(self, rids, sts, inp: _RoundInputs, state) -> list[list[int]] | None:
+    def _round_greedy(
+        self, tree: _Tree, rids, sts, inp: _RoundInputs, state
+    ) -> list[list[int]] | None:
         """An all-greedy round of an EAGLE head as one replay (:meth:`_round_greedy_graph`);
         None when the batch runs eagerly."""
         bs, max_prefix = len(sts), max(s.seq_len for s in sts)
@@ -252,58 +287,65 @@ class EagleWorker(WorkerBase):
             "hidden": hidden,
         }
         self.timer.lap("draft")
-        out = graphs.run(ROUND_GREEDY, bs, max_prefix, inputs, self._round_greedy_graph)
+        fn = functools.partial(self._round_greedy_graph, tree)
+        out = graphs.run(ROUND_GREEDY + tree.suffix, bs, max_prefix, inputs, fn)
         if out is None:
             return None
         # Timed as verify: the draft forwards and the draft extend run inside the same graph.
         self.timer.lap("verify")
         packed, next_p, next_index, next_feat = out
         accepted, path_nodes, predicted = self._read_verified(
-            packed, bs, graphs.buckets.batch_bucket(bs)
+            tree, packed, bs, graphs.buckets.batch_bucket(bs)
         )
         self.timer.lap("accept")
         self._keep_draft_state(rids, next_p[:bs], next_index[:bs], next_feat[:bs])
         return self._commit(sts, accepted, path_nodes, predicted)
 
-    def _round_greedy_graph(self, s, bs: int, max_prefix: int):
+    def _round_greedy_graph(self, tree: _Tree, s, bs: int, max_prefix: int):
         """The captured all-greedy round: draft, tree, verify, greedy acceptance, compaction of
         the accepted path's target KV and draft extend, over device tensors only.
-        -> (packed host vector, next topk_p [b, K], topk_index [b, K], feature [b, H])."""
+        -> (packed host vector, next topk_p [b, K'], topk_index [b, K'], feature [b, H]),
+        K' the widest tree's K."""
         cols = self._graph_columns(s)
-        tree = self._draft_core(cols, s["topk_p"], s["topk_index"], s["hidden"], bs, max_prefix)
-        candidates, tree_mask, positions, _, next_token, next_sibling = tree
+        drafted = self._draft_core(
+            tree, cols, s["topk_p"], s["topk_index"], s["hidden"], bs, max_prefix
+        )
+        candidates, tree_mask, positions, _, next_token, next_sibling = drafted
         logits, feats = self._verify_core(
-            cols, candidates.flatten(), positions, tree_mask, max_prefix
+            tree, cols, candidates.flatten(), positions, tree_mask, max_prefix
         )
         predicts, accept_index, accept_length = self._accept_greedy(
-            candidates, next_token, next_sibling, logits
+            tree, candidates, next_token, next_sibling, logits
         )
-        locs = self._accept_locs(cols, accept_index, accept_length)
-        if self.topk > 1:  # a chain's path is always in place
+        locs = self._accept_locs(tree, cols, accept_index, accept_length)
+        if tree.topk > 1:  # a chain's path is always in place
             self._compact(locs)
         next_state = self._draft_extend_core(cols, predicts, feats, locs, bs, max_prefix)
         return _pack_verified(accept_length, accept_index, predicts), *next_state
 
-    def _staged_round(self, rids, sts, inp: _RoundInputs, state) -> list[list[int]]:
+    def _staged_round(self, tree: _Tree, rids, sts, inp: _RoundInputs, state):
         """A round step by step: each step replays its own graph where the batch fits a
-        bucket, else runs eagerly; sampled acceptance runs between them."""
-        bs, N, S = len(sts), self.num_draft_tokens, self.num_steps
+        bucket, else runs eagerly; sampled acceptance runs between them. -> new tokens per
+        request."""
+        bs, N, S = len(sts), tree.num_draft_tokens, tree.num_steps
         rows = [s.row for s in sts]
         seq_lens = [s.seq_len for s in sts]
         idx, dev = self.backend.index_dtype, self.device
-        tree = self._draft(state, rows, seq_lens, inp)
-        candidates, tree_mask, positions, retrive_index, next_token, next_sibling = tree
+        drafted = self._draft(tree, state, rows, seq_lens, inp)
+        candidates, tree_mask, positions, retrive_index, next_token, next_sibling = drafted
         self.timer.lap("draft")
 
         sb = SamplingBatch([s.sampler for s in sts], N, dev)
         verified = None
         if sb.all_greedy:
-            verified = self._verify_greedy_graphed(inp, max(seq_lens), tree)
+            verified = self._verify_greedy_graphed(tree, inp, max(seq_lens), drafted)
         if verified is not None:
             predicts, feats, accept_index, accept_length, packed, b = verified
             self.timer.lap("verify")
         else:
-            logits, feats = self._verify(rows, seq_lens, inp, candidates, positions, tree_mask)
+            logits, feats = self._verify(
+                tree, rows, seq_lens, inp, candidates, positions, tree_mask
+            )
             self.timer.lap("verify")
             predicts = torch.empty(bs * N, dtype=torch.int64, device=dev)
             accept_index = torch.empty(bs, S + 1, dtype=idx, device=dev)
@@ -323,10 +365,10 @@ class EagleWorker(WorkerBase):
                     predicts, accept_index, accept_length,
                 )  # fmt: skip
             packed, b = _pack_verified(accept_length, accept_index, predicts), bs
-        accepted, path_nodes, predicted = self._read_verified(packed, bs, b)
+        accepted, path_nodes, predicted = self._read_verified(tree, packed, bs, b)
         accept_index, accept_length = accept_index[:bs], accept_length[:bs]
         if _path_moved(path_nodes, N):  # chains (topk == 1) are always in place
-            self._compact(self._accept_locs(inp.cols, accept_index, accept_length))
+            self._compact(self._accept_locs(tree, inp.cols, accept_index, accept_length))
         self.timer.lap("accept")
 
         if self.root_forward:
@@ -334,18 +376,18 @@ class EagleWorker(WorkerBase):
             self._standalone_extend(rows, seq_lens, accepted, new_tokens_t)
         else:
             self._draft_extend(
-                rids, rows, seq_lens, inp, accepted, path_nodes,
+                tree, rids, rows, seq_lens, inp, accepted, path_nodes,
                 predicts[: bs * N], feats[: bs * N], accept_index, accept_length,
             )  # fmt: skip
         self.timer.lap("draft_extend")
         return self._commit(sts, accepted, path_nodes, predicted)
 
-    def _read_verified(self, packed: torch.Tensor, bs: int, b: int):
+    def _read_verified(self, tree: _Tree, packed: torch.Tensor, bs: int, b: int):
         """The one host sync of the round (the engine needs the tokens anyway): lengths, paths
         and every node's predicted token in a single device-to-host copy. ``packed`` holds
         ``b`` rows (the batch, or the captured bucket it was padded to).
         -> (accepted [bs], path node ids [bs][1 + accepted], predicted token per node)."""
-        S, N = self.num_steps, self.num_draft_tokens
+        S, N = tree.num_steps, tree.num_draft_tokens
         host = packed.tolist()
         accepted = host[:bs]
         paths = [host[b + r * (S + 1) : b + (r + 1) * (S + 1)] for r in range(bs)]
@@ -365,7 +407,7 @@ class EagleWorker(WorkerBase):
         return out
 
     # -- verify ---------------------------------------------------------------------------------
-    def _verify(self, rows, seq_lens, inp, candidates, positions, tree_mask):
+    def _verify(self, tree: _Tree, rows, seq_lens, inp, candidates, positions, tree_mask):
         """Target forward over the tree -> (logits [bs * N, V], draft features [bs * N, F])."""
         bs, N = candidates.shape
         graphs = self.graphed(bs, max(seq_lens))
@@ -376,7 +418,8 @@ class EagleWorker(WorkerBase):
                 "tree_mask": tree_mask,
                 "host": inp.per_request,
             }
-            out = graphs.run("verify", bs, max(seq_lens), inputs, self._verify_graph)
+            fn = functools.partial(self._verify_graph, tree)
+            out = graphs.run("verify" + tree.suffix, bs, max(seq_lens), inputs, fn)
             if out is not None:
                 return out[0][: bs * N], out[1][: bs * N]
         batch = self.builder.build(
@@ -390,14 +433,18 @@ class EagleWorker(WorkerBase):
         """A captured computation's per-request values, from its ``host`` input [b, 4]."""
         return _columns(s["host"].t().contiguous(), self.backend.index_dtype)
 
-    def _verify_graph(self, s, bs: int, max_prefix: int):
+    def _verify_graph(self, tree: _Tree, s, bs: int, max_prefix: int):
         cols = self._graph_columns(s)
-        return self._verify_core(cols, s["input_ids"], s["positions"], s["tree_mask"], max_prefix)
+        return self._verify_core(
+            tree, cols, s["input_ids"], s["positions"], s["tree_mask"], max_prefix
+        )
 
-    def _verify_core(self, cols: _Columns, input_ids, positions, tree_mask, max_prefix: int):
+    def _verify_core(
+        self, tree: _Tree, cols: _Columns, input_ids, positions, tree_mask, max_prefix: int
+    ):
         """The captured verify forward -> (logits [b * N, V], draft features [b * N, F])."""
         table = self.req_pool.req_to_token
-        n = self.num_draft_tokens
+        n = tree.num_draft_tokens
         slots, _ = block_slots(table, cols.rows, cols.seq_lens, cols.widths, n, self.arange(n))
         batch = static_batch(
             ForwardMode.TARGET_VERIFY, table, cols.rows, cols.seq_lens, cols.widths,
@@ -406,15 +453,15 @@ class EagleWorker(WorkerBase):
         hidden, aux = self.target_runner.forward_target(batch, static_prefix=max_prefix)
         return self.target.compute_logits(hidden), (aux if self.use_aux else hidden)
 
-    def _verify_greedy_graphed(self, inp: _RoundInputs, max_prefix: int, tree):
+    def _verify_greedy_graphed(self, tree: _Tree, inp: _RoundInputs, max_prefix: int, drafted):
         """Target verify and greedy acceptance in one replay -> (predicts [b * N], features
         [b * N, F], accept_index [b, S + 1], accept_length [b], packed host vector, bucket b),
         or None when this batch runs eagerly."""
-        bs, N = tree[0].shape
+        bs = drafted[0].shape[0]
         graphs = self.graphed(bs, max_prefix)
         if graphs is None:
             return None
-        candidates, tree_mask, positions, _, next_token, next_sibling = tree
+        candidates, tree_mask, positions, _, next_token, next_sibling = drafted
         inputs = {
             "input_ids": candidates.flatten(),
             "positions": positions,
@@ -423,28 +470,29 @@ class EagleWorker(WorkerBase):
             "next_sibling": next_sibling,
             "host": inp.per_request,
         }
-        out = graphs.run("verify_greedy", bs, max_prefix, inputs, self._verify_greedy_graph)
+        fn = functools.partial(self._verify_greedy_graph, tree)
+        out = graphs.run("verify_greedy" + tree.suffix, bs, max_prefix, inputs, fn)
         if out is None:
             return None
         return (*out, graphs.buckets.batch_bucket(bs))
 
-    def _verify_greedy_graph(self, s, bs: int, max_prefix: int):
+    def _verify_greedy_graph(self, tree: _Tree, s, bs: int, max_prefix: int):
         cols = self._graph_columns(s)
         logits, feats = self._verify_core(
-            cols, s["input_ids"], s["positions"], s["tree_mask"], max_prefix
+            tree, cols, s["input_ids"], s["positions"], s["tree_mask"], max_prefix
         )
-        candidates = s["input_ids"].view(bs, self.num_draft_tokens)
+        candidates = s["input_ids"].view(bs, tree.num_draft_tokens)
         predicts, accept_index, accept_length = self._accept_greedy(
-            candidates, s["next_token"], s["next_sibling"], logits
+            tree, candidates, s["next_token"], s["next_sibling"], logits
         )
         packed = _pack_verified(accept_length, accept_index, predicts)
         return predicts, feats, accept_index, accept_length, packed
 
-    def _accept_greedy(self, candidates, next_token, next_sibling, logits):
+    def _accept_greedy(self, tree: _Tree, candidates, next_token, next_sibling, logits):
         """Greedy acceptance inside a captured computation -> (predicts [b * N], accept_index
         [b, S + 1], accept_length [b])."""
         bs, N = candidates.shape
-        S, idx, dev = self.num_steps, next_token.dtype, logits.device
+        S, idx, dev = tree.num_steps, next_token.dtype, logits.device
         # build_tree's retrive_index is b * N + j; rebuilt here because the padding rows of
         # an input buffer are zeroed, which would point them at request 0's nodes.
         retrive_index = self.arange(bs * N).view(bs, N).to(idx)
@@ -458,7 +506,7 @@ class EagleWorker(WorkerBase):
         return predicts, accept_index, accept_length
 
     # -- accept ---------------------------------------------------------------------------------
-    def _accept_locs(self, cols: _Columns, accept_index, accept_length) -> _AcceptLocs:
+    def _accept_locs(self, tree: _Tree, cols: _Columns, accept_index, accept_length) -> _AcceptLocs:
         """``assign_accept_locs`` over a round's accepted paths (``accept_index`` [b, S + 1],
         ``accept_length`` [b]): device work only, so it runs inside a captured round too; a
         graph's padding requests (width 0) move nothing and extend nothing."""
@@ -472,7 +520,7 @@ class EagleWorker(WorkerBase):
         )
         self.kernels.assign_accept_locs(
             cols.rows, table, cols.seq_lens, cols.widths, accept_index, accept_length,
-            self.num_draft_tokens, *locs,
+            tree.num_draft_tokens, *locs,
         )  # fmt: skip
         return locs
 
@@ -484,8 +532,8 @@ class EagleWorker(WorkerBase):
 
     # -- draft extend ---------------------------------------------------------------------------
     def _draft_extend(
-        self, rids, rows, seq_lens, inp, accepted, path_nodes, predicts, feats, accept_index,
-        accept_length,
+        self, tree: _Tree, rids, rows, seq_lens, inp, accepted, path_nodes, predicts, feats,
+        accept_index, accept_length,
     ) -> None:  # fmt: skip
         """Draft extend over the accepted tokens: (target feature at node, next token) pairs;
         keeps the draft's view for the next round."""
@@ -499,7 +547,8 @@ class EagleWorker(WorkerBase):
                 "accept_length": accept_length,
                 "host": inp.per_request,
             }
-            out = graphs.run("draft_extend", bs, max(seq_lens), inputs, self._draft_extend_graph)
+            fn = functools.partial(self._draft_extend_graph, tree)
+            out = graphs.run("draft_extend" + tree.suffix, bs, max(seq_lens), inputs, fn)
             if out is not None:
                 self._keep_draft_state(rids, *(t[:bs] for t in out))
                 return
@@ -508,12 +557,12 @@ class EagleWorker(WorkerBase):
         batch = self.builder.build(ForwardMode.DRAFT_EXTEND, rows, seq_lens, ext, predicts[flat])
         logit_h, next_feat = self.draft_runner.forward_draft(batch, feats[flat])
         last = self.builder.long(ext).cumsum(0) - 1
-        topk_p, topk_index = self.draft.topk(logit_h[last], self.topk)
+        topk_p, topk_index = self.draft.topk(logit_h[last], self.state_topk)
         self._keep_draft_state(rids, topk_p, topk_index, next_feat[last])
 
-    def _draft_extend_graph(self, s, bs: int, max_prefix: int):
+    def _draft_extend_graph(self, tree: _Tree, s, bs: int, max_prefix: int):
         cols = self._graph_columns(s)
-        locs = self._accept_locs(cols, s["accept_index"], s["accept_length"])
+        locs = self._accept_locs(tree, cols, s["accept_index"], s["accept_length"])
         return self._draft_extend_core(cols, s["predicts"], s["features"], locs, bs, max_prefix)
 
     def _draft_extend_core(
@@ -522,7 +571,8 @@ class EagleWorker(WorkerBase):
         """The captured draft extend, at a fixed width S + 1 per request: the accepted path's
         (feature at node, token predicted after it) pairs, then its last node repeated (masked
         past the path), gathered from the verify's outputs on the device (``predicts`` [b * N],
-        ``feats`` [b * N, F]). -> (topk_p [b, K], topk_index [b, K], next feature [b, H])."""
+        ``feats`` [b * N, F]). -> (topk_p [b, K'], topk_index [b, K'], next feature [b, H]),
+        K' the widest tree's K."""
         batch = static_batch(
             ForwardMode.DRAFT_EXTEND, self.req_pool.req_to_token, cols.rows, cols.seq_lens,
             locs.extend_lens, predicts[locs.path_node], locs.positions, locs.dst_loc,
@@ -530,7 +580,7 @@ class EagleWorker(WorkerBase):
         logit_h, next_feat = self.draft_runner.forward_draft(
             batch, feats[locs.path_node], static_prefix=max_prefix
         )
-        topk_p, topk_index = self.draft.topk(logit_h[locs.last_index], self.topk)
+        topk_p, topk_index = self.draft.topk(logit_h[locs.last_index], self.state_topk)
         return topk_p, topk_index, next_feat[locs.last_index]
 
     # -- standalone draft -----------------------------------------------------------------------
@@ -543,7 +593,7 @@ class EagleWorker(WorkerBase):
             ForwardMode.DRAFT_EXTEND, [s.row for s in sts], seq_lens, [1] * bs, inp.cols.roots
         )
         logit_h, next_feat = self.draft_runner.forward_draft(batch, None)
-        topk_p, topk_index = self.draft.topk(logit_h, self.topk)
+        topk_p, topk_index = self.draft.topk(logit_h, self.state_topk)
         return topk_p, topk_index, next_feat
 
     def _standalone_extend(self, rows, seq_lens, accepted, new_tokens) -> None:
@@ -563,7 +613,7 @@ class EagleWorker(WorkerBase):
         self.draft_runner.forward_draft(batch, None)
 
     # -- multi-step draft ---------------------------------------------------------------------
-    def _draft(self, state, rows, target_lens, inp: _RoundInputs):
+    def _draft(self, tree: _Tree, state, rows, target_lens, inp: _RoundInputs):
         """S levels of top-K expansion with S-1 draft forwards (DRAFT_DECODE), then the tree.
 
         ``state``: the draft's (topk_p, topk_index, feature) [bs, ...]; ``target_lens``: the
@@ -571,7 +621,7 @@ class EagleWorker(WorkerBase):
         Returns :meth:`_build_tree`'s tensors."""
         topk_p, topk_index, hidden = state
         cols = inp.cols
-        bs, K, S, ps = len(rows), self.topk, self.num_steps, self.page_size
+        bs, K, S, ps = len(rows), tree.topk, tree.num_steps, self.page_size
         if self.root_forward:
             seq_lens, seq_t = [n + 1 for n in target_lens], cols.seq_lens + 1
         else:
@@ -585,13 +635,14 @@ class EagleWorker(WorkerBase):
                     "hidden": hidden,
                     "host": inp.per_request,
                 }
-                out = graphs.run("draft", bs, max(seq_lens), inputs, self._draft_graph)
+                fn = functools.partial(self._draft_graph, tree)
+                out = graphs.run("draft" + tree.suffix, bs, max(seq_lens), inputs, fn)
                 if out is not None:
                     candidates, tree_mask, positions, *links = out
-                    return (candidates[:bs], tree_mask[:bs], positions[: bs * self.num_draft_tokens],
+                    return (candidates[:bs], tree_mask[:bs], positions[: bs * tree.num_draft_tokens],
                             *(t[:bs] for t in links))  # fmt: skip
-            scratch = self.lane_scratch[: bs * K * self.lane_width]
-            lane_locs, tail_t = self._assign_lanes(cols.rows, seq_t, scratch)
+            scratch = self.lane_scratch[: bs * K * tree.lane_width]
+            lane_locs, tail_t = self._assign_lanes(tree, cols.rows, seq_t, scratch)
             tails = [n % ps for n in seq_lens] if ps > 1 else [0] * bs
 
         def draft_step(i: int, input_ids: torch.Tensor, hidden: torch.Tensor):
@@ -608,27 +659,33 @@ class EagleWorker(WorkerBase):
             batch.lane_lens_cpu = lane_lens
             return self.draft_runner.forward_draft(batch, hidden)
 
-        levels = self._expand_tree(topk_p, topk_index, hidden, draft_step, self.dynamic_depth)
-        return self._build_tree(*levels, cols.roots, cols.seq_lens)
+        levels = self._expand_tree(tree, topk_p, topk_index, hidden, draft_step, self.dynamic_depth)
+        return self._build_tree(tree, *levels, cols.roots, cols.seq_lens)
 
-    def _build_tree(self, parent_list, top_scores_index, draft_tokens, roots, seq_lens):
+    def _build_tree(
+        self, tree: _Tree, parent_list, top_scores_index, draft_tokens, roots, seq_lens
+    ):
         """``build_tree`` over the drafted levels -> (candidates [bs, N] (root first),
         tree_mask [bs, N, N], positions [bs * N], retrive_index, next_token, next_sibling
         [bs, N] each)."""
-        bs, N = roots.shape[0], self.num_draft_tokens
+        bs, N = roots.shape[0], tree.num_draft_tokens
         idx, dev = seq_lens.dtype, roots.device
         candidates = torch.cat([roots[:, None], draft_tokens], dim=1)
         tree_mask = torch.empty(bs, N, N, dtype=torch.bool, device=dev)
         positions = torch.empty(bs * N, dtype=torch.int64, device=dev)
         links = [torch.empty(bs, N, dtype=idx, device=dev) for _ in range(3)]
         self.kernels.build_tree(
-            parent_list, top_scores_index, seq_lens, self.topk, self.num_steps, N,
+            parent_list, top_scores_index, seq_lens, tree.topk, tree.num_steps, N,
             TreeMaskMode.TREE_ONLY, tree_mask, positions, *links,
         )  # fmt: skip
         return candidates, tree_mask, positions, *links
 
-    def _expand_tree(self, topk_p, topk_index, hidden, draft_step, stop_below: float = 0.0):
+    def _expand_tree(
+        self, tree: _Tree, topk_p, topk_index, hidden, draft_step, stop_below: float = 0.0
+    ):
         """S levels of top-K expansion (``select_top_k``), then ``organize_draft_results``.
+        ``topk_p`` / ``topk_index`` [bs, K'] may be wider than the tree's K (the draft state
+        kept for the widest tree): their first K columns are this tree's.
         ``draft_step(i, input_ids [bs*K], hidden [bs*K, F])`` runs the draft forward between
         level i and i+1 and returns (logit hidden, next hidden).
 
@@ -637,7 +694,9 @@ class EagleWorker(WorkerBase):
         deeper levels get no draft forward. Their candidates (each lane's own token, repeated)
         get probability 0, so the tree keeps its shape and N nodes and takes them only where
         the drafted levels have too few candidates."""
-        K, S = self.topk, self.num_steps
+        K, S = tree.topk, tree.num_steps
+        if topk_p.shape[1] != K:
+            topk_p, topk_index = topk_p[:, :K].contiguous(), topk_index[:, :K].contiguous()
         scores = None
         levels: tuple[list, list, list] = ([], [], [])
         drafted = S
@@ -659,29 +718,33 @@ class EagleWorker(WorkerBase):
             topk_p, topk_index = self.draft.topk(logit_h, K)
         if stop_below > 0:
             self.drafted_levels[drafted] += 1
-        return self.kernels.organize_draft_results(*levels, self.num_draft_tokens)
+        return self.kernels.organize_draft_results(*levels, tree.num_draft_tokens)
 
-    def _draft_graph(self, s, bs: int, max_prefix: int):
+    def _draft_graph(self, tree: _Tree, s, bs: int, max_prefix: int):
         cols = self._graph_columns(s)
-        return self._draft_core(cols, s["topk_p"], s["topk_index"], s["hidden"], bs, max_prefix)
+        return self._draft_core(
+            tree, cols, s["topk_p"], s["topk_index"], s["hidden"], bs, max_prefix
+        )
 
-    def _draft_core(self, cols: _Columns, topk_p, topk_index, hidden, bs: int, max_prefix: int):
+    def _draft_core(
+        self, tree: _Tree, cols: _Columns, topk_p, topk_index, hidden, bs: int, max_prefix: int
+    ):
         """The captured multi-step draft: lane slots, the loop of :meth:`_draft` and the tree,
         over device tensors only. Only EAGLE heads are captured, whose prefix is the
         target's: ``cols.seq_lens`` serves both."""
-        K, table = self.topk, self.req_pool.req_to_token
+        K, table = tree.topk, self.req_pool.req_to_token
         rows, seq_t = cols.rows, cols.seq_lens
-        if self.num_steps > 1:
+        if tree.num_steps > 1:
             # Padding requests (row 0, length 0) get lanes too: the scratch holds the bucket.
-            scratch = self.lane_scratch[: bs * K * self.lane_width]
-            lane_locs, tails = self._assign_lanes(rows, seq_t, scratch)
+            scratch = self.lane_scratch[: bs * K * tree.lane_width]
+            lane_locs, tails = self._assign_lanes(tree, rows, seq_t, scratch)
             start = seq_t.to(torch.int64) - tails  # the lane's page-aligned prefix
             prefix = start.to(rows.dtype)
             extend = torch.full_like(rows, K)
             # Every step's lane column, slots, positions and lane lengths at once: a few
             # launches for the whole loop instead of a few per step (in a graph each launch
             # costs its latency). Step i writes lane column tails + i at position seq_len + i.
-            col = self.arange(self.num_steps - 1)[:, None] + tails[None, :]  # [S-1, bs]
+            col = self.arange(tree.num_steps - 1)[:, None] + tails[None, :]  # [S-1, bs]
             out_locs = lane_locs.gather(2, col.t()[:, None, :].expand(bs, K, -1))  # [bs, K, S-1]
             out_locs = out_locs.permute(2, 0, 1).contiguous()  # [S-1, bs, K]
             positions = (col + start[None, :])[:, :, None].expand(-1, -1, K).contiguous()
@@ -695,18 +758,18 @@ class EagleWorker(WorkerBase):
             )  # fmt: skip
             return self.draft_runner.forward_draft(batch, hidden, static_prefix=max_prefix)
 
-        levels = self._expand_tree(topk_p, topk_index, hidden, draft_step)
-        return self._build_tree(*levels, cols.roots, seq_t)
+        levels = self._expand_tree(tree, topk_p, topk_index, hidden, draft_step)
+        return self._build_tree(tree, *levels, cols.roots, seq_t)
 
-    def _assign_lanes(self, rows_t, seq_t, scratch):
-        bs, K, ps, W = rows_t.shape[0], self.topk, self.page_size, self.lane_width
+    def _assign_lanes(self, tree: _Tree, rows_t, seq_t, scratch):
+        bs, K, ps, W = rows_t.shape[0], tree.topk, self.page_size, tree.lane_width
         idx, dev = self.backend.index_dtype, self.device
         lane_locs = torch.empty(bs, K, W, dtype=idx, device=dev)
         tail = torch.empty(bs, dtype=idx, device=dev)
         copy_src = torch.empty(bs * K * (ps - 1), dtype=idx, device=dev)
         copy_dst = torch.empty(bs * K * (ps - 1), dtype=idx, device=dev)
         self.kernels.assign_draft_cache_locs(
-            rows_t, self.req_pool.req_to_token, seq_t, scratch, K, self.num_steps, ps, lane_locs, tail, copy_src, copy_dst,
+            rows_t, self.req_pool.req_to_token, seq_t, scratch, K, tree.num_steps, ps, lane_locs, tail, copy_src, copy_dst,
         )  # fmt: skip
         if ps > 1:
             self.draft_runner.kv_pool.move(copy_dst, copy_src)

@@ -109,6 +109,38 @@ def test_dynamic_depth_equals_plain_greedy(
         assert levels[1] >= 0.8 * sum(levels), f"rounds by levels drafted: {levels}"
 
 
+@pytest.mark.parametrize("graphs", ["off", "on"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("algorithm", ["eagle3", "self"])
+def test_batch_trees_equal_plain_greedy(
+    backend, backend_name, tiny_models, plain_outputs, algorithm, page_size, graphs
+):
+    """Rounds whose tree depends on their batch size (``batch_trees``): requests stop at
+    different rounds, so the batch shrinks from 5 to 1 across both thresholds; the draft state
+    kept for the widest tree (K = 4) serves the narrower ones, a chain of another depth
+    included. The output is plain greedy decoding's, every tree ran, no KV slot leaks."""
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    if graphs == "on":
+        require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    page_size = resolve_page_size(backend, page_size)
+    llm = _llm(
+        backend_name, tiny_models, algorithm, page_size=page_size, graphs=graphs, num_steps=3,
+        topk=4, num_draft_tokens=10, batch_trees="3:4-2-7,5:2-1-3",
+    )  # fmt: skip
+    free_before = llm.kv_slots_free
+    lengths = (12, 10, 7, 4, 2)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain_outputs, lengths)]
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    rounds = llm.worker.rounds_by_tree
+    assert list(rounds) == ["S=3 K=4 N=10", "S=4 K=2 N=7", "S=2 K=1 N=3"]
+    assert all(n > 0 for n in rounds.values()), f"rounds by tree: {rounds}"
+    if graphs == "on" and algorithm != "self":
+        names = {name for name, _, _ in llm.worker.graphs.captured}
+        assert {"round_greedy", "round_greedy@4-2-7", "round_greedy@2-1-3"} <= names, names
+
+
 @pytest.mark.parametrize("batch", [1, 3, 5])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("topk", [1, 4])

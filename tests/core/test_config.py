@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from polyspec.config import (
+    BatchTree,
     EngineConfig,
     SamplingParams,
     SpeculativeConfig,
@@ -360,9 +361,11 @@ def test_the_shipped_heads_settings_apply_where_the_engine_uses_it(tmp_path):
         pytest.skip("no head shipped")
     shipped = shipped_head_settings()
     candidates = shipped.pop("candidates", [])
+    batch_trees = shipped.pop("batch_trees", [])
     got = load_config(cli={"algorithm": "eagle3"}, env={})[0].speculative
     assert {k: getattr(got, k) for k in shipped} == shipped
     assert [dataclasses.asdict(c) for c in got.tree_candidates] == candidates
+    assert [dataclasses.asdict(t) for t in got.batch_trees] == batch_trees
     # a tree setting given, or auto_tree off: the tree is the user's, no candidates
     for cli in ({"algorithm": "eagle3", "topk": 2}, {"algorithm": "eagle3", "auto_tree": False}):
         assert load_config(cli=cli, env={})[0].speculative.tree_candidates == ()
@@ -393,3 +396,89 @@ def test_a_bad_head_settings_file_is_an_error_naming_it(tmp_path, text):
     # settings given in full never read it
     cli = {"algorithm": "eagle3", "draft": head, "num_steps": 2, "topk": 1, "num_draft_tokens": 3}
     assert load_config(cli=cli, env={})[0].speculative == SpeculativeConfig("eagle3", 2, 1, 3)
+
+
+def test_batch_trees_pick_a_tree_by_batch_size():
+    spec = SpeculativeConfig("eagle3", 3, 6, 16, batch_trees="8:3-3-8, 24:3-2-6")
+    assert spec.batch_trees == (BatchTree(8, 3, 3, 8), BatchTree(24, 3, 2, 6))
+    assert spec.trees == ((1, 3, 6, 16), (8, 3, 3, 8), (24, 3, 2, 6))
+    got = [spec.tree_for(bs) for bs in (1, 7, 8, 23, 24, 100)]
+    assert got == [(3, 6, 16), (3, 6, 16), (3, 3, 8), (3, 3, 8), (3, 2, 6), (3, 2, 6)]
+    # the mapping form (a head's polyspec.json, TOML), N left to its default
+    tree = [{"min_batch_size": 4, "num_steps": 2, "topk": 1}]
+    assert SpeculativeConfig("eagle3", batch_trees=tree).batch_trees == (BatchTree(4, 2, 1, 3),)
+    assert SpeculativeConfig("eagle3", batch_trees="none").batch_trees == ()
+    assert BatchTree(8, 3, 3, 8).text == "8:3-3-8"
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("8:3-3", r"'8:3-3' is not MIN_BATCH:S-K-N"),
+        ("8-3-3-8", r"is not MIN_BATCH:S-K-N"),
+        ("a:3-3-8", r"invalid literal"),
+        ("1:3-3-8", r"min_batch_size = 1 is invalid: must be an integer >= 2"),
+        ("8:3-9-8", r"speculative.topk = 9 is invalid"),
+        ("8:3-1-8", r"with topk = 1 the tree is a chain"),
+        ("8:3-3-8,4:3-2-6", r"min_batch_size must strictly increase"),
+        ("8:3-3-8,8:3-2-6", r"min_batch_size must strictly increase"),
+        ([{"min_batch_size": 4, "steps": 3}], r"unknown keys \['steps'\]"),
+        ([{"min_batch_size": 4}], r"must be MIN_BATCH:S-K-N entries"),
+        (8, r"must be MIN_BATCH:S-K-N entries"),
+    ],
+)
+def test_bad_batch_trees_say_what_is_wrong(value, match):
+    with pytest.raises(ConfigError, match=r"speculative.batch_trees = .* is invalid: "):
+        SpeculativeConfig("eagle3", batch_trees=value)
+    with pytest.raises(ConfigError, match=match):
+        SpeculativeConfig("eagle3", batch_trees=value)
+
+
+def test_batch_trees_from_cli_env_and_file(tmp_path):
+    cli = {"algorithm": "eagle3", "num_steps": 3, "topk": 4, "num_draft_tokens": 10}
+    got = load_config(cli={**cli, "batch_trees": "8:3-2-6"}, env={})[0].speculative
+    assert got.batch_trees == (BatchTree(8, 3, 2, 6),)
+    env = {"POLYSPEC_SPECULATIVE_BATCH_TREES": "4:2-2-4,16:2-1-3"}
+    got = load_config(cli=cli, env=env)[0].speculative
+    assert [t.text for t in got.batch_trees] == ["4:2-2-4", "16:2-1-3"]
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[speculative]\nalgorithm = "eagle3"\n'
+        "batch_trees = [{min_batch_size = 8, num_steps = 3, topk = 3, num_draft_tokens = 8}]\n"
+    )
+    got = load_config(config_file=path, env={})[0].speculative
+    assert got.batch_trees == (BatchTree(8, 3, 3, 8),)
+    with pytest.raises(ConfigError, match=r"'8:3' is not MIN_BATCH:S-K-N"):
+        load_config(cli={**cli, "batch_trees": "8:3"}, env={})
+
+
+def test_batch_trees_come_from_the_head_with_its_own_tree(tmp_path):
+    head = _head(
+        tmp_path,
+        '{"speculative": {"num_steps": 3, "topk": 6, "num_draft_tokens": 16, "batch_trees": '
+        '[{"min_batch_size": 8, "num_steps": 3, "topk": 3, "num_draft_tokens": 8}], '
+        '"candidates": [{"num_steps": 1, "topk": 1, "num_draft_tokens": 2, "acceptance": 1.5}]}}',
+    )
+
+    def spec(**cli):
+        return load_config(cli={"algorithm": "eagle3", "draft": head, **cli}, env={})[0].speculative
+
+    assert spec().batch_trees == (BatchTree(8, 3, 3, 8),)
+    assert spec().tree_candidates  # no tree setting given: the engine may still choose one
+    assert spec(topk=2).batch_trees == ()  # chosen with the head's tree, not another
+    assert spec(batch_trees="none").batch_trees == ()  # turned off by the user ...
+    assert spec(batch_trees="none").tree_candidates  # ... which gives no tree of theirs
+    mine = spec(batch_trees="4:2-1-3")  # the user's own: no candidates to replace them
+    assert mine.batch_trees == (BatchTree(4, 2, 1, 3),) and mine.tree_candidates == ()
+    assert (mine.num_steps, mine.topk, mine.num_draft_tokens) == (3, 6, 16)
+
+
+@pytest.mark.parametrize(
+    "trees",
+    ['{"min_batch_size": 8}', '"8:3-3-8"', '{"min_batch_size": 8, "num_steps": 3, "topk": 3, '
+     '"num_draft_tokens": 8, "acceptance": 2.5}'],
+)  # fmt: skip
+def test_a_bad_batch_tree_in_a_head_file_is_an_error(tmp_path, trees):
+    head = _head(tmp_path, f'{{"speculative": {{"num_steps": 3, "batch_trees": [{trees}]}}}}')
+    with pytest.raises(ConfigError, match=r"batch_trees must be a list of \{min_batch_size"):
+        load_config(cli={"algorithm": "eagle3", "draft": head}, env={})

@@ -127,7 +127,7 @@ def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) ->
     target = _target(be)
     cands = (TreeCandidate(2, 1, 3, 1.5), TreeCandidate(3, 2, 6, 2.5), TreeCandidate(4, 1, 5, 2.0))
     spec = SpeculativeConfig("eagle3", num_steps=3, topk=2, num_draft_tokens=6,
-                             tree_candidates=cands)  # fmt: skip
+                             tree_candidates=cands, batch_trees="2:2-1-3")  # fmt: skip
     kw = dict(backend=be, max_batch_size=2, max_context=128, graphs=graphs)
     llm = LLM.from_modules(target, _eagle3(target, be), spec, **kw)
     got = llm.config.speculative
@@ -137,6 +137,13 @@ def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) ->
     choice = llm.tree_choice
     if graphs == "on":
         assert tree == (3, 2, 6) and "captured graphs" in choice["reason"]
+        # the batch trees stay with the head's tree
+        assert got.trees == ((1, 3, 2, 6), (2, 2, 1, 3))
+        assert choice["chosen"] == "S=3 K=2 N=6; from batch 2: S=2 K=1 N=3"
+    else:  # one tree, timed at batch 1, for every batch size
+        assert got.batch_trees == () and len(llm.worker.trees) == 1
+    if graphs == "on":
+        pass
     elif not be.capabilities.tree_attention:
         assert got.topk == 1 and set(choice["predicted_speedup"]) == {"S=2 K=1 N=3", "S=4 K=1 N=5"}
     else:

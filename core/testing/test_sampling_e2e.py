@@ -107,8 +107,14 @@ def exact(backend, backend_name, tiny_models):
 
 
 @pytest.mark.parametrize(
-    "algorithm,topk,num_steps,dynamic_depth",
-    [("self", 1, 3, 0.0), ("eagle3", 2, 3, 0.0), ("self", 2, 3, 0.0), ("self", 2, 3, 0.6)],
+    "algorithm,topk,num_steps,dynamic_depth,batch_trees",
+    [
+        ("self", 1, 3, 0.0, ""),
+        ("eagle3", 2, 3, 0.0, ""),
+        ("self", 2, 3, 0.0, ""),
+        ("self", 2, 3, 0.6, ""),
+        ("self", 2, 3, 0.0, "24:2-1-3,48:4-3-9"),
+    ],
 )
 def test_speculative_sampling_matches_target(
     backend,
@@ -119,19 +125,24 @@ def test_speculative_sampling_matches_target(
     topk,
     num_steps,
     dynamic_depth,
+    batch_trees,
 ):
     """Also with dynamic depth: rounds that stop drafting early verify probability-0 filler
-    nodes (repeated tokens), which must not bias the sample."""
+    nodes (repeated tokens), which must not bias the sample. And with batch trees: the
+    batches of 64 sample through a wider, deeper tree than the last, smaller batch."""
     require(backend.capabilities.sampling_verify, "sampling_verify")
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     llm = _llm(
         backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps,
-        dynamic_depth=dynamic_depth,
+        dynamic_depth=dynamic_depth, batch_trees=batch_trees,
     )  # fmt: skip
     counts = _sample_counts(llm, NUM_SAMPLES)
     if dynamic_depth > 0:
         levels = llm.worker.drafted_levels
         assert sum(levels[1:num_steps]) > 0, f"no round stopped drafting early: {levels}"
+    if batch_trees:
+        used = [label for label, n in llm.worker.rounds_by_tree.items() if n]
+        assert len(used) >= 2, f"rounds by tree: {llm.worker.rounds_by_tree}"
     for i in range(1, POSITIONS):
         rejected, msg = chi_square_rejects(counts[i], exact[i], NUM_SAMPLES)
         assert not rejected, f"generated position {i + 1}: {msg}"

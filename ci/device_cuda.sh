@@ -28,7 +28,8 @@
 #              $E2E_BATCH_SIZES (default "1 16"), for each setting in $E2E_SETTINGS (default
 #              "3-6-16"): S-K-N, S-K-N,MIN:S-K-N[,...] (batch trees), or "head" (the head's own
 #              polyspec.json); transformers runs with the first
-#              setting only (its figure does not depend on the tree; E2E_TRANSFORMERS=0: never)
+#              setting only (its figure does not depend on the tree; E2E_TRANSFORMERS=0: never);
+#              E2E_OVERLAP=1 adds --overlap-rounds (EngineConfig.overlap_rounds)
 #              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
 #              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
 #   e2e-wait   batch 16 with --prefill-wait-steps W for each W in $WAIT_STEPS (default "4 8")
@@ -173,7 +174,7 @@ e2e() {  # each batch size of $E2E_BATCH_SIZES (default "1 16") for each setting
         --draft core/heads/smollm2-135m-eagle3 "${tree[@]}" \
         --dataset "$data" --max-new-tokens 128 --batch-size "$bs" \
         --num-prompts "$(case "$bs" in 1) echo 10 ;; 2|3|4) echo 40 ;; *) echo 80 ;; esac)" \
-        --no-progress "${extra[@]}" \
+        --no-progress "${extra[@]}" $([ "${E2E_OVERLAP:-0}" = 1 ] && echo --overlap-rounds) \
         --repeats "${E2E_REPEATS:-3}" --json "$OUT/e2e-bs$bs-$name.json" || return 1
     done
   done

@@ -337,6 +337,21 @@ class KernelSet:
         return cls(**{name: getattr(reference, name) for name in cls.names()})
 
 
+class HostRead:
+    """A device-to-host copy that may still be in flight (:meth:`Backend.read_async`)."""
+
+    def __init__(self, host: torch.Tensor, wait_fn: Callable[[], None] | None = None) -> None:
+        self._host = host
+        self._wait_fn = wait_fn
+
+    def wait(self) -> torch.Tensor:
+        """Block until the copy has landed; the host tensor (1-D, the source's dtype)."""
+        if self._wait_fn is not None:
+            self._wait_fn()
+            self._wait_fn = None
+        return self._host
+
+
 class Backend(abc.ABC):
     """One accelerator. Created by a plugin's factory; held by the engine for its lifetime."""
 
@@ -374,6 +389,16 @@ class Backend(abc.ABC):
         memory synchronises the stream on CUDA-like devices, so a backend overrides this with
         a pinned, asynchronous copy. The default is the plain construction."""
         return torch.tensor(values, dtype=dtype, device=self.device())
+
+    def read_async(self, tensor: torch.Tensor) -> HostRead:  # [n] device -> [n] host
+        """Start copying a 1-D device tensor to the host, queued behind the device work
+        already queued, and return at once; :meth:`HostRead.wait` gives the host copy. Later
+        device work may overwrite ``tensor``: the copy is of its value at this point of the
+        queue. The engine uses it to queue the next decode round before reading this one's
+        tokens (``EngineConfig.overlap_rounds``). The default copies now, synchronously,
+        which is correct on every device and overlaps nothing; a backend with asynchronous
+        queues overrides it with a copy into pinned memory and an event."""
+        return HostRead(tensor.to("cpu", copy=True))
 
     def row_invariant(self, dtype: torch.dtype) -> bool:
         """Whether this backend's model forwards in ``dtype`` give a token bitwise the same

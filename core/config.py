@@ -412,6 +412,14 @@ class EngineConfig:
     a time (speculative requests finish at different rounds); 0 admits at once. It pays where
     a prefill forward costs about the same for one prompt as for several (an accelerator at
     small batch) and costs the rows left idle meanwhile.
+
+    ``overlap_rounds``: queue the next all-greedy decode round on the device, from this
+    round's device outputs, before the host reads this round's tokens, so that the device
+    does not wait while the host commits tokens, checks stops and schedules (as SGLang's
+    overlap scheduler). It applies to captured rounds of an EAGLE head while no request
+    waits for admission and none can reach ``max_new_tokens`` in the round; when a request
+    stops (EOS, a stop string) the queued round is dropped and recomputed for the rest, so
+    the output is the same either way. Off by default until measured on an accelerator.
     """
 
     target: str | None = None
@@ -429,6 +437,7 @@ class EngineConfig:
     graphs: str = "auto"
     max_graph_batch_size: int = 32
     prefill_wait_steps: int = 0
+    overlap_rounds: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", _check_opt_str("target", self.target))
@@ -459,6 +468,8 @@ class EngineConfig:
         _check_choice("graphs", self.graphs, GRAPH_MODES)
         _check_int("max_graph_batch_size", self.max_graph_batch_size, 1)
         _check_int("prefill_wait_steps", self.prefill_wait_steps, 0)
+        if not isinstance(self.overlap_rounds, bool):
+            raise _invalid("overlap_rounds", self.overlap_rounds, "must be true or false")
         spec = self.speculative
         if self.draft is not None and spec is None:
             raise _invalid(
@@ -512,6 +523,7 @@ _KINDS: dict[str, str] = {
     "graphs": "str",
     "max_graph_batch_size": "int",
     "prefill_wait_steps": "int",
+    "overlap_rounds": "bool",
 }
 """How a string (environment variable, or a CLI value given as text) is parsed, per key."""
 

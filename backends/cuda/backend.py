@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from polyspec.backend import Backend, KernelSet
+from polyspec.backend import Backend, HostRead, KernelSet
 from polyspec.backends.cpu.allocator import PagedAllocator
 from polyspec.backends.cpu.attention import SDPAAttention
 from polyspec.backends.cpu.kv_pool import TensorKVPool
@@ -91,6 +91,7 @@ class CUDABackend(Backend):
         self.capabilities = CUDA_CAPABILITIES
         self.kernels = dataclasses.replace(KernelSet.reference(), **_chosen_overrides())
         self.kernel_mode = _kernel_mode()
+        self._read_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
     def device(self, rank: int = 0) -> torch.device:
         """CUDA device ``rank`` (offset from the device this backend was created on)."""
@@ -106,6 +107,20 @@ class CUDABackend(Backend):
         host buffer alive until the copy has run)."""
         host = torch.tensor(values, dtype=dtype, pin_memory=True)
         return host.to(self.device(), non_blocking=True)
+
+    def read_async(self, tensor: torch.Tensor) -> HostRead:  # [n] device -> [n] host
+        """A non-blocking copy into pinned memory, waited on through a CUDA event. The
+        pinned buffers are reused in a ring of three per (size, dtype): the engine has at most
+        two reads outstanding (a round's, and the round queued behind it)."""
+        ring = self._read_buffers.setdefault((tensor.numel(), tensor.dtype), [])
+        if len(ring) < 3:
+            ring.append(torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True))
+        host = ring.pop(0)
+        ring.append(host)
+        host.copy_(tensor.reshape(-1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return HostRead(host, event.synchronize)
 
     def memory_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of the device, from ``cudaMemGetInfo``."""

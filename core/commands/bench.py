@@ -136,7 +136,9 @@ def command_line(args: argparse.Namespace) -> str:
     ]
     for key, flag in list(_BENCH_FLAGS) + engine_flags:
         value = getattr(args, key, None)
-        if value is not None:
+        if value is True:  # a switch (--overlap-rounds)
+            parts.append(flag)
+        elif value is not None:
             parts += [flag, str(value)]
     parts += [flag for key, flag in _SWITCHES if getattr(args, key, False)]
     return shlex.join(parts)
@@ -211,6 +213,8 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "resolved_dtype": None,
         "page_size": plain_cfg.page_size,
         "graphs": plain_cfg.graphs,
+        "overlap_rounds": plain_cfg.overlap_rounds,
+        "queued_rounds": None,  # with overlap_rounds: rounds queued and used, after the runs
         "phase_timer": None,  # filled in once the backend is known
     }
 
@@ -294,6 +298,8 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
             settings["rounds_by_levels_drafted"] = llm.worker.drafted_levels[1:]
         if spec.batch_trees:  # engine rounds per tree, warm-up and every repeat included
             settings["rounds_by_tree"] = dict(llm.worker.rounds_by_tree)
+        if spec_cfg.overlap_rounds:  # likewise
+            settings["queued_rounds"] = dict(llm.worker.queued_rounds)
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
             sweep[t] = runner.run_polyspec(

@@ -73,6 +73,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "requests are prefilled together (default 0: at once; see EngineConfig)",
     )
     p.add_argument(
+        "--overlap-rounds",
+        action="store_const",
+        const=True,
+        dest="overlap_rounds",
+        help="queue each greedy decode round on the device before the host reads the last "
+        "one's tokens (captured EAGLE rounds; off by default until measured, see "
+        "docs/configuration.md)",
+    )
+    p.add_argument(
         "--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)"
     )
     p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
@@ -83,7 +92,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
-                "prefill_wait_steps", "algorithm", "num_steps", "topk", "num_draft_tokens",
+                "prefill_wait_steps", "overlap_rounds", "algorithm", "num_steps", "topk", "num_draft_tokens",
                 "draft_quantization", "dynamic_depth", "batch_trees",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 

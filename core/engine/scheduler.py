@@ -91,6 +91,17 @@ class Scheduler:
             self.reserved[req.rid] = need
             self.prefilling.append(req)
 
+    def _lookahead(self, batch: list[Request]) -> bool:
+        """Whether the worker may queue the next round behind this one (``overlap_rounds``):
+        only while no request of the batch can reach its token limit in this round, so the
+        queued round stays within every request's KV reservation."""
+        depth = getattr(self.worker, "max_round_tokens", None)
+        return (
+            self.config.overlap_rounds
+            and depth is not None
+            and all(len(r.output_ids) + depth <= r.params.max_new_tokens for r in batch)
+        )
+
     def _finish(self, req: Request) -> None:
         req.finish_time = time.perf_counter()
         self.worker.remove_request(req.rid)
@@ -127,7 +138,9 @@ class Scheduler:
                         self.decoding.append(req)
         if self.decoding:
             batch = list(self.decoding)
-            new_tokens = self.worker.decode([r.rid for r in batch])
+            new_tokens = self.worker.decode(
+                [r.rid for r in batch], lookahead=self._lookahead(batch)
+            )
             for req, toks in zip(batch, new_tokens):
                 req.accepted_per_round.append(len(toks))
                 self.stop.append(req, toks)

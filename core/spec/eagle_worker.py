@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from polyspec.backend import ForwardMode, TreeMaskMode
+from polyspec.backend import ForwardMode, HostRead, TreeMaskMode
 from polyspec.config import SpeculativeConfig
 from polyspec.errors import ConfigError
 from polyspec.kernels.reference import draft_lane_width
@@ -98,6 +98,21 @@ class _RoundInputs:
 
 
 @dataclasses.dataclass
+class _Launched:
+    """A captured all-greedy round on the device queue whose tokens the host has not read.
+    With ``read`` set (a round queued behind another, ``EngineConfig.overlap_rounds``) its
+    outputs are copies: the next replay of the same graph overwrites the static ones."""
+
+    rids: tuple[int, ...]
+    tree: _Tree
+    bucket: int  # b, the graph's batch bucket
+    packed: torch.Tensor  # [b + b * (S + 1) + b * N] int64, :func:`_pack_verified`
+    read: HostRead | None  # ``packed`` on its way to the host, when queued behind another
+    next_state: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [bs, K'], [bs, K'], [bs, H]
+    per_request: torch.Tensor  # [bs, 4] the round's inputs: rows, seq_lens, roots, widths
+
+
+@dataclasses.dataclass
 class _DraftBatch:
     """The draft's view of each request after the last round's draft extend, kept batched in
     that round's request order: when the next round has the same requests in the same order
@@ -146,6 +161,13 @@ class EagleWorker(WorkerBase):
         self.extra_kv_per_request = max(t.num_draft_tokens for _, t in self.trees)
         lanes = max(t.topk * t.lane_width if t.num_steps > 1 else 0 for _, t in self.trees)
         self.scratch_kv = kw["max_batch_size"] * lanes
+        # The most tokens a round can commit for a request (the deepest tree's S + 1).
+        self.max_round_tokens = max(t.num_steps for _, t in self.trees) + 1
+        # An all-greedy round queued on the device behind the last one (overlap_rounds).
+        self._queued: _Launched | None = None
+        # Rounds queued behind another, and how many of them the next call could use (the
+        # others were dropped: the batch had changed).
+        self.queued_rounds = {"queued": 0, "used": 0}
         self.draft_runner = ModelRunner(draft, backend, self.num_kv_slots, dtype)
         self.use_aux = bool(draft.aux_layer_ids)
         # A standalone LM has no target features: it reads token p at position p, so each
@@ -249,56 +271,115 @@ class EagleWorker(WorkerBase):
         self._draft_batch = _DraftBatch(tuple(rids), topk_p, topk_index, feature)
 
     # -- one decode round ---------------------------------------------------------------------
-    def decode(self, rids: Sequence[int]) -> list[list[int]]:
+    def decode(self, rids: Sequence[int], lookahead: bool = False) -> list[list[int]]:
+        """One round for ``rids`` -> each request's new tokens. ``lookahead``: the scheduler
+        allows queueing the next round behind this one (no request can reach its token limit
+        in this round, ``EngineConfig.overlap_rounds``)."""
         sts = [self.states[r] for r in rids]
         tree = self.tree_for(len(sts))
         self.rounds_by_tree[tree.label] += 1
         N = tree.num_draft_tokens
         self.timer.start()
-        # Slots for the N tree nodes of each request. The rejected nodes' slots are not freed
-        # after the round (the next round's tree reuses them), and growth allocates ahead
-        # within the request's reservation: most rounds neither allocate nor free.
-        self.kv.ensure([s.row for s in sts], [s.seq_len + N for s in sts], self.kv_lookahead)
-        inp = _RoundInputs(self.builder, sts, N, self.backend.index_dtype)
-        if self.root_forward:
-            state = self._root_forward(sts, inp)
-        else:
-            state = self._draft_state(rids, sts)
-        if not self.root_forward and all(s.sampler.greedy for s in sts):
-            out = self._round_greedy(tree, rids, sts, inp, state)
-            if out is not None:
-                return out
-        return self._staged_round(tree, rids, sts, inp, state)
+        queued, self._queued = self._queued, None
+        greedy = not self.root_forward and all(s.sampler.greedy for s in sts)
+        if queued is not None and queued.rids == tuple(rids):
+            launched = queued  # the last call queued this very round
+            self.queued_rounds["used"] += 1
+        else:  # no round queued, or queued for a batch that has changed since: recompute it
+            # Slots for the N tree nodes of each request. The rejected nodes' slots are not
+            # freed after the round (the next round's tree reuses them), and growth allocates
+            # ahead within the request's reservation: most rounds neither allocate nor free.
+            self.kv.ensure([s.row for s in sts], [s.seq_len + N for s in sts], self.kv_lookahead)
+            inp = _RoundInputs(self.builder, sts, N, self.backend.index_dtype)
+            if self.root_forward:
+                state = self._root_forward(sts, inp)
+            else:
+                state = self._draft_state(rids, sts)
+            launched = None
+            if greedy:
+                max_prefix = max(s.seq_len for s in sts)
+                launched = self._launch_greedy(
+                    tree, rids, inp.per_request, state, max_prefix, copy=lookahead
+                )
+            if launched is None:
+                return self._staged_round(tree, rids, sts, inp, state)
+        if lookahead and greedy:
+            self._queued = self._queue_next(launched, sts)
+            self.queued_rounds["queued"] += self._queued is not None
+        return self._finish_greedy(launched, sts)
 
-    def _round_greedy(
-        self, tree: _Tree, rids, sts, inp: _RoundInputs, state
-    ) -> list[list[int]] | None:
-        """An all-greedy round of an EAGLE head as one replay (:meth:`_round_greedy_graph`);
-        None when the batch runs eagerly."""
-        bs, max_prefix = len(sts), max(s.seq_len for s in sts)
+    def remove_request(self, rid: int) -> None:
+        self._queued = None
+        super().remove_request(rid)
+
+    def _launch_greedy(
+        self, tree: _Tree, rids, per_request, state, max_prefix: int, copy: bool
+    ) -> _Launched | None:
+        """Queue an all-greedy round of an EAGLE head as one replay
+        (:meth:`_round_greedy_graph`) from its inputs on the device (``per_request`` [bs, 4],
+        the draft ``state``); None when the batch runs eagerly. ``copy``: another round will
+        be queued behind this one before its tokens are read, so its outputs are copied out
+        of the graph's static buffers and its packed values start towards the host."""
+        bs = len(rids)
         graphs = self.graphed(bs, max_prefix)
         if graphs is None:
             return None
         topk_p, topk_index, hidden = state
-        inputs = {
-            "host": inp.per_request,
-            "topk_p": topk_p,
-            "topk_index": topk_index,
-            "hidden": hidden,
-        }
+        inputs = {"host": per_request, "topk_p": topk_p, "topk_index": topk_index, "hidden": hidden}
         self.timer.lap("draft")
         fn = functools.partial(self._round_greedy_graph, tree)
         out = graphs.run(ROUND_GREEDY + tree.suffix, bs, max_prefix, inputs, fn)
         if out is None:
             return None
+        packed, next_p, next_index, next_feat = out
+        next_state = (next_p[:bs], next_index[:bs], next_feat[:bs])
+        read = None
+        if copy:
+            packed = packed.clone()
+            next_state = tuple(t.clone() for t in next_state)
+            read = self.backend.read_async(packed)
+        b = graphs.buckets.batch_bucket(bs)
+        return _Launched(tuple(rids), tree, b, packed, read, next_state, per_request)
+
+    def _queue_next(self, launched: _Launched, sts) -> _Launched | None:
+        """Queue the round after ``launched`` from its outputs on the device (its accepted
+        lengths and bonus tokens give the next prefixes and roots), before the host has read
+        them. Its writes lie past the prefixes the host commits from ``launched``, so when
+        the batch changes instead (a request stops) the queued round is simply dropped."""
+        tree, bs, b = launched.tree, len(sts), launched.bucket
+        depth, N = tree.num_steps + 1, tree.num_draft_tokens
+        # The next round starts at most ``depth`` past the prefixes the host knows.
+        max_prefix = max(s.seq_len for s in sts) + depth
+        if self.graphed(bs, max_prefix) is None:
+            return None
+        self.kv.ensure(
+            [s.row for s in sts], [s.seq_len + depth + N for s in sts], self.kv_lookahead
+        )
+        packed = launched.packed
+        accepted = packed[:bs]  # [bs]
+        paths = packed[b : b + b * depth].view(b, depth)[:bs]  # [bs, S + 1] global node ids
+        last = paths.gather(1, accepted.view(bs, 1)).view(bs)  # the bonus token's node
+        roots = packed[b + b * depth :].index_select(0, last)  # [bs]
+        prev = launched.per_request  # [bs, 4]
+        per_request = torch.stack(
+            [prev[:, 0], prev[:, 1] + accepted + 1, roots, prev[:, 3]], dim=1
+        )  # fmt: skip
+        return self._launch_greedy(
+            tree, launched.rids, per_request, launched.next_state, max_prefix, copy=True
+        )
+
+    def _finish_greedy(self, launched: _Launched, sts) -> list[list[int]]:
+        """Read a launched round's tokens (the round's one wait for the device), keep its
+        draft state and commit its tokens."""
+        host = launched.read.wait() if launched.read is not None else launched.packed
         # Timed as verify: the draft forwards and the draft extend run inside the same graph.
         self.timer.lap("verify")
-        packed, next_p, next_index, next_feat = out
+        bs = len(sts)
         accepted, path_nodes, predicted = self._read_verified(
-            tree, packed, bs, graphs.buckets.batch_bucket(bs)
+            launched.tree, host.tolist(), bs, launched.bucket
         )
         self.timer.lap("accept")
-        self._keep_draft_state(rids, next_p[:bs], next_index[:bs], next_feat[:bs])
+        self._keep_draft_state(launched.rids, *launched.next_state)
         return self._commit(sts, accepted, path_nodes, predicted)
 
     def _round_greedy_graph(self, tree: _Tree, s, bs: int, max_prefix: int):
@@ -365,7 +446,7 @@ class EagleWorker(WorkerBase):
                     predicts, accept_index, accept_length,
                 )  # fmt: skip
             packed, b = _pack_verified(accept_length, accept_index, predicts), bs
-        accepted, path_nodes, predicted = self._read_verified(tree, packed, bs, b)
+        accepted, path_nodes, predicted = self._read_verified(tree, packed.tolist(), bs, b)
         accept_index, accept_length = accept_index[:bs], accept_length[:bs]
         if _path_moved(path_nodes, N):  # chains (topk == 1) are always in place
             self._compact(self._accept_locs(tree, inp.cols, accept_index, accept_length))
@@ -382,13 +463,13 @@ class EagleWorker(WorkerBase):
         self.timer.lap("draft_extend")
         return self._commit(sts, accepted, path_nodes, predicted)
 
-    def _read_verified(self, tree: _Tree, packed: torch.Tensor, bs: int, b: int):
-        """The one host sync of the round (the engine needs the tokens anyway): lengths, paths
-        and every node's predicted token in a single device-to-host copy. ``packed`` holds
-        ``b`` rows (the batch, or the captured bucket it was padded to).
+    def _read_verified(self, tree: _Tree, host: list[int], bs: int, b: int):
+        """The round's verified values, read in one device-to-host copy (the round's one host
+        sync; the engine needs the tokens anyway): lengths, paths and every node's predicted
+        token. ``host`` is :func:`_pack_verified`'s vector for ``b`` rows (the batch, or the
+        captured bucket it was padded to).
         -> (accepted [bs], path node ids [bs][1 + accepted], predicted token per node)."""
         S, N = tree.num_steps, tree.num_draft_tokens
-        host = packed.tolist()
         accepted = host[:bs]
         paths = [host[b + r * (S + 1) : b + (r + 1) * (S + 1)] for r in range(bs)]
         predicted = host[b + b * (S + 1) : b + b * (S + 1) + bs * N]  # [bs * N]

@@ -32,7 +32,7 @@ class PlainWorker(WorkerBase):
         self.timer.lap("prefill")
         return first
 
-    def decode(self, rids: Sequence[int]) -> list[list[int]]:
+    def decode(self, rids: Sequence[int], lookahead: bool = False) -> list[list[int]]:  # noqa: ARG002
         sts = [self.states[r] for r in rids]
         rows = [s.row for s in sts]
         seq_lens = [s.seq_len for s in sts]

@@ -167,11 +167,11 @@ class RoundOpCounter:
         decode = w.decode
         counter = self
 
-        def counted_decode(rids):
+        def counted_decode(rids, **kw):
             counter.active, counter._current = True, {}
             counter._phase = PhaseCounts()
             try:
-                return decode(rids)
+                return decode(rids, **kw)
             finally:
                 counter._lap("other")  # whatever follows the last lap
                 counter.active = False

@@ -29,7 +29,9 @@ def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(PROMPT_LENS[i])] for i in range(n)]
 
 
-def _llm(backend_name, tiny, algorithm=None, page_size=1, graphs="off", **spec):
+def _llm(
+    backend_name, tiny, algorithm=None, page_size=1, graphs="off", overlap_rounds=False, **spec
+):
     from polyspec.engine.llm import LLM
 
     draft = None
@@ -41,6 +43,7 @@ def _llm(backend_name, tiny, algorithm=None, page_size=1, graphs="off", **spec):
     return LLM(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
         dtype="float32", page_size=page_size, max_batch_size=5, max_context=256, graphs=graphs,
+        overlap_rounds=overlap_rounds,
     )  # fmt: skip
 
 
@@ -139,6 +142,54 @@ def test_batch_trees_equal_plain_greedy(
     if graphs == "on" and algorithm != "self":
         names = {name for name, _, _ in llm.worker.graphs.captured}
         assert {"round_greedy", "round_greedy@4-2-7", "round_greedy@2-1-3"} <= names, names
+
+
+@pytest.mark.parametrize("stop", [False, True])
+@pytest.mark.parametrize("batch_trees", ["", "3:4-2-7"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])  # EAGLE heads: captured rounds
+def test_overlapped_rounds_equal_plain_greedy(
+    backend, backend_name, tiny_models, algorithm, page_size, batch_trees, stop
+):
+    """``overlap_rounds``: each captured greedy round is queued behind the last one, from its
+    device outputs, before the host reads that one's tokens. Requests stop at different
+    rounds (token limits, and with ``stop`` a stop token met mid-round), so queued rounds are
+    both used and dropped; the output is plain greedy decoding's and no KV slot leaks."""
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    page_size = resolve_page_size(backend, page_size)
+    spec = {"num_steps": 3, "topk": 4, "num_draft_tokens": 10, "batch_trees": batch_trees}
+    llm = _llm(
+        backend_name, tiny_models, algorithm, page_size=page_size, graphs="on",
+        overlap_rounds=True, **spec,
+    )  # fmt: skip
+    free_before = llm.kv_slots_free
+    lengths = (40, 30, 20, 12, 6)
+    plain = _llm(backend_name, tiny_models, page_size=page_size)
+    params = SamplingParams(max_new_tokens=max(lengths), ignore_eos=True)
+    longest = plain.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    want = [o.token_ids[:n] for o, n in zip(longest, lengths)]
+    stops = [()] * 5
+    if stop:  # a token first met at the 9th position or later stops its request there
+        for i, w in enumerate(want):
+            first = [j for j, t in enumerate(w) if t not in w[:j] and j >= 8]
+            if first:
+                stops[i] = (w[first[0]],)
+                want[i] = w[: first[0] + 1]
+    params = [
+        SamplingParams(max_new_tokens=n, ignore_eos=True, stop_token_ids=s)
+        for n, s in zip(lengths, stops)
+    ]
+    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    queued = llm.worker.queued_rounds
+    assert queued["used"] > 0, queued
+    if stop:  # a request stopping mid-batch leaves the round queued for its batch unused
+        assert queued["queued"] > queued["used"], queued
+    # the same engine again, its graphs warm: the same output
+    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    assert [o.token_ids for o in outs] == want
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])

@@ -482,3 +482,14 @@ def test_a_bad_batch_tree_in_a_head_file_is_an_error(tmp_path, trees):
     head = _head(tmp_path, f'{{"speculative": {{"num_steps": 3, "batch_trees": [{trees}]}}}}')
     with pytest.raises(ConfigError, match=r"batch_trees must be a list of \{min_batch_size"):
         load_config(cli={"algorithm": "eagle3", "draft": head}, env={})
+
+
+def test_overlap_rounds_is_an_engine_switch():
+    assert EngineConfig().overlap_rounds is False
+    assert load_config(cli={"overlap_rounds": True}, env={})[0].overlap_rounds is True
+    env = {"POLYSPEC_OVERLAP_ROUNDS": "yes"}
+    assert load_config(env=env)[0].overlap_rounds is True
+    with pytest.raises(ConfigError, match=r"POLYSPEC_OVERLAP_ROUNDS = 'maybe' is invalid"):
+        load_config(env={"POLYSPEC_OVERLAP_ROUNDS": "maybe"})
+    with pytest.raises(ConfigError, match=r"overlap_rounds = 1 is invalid: must be true or false"):
+        EngineConfig(overlap_rounds=1)

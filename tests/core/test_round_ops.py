@@ -116,3 +116,24 @@ def test_draft_state_follows_requests_between_rounds(reference_backend, graphs):
         assert [alone.decode([r])[0] for _ in per_round] == per_round, f"request {r}"
         toks = [first[r]] + [t for step in per_round for t in step]
         assert toks == want[r][: len(toks)], f"request {r}"
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_overlapped_rounds_with_long_accepted_paths(reference_backend, batch_size):
+    """``overlap_rounds`` where drafts are mostly accepted: each queued round takes its
+    prefixes and roots from the last round's accepted lengths and bonus tokens on the device
+    (paths of up to S + 1 tokens, compacted for topk > 1), and its draft state from that
+    round's draft extend. The tokens equal plain greedy decoding's, with queued rounds used."""
+    be = reference_backend
+    target, head = build_bigram_models(be, layer_scale=0.1)
+    spec = SpeculativeConfig(algorithm="eagle", num_steps=3, topk=4, num_draft_tokens=10)
+    llm = LLM.from_modules(
+        target, head, spec, backend=be, graphs="on", max_batch_size=batch_size,
+        max_context=128, overlap_rounds=True,
+    )  # fmt: skip
+    prompts = _prompts(batch_size)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == _plain_tokens(be, prompts, 40)
+    assert min(o.stats.mean_acceptance_length for o in outs) > 2.0
+    assert llm.worker.queued_rounds["used"] >= 3, llm.worker.queued_rounds

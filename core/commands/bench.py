@@ -214,7 +214,7 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "page_size": plain_cfg.page_size,
         "graphs": plain_cfg.graphs,
         "overlap_rounds": plain_cfg.overlap_rounds,
-        "queued_rounds": None,  # with overlap_rounds: rounds queued and used, after the runs
+        "queued_rounds": None,  # with overlap_rounds: per system, rounds queued and used
         "phase_timer": None,  # filled in once the backend is known
     }
 
@@ -269,6 +269,8 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         llm, "plain", ids, sampling, progress, phase_times, warmup_prompts=warm,
         repeats=args.repeats,
     )  # fmt: skip
+    if plain_cfg.overlap_rounds:  # warm-up and every repeat included
+        settings["queued_rounds"] = {"plain": dict(llm.worker.queued_rounds)}
     del llm  # free the target before the next system loads its own copy
     gc.collect()
 
@@ -299,7 +301,10 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         if spec.batch_trees:  # engine rounds per tree, warm-up and every repeat included
             settings["rounds_by_tree"] = dict(llm.worker.rounds_by_tree)
         if spec_cfg.overlap_rounds:  # likewise
-            settings["queued_rounds"] = dict(llm.worker.queued_rounds)
+            settings["queued_rounds"] = {
+                **(settings["queued_rounds"] or {}),
+                "spec": dict(llm.worker.queued_rounds),
+            }
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
             sweep[t] = runner.run_polyspec(

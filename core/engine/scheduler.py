@@ -95,11 +95,9 @@ class Scheduler:
         """Whether the worker may queue the next round behind this one (``overlap_rounds``):
         only while no request of the batch can reach its token limit in this round, so the
         queued round stays within every request's KV reservation."""
-        depth = getattr(self.worker, "max_round_tokens", None)
-        return (
-            self.config.overlap_rounds
-            and depth is not None
-            and all(len(r.output_ids) + depth <= r.params.max_new_tokens for r in batch)
+        depth = self.worker.max_round_tokens
+        return self.config.overlap_rounds and all(
+            len(r.output_ids) + depth <= r.params.max_new_tokens for r in batch
         )
 
     def _finish(self, req: Request) -> None:

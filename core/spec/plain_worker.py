@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
-from polyspec.backend import ForwardMode
+from polyspec.backend import ForwardMode, HostRead
 from polyspec.runtime.graphs import block_slots, static_batch
-from polyspec.runtime.sampling import SamplingBatch
+from polyspec.runtime.sampling import SamplingBatch, greedy_ids
 from polyspec.spec.base import WorkerBase
+
+
+@dataclasses.dataclass
+class _Step:
+    """A decode step on the device queue whose tokens the host has not read."""
+
+    rids: tuple[int, ...]
+    tokens: torch.Tensor  # [bs] int64 on the device
+    read: HostRead | None  # ``tokens`` on their way to the host, when a step is queued behind
+    inputs: dict[str, torch.Tensor] | None  # the captured step's inputs; None: not queueable
 
 
 class PlainWorker(WorkerBase):
     """One target DECODE forward per round, one token per request."""
+
+    max_round_tokens = 1  # tokens a step commits for a request
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A greedy step queued on the device behind the last one (overlap_rounds), and
+        # the steps queued so far and how many of them the next call could use.
+        self._queued: _Step | None = None
+        self.queued_rounds = {"queued": 0, "used": 0}
 
     def round_graphs(self, greedy: bool = True) -> tuple[str, ...]:  # noqa: ARG002
         """The captured computations a round replays when its batch fits a graph bucket."""
@@ -32,15 +52,42 @@ class PlainWorker(WorkerBase):
         self.timer.lap("prefill")
         return first
 
-    def decode(self, rids: Sequence[int], lookahead: bool = False) -> list[list[int]]:  # noqa: ARG002
+    def decode(self, rids: Sequence[int], lookahead: bool = False) -> list[list[int]]:
+        """One token for each of ``rids``. ``lookahead``: the scheduler allows queueing the
+        next step behind this one (``EngineConfig.overlap_rounds``; all-greedy captured
+        steps only, as for the speculative worker)."""
         sts = [self.states[r] for r in rids]
+        self.timer.start()
+        queued, self._queued = self._queued, None
+        if queued is not None and queued.rids == tuple(rids):
+            step = queued  # the last call queued this very step
+            self.queued_rounds["used"] += 1
+        else:
+            step = self._launch(rids, sts, copy=lookahead)
+        if lookahead and step.inputs is not None:
+            self._queued = self._queue_next(step, sts)
+            self.queued_rounds["queued"] += self._queued is not None
+        self.timer.lap("target")
+        tokens = (step.read.wait() if step.read is not None else step.tokens).tolist()
+        for s, t in zip(sts, tokens):
+            s.seq_len += 1
+            s.last_token = t
+        self.timer.lap("other")
+        return [[t] for t in tokens]
+
+    def remove_request(self, rid: int) -> None:
+        self._queued = None
+        super().remove_request(rid)
+
+    def _launch(self, rids: Sequence[int], sts, copy: bool) -> _Step:
+        """Queue one step from the host's view of the requests; ``copy``: another step will
+        be queued behind it, so its tokens start towards the host now."""
         rows = [s.row for s in sts]
         seq_lens = [s.seq_len for s in sts]
-        self.timer.start()
         self.kv.ensure(rows, [n + 1 for n in seq_lens], self.kv_lookahead)
         bs = len(rows)
         input_ids = self.builder.long([s.last_token for s in sts])
-        logits = None
+        logits = inputs = None
         graphs = self.graphed(bs, max(seq_lens))
         if graphs is not None:
             rows_t = self.builder.index(rows)
@@ -53,19 +100,32 @@ class PlainWorker(WorkerBase):
             out = graphs.run("decode", bs, max(seq_lens), inputs, self._decode_graph)
             logits = None if out is None else out[:bs]
         if logits is None:
+            inputs = None
             batch = self.builder.build(ForwardMode.DECODE, rows, seq_lens, [1] * bs, input_ids)
             hidden, _ = self.target_runner.forward_target(batch)
             logits = self.target.compute_logits(hidden)
-        self.timer.lap("target")
-        tokens = SamplingBatch([s.sampler for s in sts], 1, self.device).sample(
-            logits, self.kernels
-        )
-        tokens = tokens.tolist()
-        for s, t in zip(sts, tokens):
-            s.seq_len += 1
-            s.last_token = t
-        self.timer.lap("other")
-        return [[t] for t in tokens]
+        sampling = SamplingBatch([s.sampler for s in sts], 1, self.device)
+        tokens = sampling.sample(logits, self.kernels)  # [bs] int64
+        if not sampling.all_greedy:
+            inputs = None  # a sampled step is never queued behind: only greedy ones
+        read = self.backend.read_async(tokens) if copy else None
+        return _Step(tuple(rids), tokens, read, inputs)
+
+    def _queue_next(self, step: _Step, sts) -> _Step | None:
+        """Queue the step after ``step`` from its tokens on the device, before the host has
+        read them; dropped by the next call when the batch has changed."""
+        bs = len(sts)
+        max_prefix = max(s.seq_len for s in sts) + 1
+        graphs = self.graphed(bs, max_prefix)
+        if graphs is None:
+            return None
+        self.kv.ensure([s.row for s in sts], [s.seq_len + 2 for s in sts], self.kv_lookahead)
+        inputs = dict(step.inputs, input_ids=step.tokens, seq_lens=step.inputs["seq_lens"] + 1)
+        out = graphs.run("decode", bs, max_prefix, inputs, self._decode_graph)
+        if out is None:
+            return None
+        tokens = greedy_ids(out[:bs])
+        return _Step(step.rids, tokens, self.backend.read_async(tokens), inputs)
 
     def _decode_graph(self, s, bs: int, max_prefix: int):
         """The captured plain decode: one target forward -> logits [bs, V]."""

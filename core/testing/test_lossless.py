@@ -147,18 +147,23 @@ def test_batch_trees_equal_plain_greedy(
 @pytest.mark.parametrize("stop", [False, True])
 @pytest.mark.parametrize("batch_trees", ["", "3:4-2-7"])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])  # EAGLE heads: captured rounds
+@pytest.mark.parametrize("algorithm", [None, "eagle", "eagle3"])  # plain, EAGLE heads
 def test_overlapped_rounds_equal_plain_greedy(
     backend, backend_name, tiny_models, algorithm, page_size, batch_trees, stop
 ):
-    """``overlap_rounds``: each captured greedy round is queued behind the last one, from its
-    device outputs, before the host reads that one's tokens. Requests stop at different
+    """``overlap_rounds``: each captured greedy round (a plain step, or a speculative round)
+    is queued behind the last one, from its device outputs, before the host reads that one's
+    tokens. Requests stop at different
     rounds (token limits, and with ``stop`` a stop token met mid-round), so queued rounds are
     both used and dropped; the output is plain greedy decoding's and no KV slot leaks."""
     require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     page_size = resolve_page_size(backend, page_size)
     spec = {"num_steps": 3, "topk": 4, "num_draft_tokens": 10, "batch_trees": batch_trees}
+    if algorithm is None:  # plain decoding: one step per round, no tree
+        if batch_trees:
+            pytest.skip("plain decoding has no tree")
+        spec = {}
     llm = _llm(
         backend_name, tiny_models, algorithm, page_size=page_size, graphs="on",
         overlap_rounds=True, **spec,

@@ -416,10 +416,11 @@ class EngineConfig:
     ``overlap_rounds``: queue the next all-greedy decode round on the device, from this
     round's device outputs, before the host reads this round's tokens, so that the device
     does not wait while the host commits tokens, checks stops and schedules (as SGLang's
-    overlap scheduler). It applies to captured rounds of an EAGLE head while no request
-    waits for admission and none can reach ``max_new_tokens`` in the round; when a request
-    stops (EOS, a stop string) the queued round is dropped and recomputed for the rest, so
-    the output is the same either way. Off by default until measured on an accelerator.
+    overlap scheduler). It applies to captured rounds (plain steps, and the rounds of an
+    EAGLE head) while no request of the batch can reach ``max_new_tokens`` in the round; when
+    the batch changes instead (a request stops on EOS or a stop string, another joins) the
+    queued round is dropped and the next one computed as usual, so the output is the same
+    either way. Off by default until measured on an accelerator.
     """
 
     target: str | None = None

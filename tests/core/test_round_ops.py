@@ -137,3 +137,32 @@ def test_overlapped_rounds_with_long_accepted_paths(reference_backend, batch_siz
     assert [o.token_ids for o in outs] == _plain_tokens(be, prompts, 40)
     assert min(o.stats.mean_acceptance_length for o in outs) > 2.0
     assert llm.worker.queued_rounds["used"] >= 3, llm.worker.queued_rounds
+
+
+def test_host_time_script_reports_rounds_inside_and_outside_replays(capsys):
+    """``ci/host_time_per_round.py``: a captured run whose wall time splits into the replays
+    and the rest."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "ci" / "host_time_per_round.py"
+    spec = importlib.util.spec_from_file_location("host_time_per_round", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    try:
+        assert (
+            script.main(["--max-new-tokens", "24", "--topk", "2", "--num-draft-tokens", "6"]) == 0
+        )
+    finally:
+        torch.set_num_threads(threads)
+    line = capsys.readouterr().out.strip()
+    m = re.fullmatch(
+        r"S=3 K=2 N=6 batch 1 on cpu: (\d+) rounds, ([\d.]+) tokens a round, wall ([\d.]+) ms a "
+        r"round, in replays ([\d.]+) ms, outside ([\d.]+) ms",
+        line,
+    )
+    assert m, line
+    rounds, wall, inside, outside = int(m[1]), float(m[3]), float(m[4]), float(m[5])
+    assert 1 <= rounds < 23 and inside > 0 and abs(wall - inside - outside) < 0.01

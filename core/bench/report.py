@@ -203,6 +203,15 @@ def _details(report: Mapping[str, Any]) -> list[str]:
             lines.append(
                 "mean acceptance length by category: " + ", ".join(f"{c} {a:.2f}" for c, a in cats)
             )
+    settings = report.get("settings", {})
+    if settings.get("rounds_by_tree"):
+        trees = ", ".join(f"{t}: {n}" for t, n in settings["rounds_by_tree"].items())
+        lines.append(f"spec engine rounds by draft tree (warm-up and repeats included): {trees}")
+    for name, q in (settings.get("queued_rounds") or {}).items():
+        lines.append(
+            f"{name} rounds queued behind another (overlap_rounds): {q['queued']}, "
+            f"{q['used']} of them used"
+        )
     lines.append(f"spec and plain outputs identical: {_identity(report)}")
     if "transformers_outputs_differing_from_plain" in report:
         lines.append(

@@ -273,3 +273,26 @@ def test_repeats_report_the_median_run(tiny, tmp_path, monkeypatch, capsys):
     with pytest.raises(RuntimeError, match="other greedy outputs"):
         main(argv)
     assert main(argv[:-1] + ["0"]) == 2
+
+
+def test_bench_batch_trees_and_overlapped_rounds(tiny, tmp_path, capsys):
+    """``--batch-trees`` and ``--overlap-rounds`` reach both systems' engines and the report:
+    rounds per tree, and the rounds queued and used per system."""
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--draft", str(tiny["eagle3"]), "--algorithm", "eagle3", "--num-steps", "3",
+        "--topk", "2", "--num-draft-tokens", "5", "--batch-trees", "2:2-1-3", "--batch-size",
+        "3", "--graphs", "on", "--overlap-rounds", "--max-new-tokens", "16",
+        "--no-transformers",
+    )  # fmt: skip
+    s = rep["settings"]
+    assert rep["outputs_identical"] is True
+    assert s["batch_trees"] == ["2:2-1-3"] and s["overlap_rounds"] is True
+    assert set(s["rounds_by_tree"]) == {"S=3 K=2 N=5", "S=2 K=1 N=3"}
+    assert s["rounds_by_tree"]["S=2 K=1 N=3"] > 0
+    assert set(s["queued_rounds"]) == {"plain", "spec"}
+    assert all(q["used"] > 0 for q in s["queued_rounds"].values()), s["queued_rounds"]
+    assert "--overlap-rounds" in rep["command"]
+    printed = capsys.readouterr().out
+    assert "spec engine rounds by draft tree" in printed
+    assert "plain rounds queued behind another (overlap_rounds): " in printed

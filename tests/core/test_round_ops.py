@@ -166,3 +166,28 @@ def test_host_time_script_reports_rounds_inside_and_outside_replays(capsys):
     assert m, line
     rounds, wall, inside, outside = int(m[1]), float(m[3]), float(m[4]), float(m[5])
     assert 1 <= rounds < 23 and inside > 0 and abs(wall - inside - outside) < 0.01
+
+
+def test_overlapped_rounds_across_chunked_prefills_and_joins(reference_backend):
+    """A queued round survives the prefill chunks of a request that is not decoding yet (the
+    batch it was queued for is unchanged), and is dropped when that request joins; requests
+    of three lengths come and go through a batch of 3. Tokens equal plain greedy decoding's."""
+    be = reference_backend
+    target, head = build_bigram_models(be, layer_scale=0.1)
+    spec = SpeculativeConfig(algorithm="eagle", num_steps=3, topk=2, num_draft_tokens=6)
+    llm = LLM.from_modules(
+        target, head, spec, backend=be, graphs="on", max_batch_size=3, max_context=160,
+        overlap_rounds=True, prefill_chunk_size=8, max_tokens_per_step=8,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (6, 40, 9, 33, 12)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 24, 40, 20, 28)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    plain = LLM.from_modules(
+        build_bigram_models(be, layer_scale=0.1)[0], backend=be, max_batch_size=3,
+        max_context=160,
+    )  # fmt: skip
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert [o.token_ids for o in outs] == want
+    queued = llm.worker.queued_rounds
+    assert queued["used"] > 0 and queued["queued"] > queued["used"], queued

@@ -23,7 +23,8 @@
 #   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
 #              and 16, per-phase times and the share of a round outside forwards
 #   size-smollm2  the same at SmolLM2-135M's shape with the recommended tree ($SIZE_TREE, default
-#              3-6-16), with --profile: the kernels inside each captured graph (launches, us)
+#              3-6-16), with --profile: the kernels inside each captured graph (launches, us);
+#              $SIZE_ARGS adds flags (e.g. --overlap-rounds)
 #   e2e        polyspec bench on SmolLM2 with the shipped head, MT-bench, at each batch size of
 #              $E2E_BATCH_SIZES (default "1 16"), for each setting in $E2E_SETTINGS (default
 #              "3-6-16"): S-K-N, S-K-N,MIN:S-K-N[,...] (batch trees), or "head" (the head's own
@@ -149,7 +150,7 @@ run_step 06-size "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend 
 IFS=- read -r SIZE_S SIZE_K SIZE_N <<< "${SIZE_TREE:-3-6-16}"
 run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda \
   --preset smollm2-135m --num-steps "$SIZE_S" --topk "$SIZE_K" --num-draft-tokens "$SIZE_N" --profile \
-  --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2"
+  --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2" ${SIZE_ARGS:-}
 
 e2e() {  # each batch size of $E2E_BATCH_SIZES (default "1 16") for each setting of $E2E_SETTINGS
   # A setting: S-K-N (default: the recommended 3-6-16), S-K-N,MIN:S-K-N[,...] (with batch trees),

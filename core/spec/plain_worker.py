@@ -35,7 +35,7 @@ class PlainWorker(WorkerBase):
         self._queued: _Step | None = None
         self.queued_rounds = {"queued": 0, "used": 0}
 
-    def round_graphs(self, greedy: bool = True) -> tuple[str, ...]:  # noqa: ARG002
+    def round_graphs(self, greedy: bool = True, batch_size: int = 1) -> tuple[str, ...]:  # noqa: ARG002
         """The captured computations a round replays when its batch fits a graph bucket."""
         return ("decode",)
 

@@ -113,9 +113,10 @@ class CUDABackend(Backend):
         pinned buffers are reused in a ring of three per (size, dtype): the engine has at most
         two reads outstanding (a round's, and the round queued behind it)."""
         ring = self._read_buffers.setdefault((tensor.numel(), tensor.dtype), [])
-        if len(ring) < 3:
-            ring.append(torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True))
-        host = ring.pop(0)
+        if len(ring) < 3:  # a new buffer until the ring is full: never one still in flight
+            host = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+        else:  # the oldest, whose read the engine has waited for (or dropped) by now
+            host = ring.pop(0)
         ring.append(host)
         host.copy_(tensor.reshape(-1), non_blocking=True)
         event = torch.cuda.Event()

@@ -78,8 +78,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         const=True,
         dest="overlap_rounds",
         help="queue each greedy decode round on the device before the host reads the last "
-        "one's tokens (captured EAGLE rounds; off by default until measured, see "
-        "docs/configuration.md)",
+        "one's tokens (captured greedy rounds, plain and EAGLE; off by default until "
+        "measured, see docs/configuration.md)",
     )
     p.add_argument(
         "--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)"

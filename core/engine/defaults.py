@@ -43,8 +43,8 @@ def shipped_head_path() -> Path | None:
 def head_settings(head: str | os.PathLike) -> dict:
     """The speculative settings a draft head recommends for itself: the ``speculative`` table of
     ``polyspec.json`` in the head's directory (``num_steps``, ``topk``, ``num_draft_tokens``
-    integers, ``dynamic_depth`` a number in [0, 1), ``candidates``, ``batch_trees``), or {} when the head has none (a file
-    path, a name, a directory without the file).
+    integers, ``dynamic_depth`` a number in [0, 1), ``candidates``, ``batch_trees``), or {}
+    when the head has none (a file path, a name, a directory without the file).
 
     :raises ConfigError: the file exists but is not JSON of that shape."""
     import json

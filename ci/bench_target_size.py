@@ -231,7 +231,7 @@ def instrument(llm: LLM) -> Probe:
     host's only, and ``round_ms`` means nothing; ``step_ms`` (wall time) still holds."""
     probe = Probe()
     worker, sync = llm.worker, llm.backend.synchronize
-    overlap = llm.config.overlap_rounds
+    overlap = llm.scheduler.overlap
 
     def timed(fn: Callable, attr: str, count: bool) -> Callable:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -416,7 +416,7 @@ def measure(
         fwd_s = sum(graph_calls[k] * per_replay[k] for k in keys)
         # With overlap_rounds a round queued behind the last one and then dropped (the batch
         # changed) replays too: its device time counts as forward time.
-        overlap = llm.config.overlap_rounds
+        overlap = llm.scheduler.overlap
         complete = not eager_calls and all(
             (n >= rounds if overlap else n == rounds)
             for g in expected_graphs(llm, kind, len(prompts))
@@ -762,7 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_graph_batch_size=max(top, 1),
         max_tokens_per_step=max(2048, top * args.prompt_len),
         prefill_chunk_size=max(512, args.prompt_len),
-        overlap_rounds=args.overlap_rounds,
+        overlap_rounds="on" if args.overlap_rounds else "off",  # off: phases timed synced
     )
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(args.seed + 100)

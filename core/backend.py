@@ -100,6 +100,10 @@ class BackendCapabilities:
     """Kernels run asynchronously to the host and ``synchronize`` waits for them. Timing
     phases then costs speed (each boundary sync stops the host from running ahead of the
     device), so benchmarks time phases in a run of their own."""
+    async_host_reads: bool = False
+    """:meth:`Backend.read_async` returns before the copy is done (pinned memory and an
+    event), so the host can queue the next decode round while the device still runs this one;
+    ``EngineConfig.overlap_rounds = "auto"`` turns overlapped rounds on where this is True."""
 
     def supports_page_size(self, page_size: int) -> bool:
         return page_size >= 1 and (self.page_sizes is None or page_size in self.page_sizes)
@@ -397,7 +401,10 @@ class Backend(abc.ABC):
         queue. The engine uses it to queue the next decode round before reading this one's
         tokens (``EngineConfig.overlap_rounds``). The default copies now, synchronously,
         which is correct on every device and overlaps nothing; a backend with asynchronous
-        queues overrides it with a copy into pinned memory and an event."""
+        queues overrides it with a copy into pinned memory and an event, and declares
+        ``capabilities.async_host_reads``. The engine keeps at most two reads in flight and
+        waits for each before it starts the one after next, so a backend may reuse a host
+        buffer from the third read on, never earlier (``test_host_reads.py``)."""
         return HostRead(tensor.to("cpu", copy=True))
 
     def row_invariant(self, dtype: torch.dtype) -> bool:

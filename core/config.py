@@ -47,6 +47,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Model dtypes; "auto" lets the backend choose (the checkpoint's dtype where supported)."""
 
 GRAPH_MODES = ("auto", "on", "off")
+OVERLAP_MODES = ("auto", "on", "off")
 """When decode rounds run as captured graphs (see :class:`EngineConfig`)."""
 
 MAX_NUM_STEPS = 8
@@ -420,7 +421,10 @@ class EngineConfig:
     EAGLE head) while no request of the batch can reach ``max_new_tokens`` in the round; when
     the batch changes instead (a request stops on EOS or a stop string, another joins) the
     queued round is dropped and the next one computed as usual, so the output is the same
-    either way. Off by default until measured on an accelerator.
+    either way. ``"auto"`` (the default) turns it on where the backend's host reads are
+    asynchronous (``BackendCapabilities.async_host_reads``: cuda), since where they are not
+    nothing overlaps and queuing only adds host work; ``"on"`` / ``"off"`` (or true / false)
+    force it.
     """
 
     target: str | None = None
@@ -438,7 +442,7 @@ class EngineConfig:
     graphs: str = "auto"
     max_graph_batch_size: int = 32
     prefill_wait_steps: int = 0
-    overlap_rounds: bool = False
+    overlap_rounds: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", _check_opt_str("target", self.target))
@@ -469,8 +473,12 @@ class EngineConfig:
         _check_choice("graphs", self.graphs, GRAPH_MODES)
         _check_int("max_graph_batch_size", self.max_graph_batch_size, 1)
         _check_int("prefill_wait_steps", self.prefill_wait_steps, 0)
-        if not isinstance(self.overlap_rounds, bool):
-            raise _invalid("overlap_rounds", self.overlap_rounds, "must be true or false")
+        if isinstance(self.overlap_rounds, bool):  # true / false read as on / off
+            object.__setattr__(self, "overlap_rounds", "on" if self.overlap_rounds else "off")
+        if self.overlap_rounds not in OVERLAP_MODES:
+            raise _invalid(
+                "overlap_rounds", self.overlap_rounds, "must be 'auto', 'on' or 'off' (or a bool)"
+            )
         spec = self.speculative
         if self.draft is not None and spec is None:
             raise _invalid(
@@ -524,7 +532,7 @@ _KINDS: dict[str, str] = {
     "graphs": "str",
     "max_graph_batch_size": "int",
     "prefill_wait_steps": "int",
-    "overlap_rounds": "bool",
+    "overlap_rounds": "auto_bool",
 }
 """How a string (environment variable, or a CLI value given as text) is parsed, per key."""
 
@@ -546,6 +554,12 @@ def _parse_text(key: str, field: str, text: str) -> Any:
             return int(text)
         if kind in ("float", "opt_float"):
             return float(text)
+        if kind == "auto_bool":  # "auto", or a bool word read as on / off
+            if low == "auto":
+                return "auto"
+            if low in _TRUE_WORDS or low in _FALSE_WORDS:
+                return "on" if low in _TRUE_WORDS else "off"
+            raise ValueError(text)
         if kind == "bool":
             if low in _TRUE_WORDS:
                 return True
@@ -565,6 +579,7 @@ def _parse_text(key: str, field: str, text: str) -> Any:
             "float": "a number",
             "opt_float": "a number or 'none'",
             "bool": "one of 1/0, true/false, yes/no, on/off",
+            "auto_bool": "auto, or one of 1/0, true/false, yes/no, on/off",
             "str_list": "a string or a JSON list of strings",
             "int_list": "comma-separated integers or a JSON list",
         }[kind]

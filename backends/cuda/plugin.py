@@ -21,6 +21,7 @@ CAPABILITIES = BackendCapabilities(
     dtypes=("float32", "bfloat16", "float16"),
     sampling_verify=True,
     async_execution=True,
+    async_host_reads=True,
 )
 """The capabilities of :class:`polyspec.backends.cuda.backend.CUDABackend`, declared statically
 (a test checks that they match the backend's)."""

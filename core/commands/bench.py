@@ -213,8 +213,8 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "resolved_dtype": None,
         "page_size": plain_cfg.page_size,
         "graphs": plain_cfg.graphs,
-        "overlap_rounds": plain_cfg.overlap_rounds,
-        "queued_rounds": None,  # with overlap_rounds: per system, rounds queued and used
+        "overlap_rounds": plain_cfg.overlap_rounds,  # as configured: auto, on or off
+        "queued_rounds": None,  # where overlap_rounds applies: per system, rounds queued and used
         "phase_timer": None,  # filled in once the backend is known
     }
 
@@ -269,7 +269,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         llm, "plain", ids, sampling, progress, phase_times, warmup_prompts=warm,
         repeats=args.repeats,
     )  # fmt: skip
-    if plain_cfg.overlap_rounds:  # warm-up and every repeat included
+    if llm.scheduler.overlap:  # overlap_rounds resolved for the backend; warm-up included
         settings["queued_rounds"] = {"plain": dict(llm.worker.queued_rounds)}
     del llm  # free the target before the next system loads its own copy
     gc.collect()
@@ -300,7 +300,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
             settings["rounds_by_levels_drafted"] = llm.worker.drafted_levels[1:]
         if spec.batch_trees:  # engine rounds per tree, warm-up and every repeat included
             settings["rounds_by_tree"] = dict(llm.worker.rounds_by_tree)
-        if spec_cfg.overlap_rounds:  # likewise
+        if llm.scheduler.overlap:  # likewise
             settings["queued_rounds"] = {
                 **(settings["queued_rounds"] or {}),
                 "spec": dict(llm.worker.queued_rounds),

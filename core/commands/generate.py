@@ -74,12 +74,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--overlap-rounds",
-        action="store_const",
-        const=True,
+        nargs="?",
+        const="on",
+        choices=["auto", "on", "off"],
         dest="overlap_rounds",
         help="queue each greedy decode round on the device before the host reads the last "
-        "one's tokens (captured greedy rounds, plain and EAGLE; off by default until "
-        "measured, see docs/configuration.md)",
+        "one's tokens (captured greedy rounds, plain and EAGLE); default auto = where the "
+        "backend's host reads are asynchronous (cuda); the flag alone means on",
     )
     p.add_argument(
         "--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)"

@@ -18,6 +18,7 @@ from polyspec.engine.request import Request
 from polyspec.engine.stop import StopChecker
 from polyspec.errors import ConfigError
 from polyspec.runtime.sampling import RequestSampler
+from polyspec.spec.base import uses_overlap
 
 
 class Scheduler:
@@ -33,6 +34,8 @@ class Scheduler:
         self.kv_capacity = worker.num_kv_slots - ps - worker.scratch_kv
         # A request's tokens in a decode round: the widest verify it may get (1: plain).
         self.decode_width = max(1, worker.extra_kv_per_request)
+        # overlap_rounds resolved for this backend (EngineConfig.overlap_rounds = "auto")
+        self.overlap = uses_overlap(worker.backend.capabilities, config.overlap_rounds)
         self.held_steps = 0  # steps admission has waited for more rows (prefill_wait_steps)
 
     def add(self, req: Request) -> None:
@@ -96,7 +99,7 @@ class Scheduler:
         only while no request of the batch can reach its token limit in this round, so the
         queued round stays within every request's KV reservation."""
         depth = self.worker.max_round_tokens
-        return self.config.overlap_rounds and all(
+        return self.overlap and all(
             len(r.output_ids) + depth <= r.params.max_new_tokens for r in batch
         )
 

@@ -64,6 +64,13 @@ def uses_graphs(caps, graphs: str) -> bool:
     return caps.static_metadata and (graphs == "on" or (graphs == "auto" and caps.graph_capture))
 
 
+def uses_overlap(caps, overlap_rounds: str) -> bool:
+    """Whether the engine queues each greedy decode round behind the last one for the engine
+    option ``overlap_rounds`` ("on", "off", "auto": where the backend's host reads are
+    asynchronous, the only place the queued round can run while the host works)."""
+    return overlap_rounds == "on" or (overlap_rounds == "auto" and caps.async_host_reads)
+
+
 class WorkerBase:
     """Owns the target model runner, the slot bookkeeping and each request's state."""
 

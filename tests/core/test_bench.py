@@ -287,7 +287,7 @@ def test_bench_batch_trees_and_overlapped_rounds(tiny, tmp_path, capsys):
     )  # fmt: skip
     s = rep["settings"]
     assert rep["outputs_identical"] is True
-    assert s["batch_trees"] == ["2:2-1-3"] and s["overlap_rounds"] is True
+    assert s["batch_trees"] == ["2:2-1-3"] and s["overlap_rounds"] == "on"
     assert set(s["rounds_by_tree"]) == {"S=3 K=2 N=5", "S=2 K=1 N=3"}
     assert s["rounds_by_tree"]["S=2 K=1 N=3"] > 0
     assert set(s["queued_rounds"]) == {"plain", "spec"}

@@ -485,11 +485,28 @@ def test_a_bad_batch_tree_in_a_head_file_is_an_error(tmp_path, trees):
 
 
 def test_overlap_rounds_is_an_engine_switch():
-    assert EngineConfig().overlap_rounds is False
-    assert load_config(cli={"overlap_rounds": True}, env={})[0].overlap_rounds is True
-    env = {"POLYSPEC_OVERLAP_ROUNDS": "yes"}
-    assert load_config(env=env)[0].overlap_rounds is True
-    with pytest.raises(ConfigError, match=r"POLYSPEC_OVERLAP_ROUNDS = 'maybe' is invalid"):
+    assert EngineConfig().overlap_rounds == "auto"
+    assert EngineConfig(overlap_rounds=True).overlap_rounds == "on"
+    assert EngineConfig(overlap_rounds=False).overlap_rounds == "off"
+    assert load_config(cli={"overlap_rounds": "on"}, env={})[0].overlap_rounds == "on"
+    for text, mode in (("yes", "on"), ("0", "off"), ("Auto", "auto")):
+        env = {"POLYSPEC_OVERLAP_ROUNDS": text}
+        assert load_config(env=env)[0].overlap_rounds == mode, text
+    with pytest.raises(
+        ConfigError, match=r"POLYSPEC_OVERLAP_ROUNDS = 'maybe' is invalid: expected auto"
+    ):
         load_config(env={"POLYSPEC_OVERLAP_ROUNDS": "maybe"})
-    with pytest.raises(ConfigError, match=r"overlap_rounds = 1 is invalid: must be true or false"):
+    with pytest.raises(
+        ConfigError, match=r"overlap_rounds = 1 is invalid: must be 'auto', 'on' or"
+    ):
         EngineConfig(overlap_rounds=1)
+
+
+def test_overlap_rounds_auto_follows_async_host_reads():
+    """``auto`` queues rounds only where the backend says its host reads are asynchronous."""
+    from polyspec.backend import BackendCapabilities
+    from polyspec.spec.base import uses_overlap
+
+    sync, ahead = BackendCapabilities(), BackendCapabilities(async_host_reads=True)
+    assert [uses_overlap(sync, m) for m in ("auto", "on", "off")] == [False, True, False]
+    assert [uses_overlap(ahead, m) for m in ("auto", "on", "off")] == [True, True, False]

@@ -484,7 +484,7 @@ def test_a_bad_batch_tree_in_a_head_file_is_an_error(tmp_path, trees):
         load_config(cli={"algorithm": "eagle3", "draft": head}, env={})
 
 
-def test_overlap_rounds_is_an_engine_switch():
+def test_overlap_rounds_is_an_engine_switch(tmp_path):
     assert EngineConfig().overlap_rounds == "auto"
     assert EngineConfig(overlap_rounds=True).overlap_rounds == "on"
     assert EngineConfig(overlap_rounds=False).overlap_rounds == "off"
@@ -492,6 +492,9 @@ def test_overlap_rounds_is_an_engine_switch():
     for text, mode in (("yes", "on"), ("0", "off"), ("Auto", "auto")):
         env = {"POLYSPEC_OVERLAP_ROUNDS": text}
         assert load_config(env=env)[0].overlap_rounds == mode, text
+    for toml, mode in (("true", "on"), ("false", "off"), ('"auto"', "auto"), ('"off"', "off")):
+        (tmp_path / "p.toml").write_text(f"overlap_rounds = {toml}\n")
+        assert load_config(config_file=tmp_path / "p.toml", env={})[0].overlap_rounds == mode
     with pytest.raises(
         ConfigError, match=r"POLYSPEC_OVERLAP_ROUNDS = 'maybe' is invalid: expected auto"
     ):

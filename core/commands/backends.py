@@ -20,6 +20,8 @@ _CAPABILITY_FLAGS = (
     "sampling_verify",
     "host_seq_lens",
     "static_metadata",
+    "async_execution",
+    "async_host_reads",
 )
 
 

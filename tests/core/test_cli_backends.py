@@ -43,6 +43,9 @@ def test_backends_table(capsys):
     assert any(line.startswith("cuda: unavailable: ") for line in out.splitlines())
     assert any(line.startswith("npu: unavailable: ") for line in out.splitlines())
     assert "default selection: cpu" in out
+    # capabilities as flags: cuda's reads overlap (overlap_rounds auto), the cpu's do not
+    assert "async_host_reads" in rows["cuda"] and "async_execution" in rows["cuda"]
+    assert "async_host_reads" not in rows["cpu"] and "async_host_reads" not in rows["npu"]
 
 
 def test_backends_json(capsys):

@@ -136,9 +136,7 @@ def command_line(args: argparse.Namespace) -> str:
     ]
     for key, flag in list(_BENCH_FLAGS) + engine_flags:
         value = getattr(args, key, None)
-        if value is True:  # a switch (--overlap-rounds)
-            parts.append(flag)
-        elif value is not None:
+        if value is not None:
             parts += [flag, str(value)]
     parts += [flag for key, flag in _SWITCHES if getattr(args, key, False)]
     return shlex.join(parts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -74,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("polyspec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left early (`polyspec backends | head -3`)
+        # Python flushes stdout at exit: point it at /dev/null so that flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # as a shell reports SIGPIPE
 
 
 if __name__ == "__main__":

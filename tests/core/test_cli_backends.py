@@ -106,3 +106,17 @@ def test_import_errors_inside_a_command_module_propagate(monkeypatch, tmp_path):
     monkeypatch.delitem(sys.modules, "polyspec.commands.badcmd", raising=False)
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_for_polyspec_tests"):
         cli.build_parser()
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """``polyspec backends | head -1``: the closed pipe ends the command quietly (status 141,
+    as a shell reports SIGPIPE), without a BrokenPipeError traceback on stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "polyspec", "backends"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # before the command prints anything: its imports take longer
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -7,6 +7,7 @@ import functools
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -122,12 +123,31 @@ class WorkerBase:
             width = self.req_pool.req_to_token.shape[1]
             buckets = GraphBuckets.default(max_batch_size, max_graph_batch_size, width)
             self.graphs = CapturedForwards(backend, buckets)
+        # A greedy round queued on the device behind the last one (overlap_rounds), and the
+        # rounds queued so far and how many of them the next call could use (the others were
+        # dropped: the batch had changed).
+        self._queued: Any = None
+        self.queued_rounds = {"queued": 0, "used": 0}
 
     def graphed(self, bs: int, max_prefix: int) -> CapturedForwards | None:
         """The captured forwards when this batch fits a bucket, else None (run eagerly)."""
         if self.graphs is not None and self.graphs.fits(bs, max_prefix):
             return self.graphs
         return None
+
+    def _take_queued(self, rids: Sequence[int]) -> Any:
+        """The round the last call queued behind itself when it is for exactly ``rids``, else
+        None; either way it is gone (a queued round is used once, or dropped)."""
+        queued, self._queued = self._queued, None
+        if queued is None or queued.rids != tuple(rids):
+            return None
+        self.queued_rounds["used"] += 1
+        return queued
+
+    def _keep_queued(self, queued: Any) -> None:
+        """Hold a round just queued behind this one (None: none could be) for the next call."""
+        self._queued = queued
+        self.queued_rounds["queued"] += queued is not None
 
     # -- request lifecycle -------------------------------------------------------------------
     def kv_need(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -149,6 +169,7 @@ class WorkerBase:
         self.states[rid] = SeqState(row=row, prompt=list(prompt), sampler=sampler)
 
     def remove_request(self, rid: int) -> None:
+        self._queued = None  # queued for a batch that has just changed
         st = self.states.pop(rid)
         self.kv.remove_request(st.row)
 

@@ -163,11 +163,6 @@ class EagleWorker(WorkerBase):
         self.scratch_kv = kw["max_batch_size"] * lanes
         # The most tokens a round can commit for a request (the deepest tree's S + 1).
         self.max_round_tokens = max(t.num_steps for _, t in self.trees) + 1
-        # An all-greedy round queued on the device behind the last one (overlap_rounds).
-        self._queued: _Launched | None = None
-        # Rounds queued behind another, and how many of them the next call could use (the
-        # others were dropped: the batch had changed).
-        self.queued_rounds = {"queued": 0, "used": 0}
         self.draft_runner = ModelRunner(draft, backend, self.num_kv_slots, dtype)
         self.use_aux = bool(draft.aux_layer_ids)
         # A standalone LM has no target features: it reads token p at position p, so each
@@ -280,12 +275,9 @@ class EagleWorker(WorkerBase):
         self.rounds_by_tree[tree.label] += 1
         N = tree.num_draft_tokens
         self.timer.start()
-        queued, self._queued = self._queued, None
         greedy = not self.root_forward and all(s.sampler.greedy for s in sts)
-        if queued is not None and queued.rids == tuple(rids):
-            launched = queued  # the last call queued this very round
-            self.queued_rounds["used"] += 1
-        else:  # no round queued, or queued for a batch that has changed since: recompute it
+        launched = self._take_queued(rids)  # the last call may have queued this very round
+        if launched is None:  # none queued, or for a batch that has changed since
             # Slots for the N tree nodes of each request. The rejected nodes' slots are not
             # freed after the round (the next round's tree reuses them), and growth allocates
             # ahead within the request's reservation: most rounds neither allocate nor free.
@@ -295,7 +287,6 @@ class EagleWorker(WorkerBase):
                 state = self._root_forward(sts, inp)
             else:
                 state = self._draft_state(rids, sts)
-            launched = None
             if greedy:
                 max_prefix = max(s.seq_len for s in sts)
                 launched = self._launch_greedy(
@@ -304,13 +295,8 @@ class EagleWorker(WorkerBase):
             if launched is None:
                 return self._staged_round(tree, rids, sts, inp, state)
         if lookahead and greedy:
-            self._queued = self._queue_next(launched, sts)
-            self.queued_rounds["queued"] += self._queued is not None
+            self._keep_queued(self._queue_next(launched, sts))
         return self._finish_greedy(launched, sts)
-
-    def remove_request(self, rid: int) -> None:
-        self._queued = None
-        super().remove_request(rid)
 
     def _launch_greedy(
         self, tree: _Tree, rids, per_request, state, max_prefix: int, copy: bool

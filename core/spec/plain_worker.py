@@ -28,13 +28,6 @@ class PlainWorker(WorkerBase):
 
     max_round_tokens = 1  # tokens a step commits for a request
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # A greedy step queued on the device behind the last one (overlap_rounds), and
-        # the steps queued so far and how many of them the next call could use.
-        self._queued: _Step | None = None
-        self.queued_rounds = {"queued": 0, "used": 0}
-
     def round_graphs(self, greedy: bool = True, batch_size: int = 1) -> tuple[str, ...]:  # noqa: ARG002
         """The captured computations a round replays when its batch fits a graph bucket."""
         return ("decode",)
@@ -58,15 +51,11 @@ class PlainWorker(WorkerBase):
         steps only, as for the speculative worker)."""
         sts = [self.states[r] for r in rids]
         self.timer.start()
-        queued, self._queued = self._queued, None
-        if queued is not None and queued.rids == tuple(rids):
-            step = queued  # the last call queued this very step
-            self.queued_rounds["used"] += 1
-        else:
+        step = self._take_queued(rids)  # the last call may have queued this very step
+        if step is None:
             step = self._launch(rids, sts, copy=lookahead)
         if lookahead and step.inputs is not None:
-            self._queued = self._queue_next(step, sts)
-            self.queued_rounds["queued"] += self._queued is not None
+            self._keep_queued(self._queue_next(step, sts))
         self.timer.lap("target")
         tokens = (step.read.wait() if step.read is not None else step.tokens).tolist()
         for s, t in zip(sts, tokens):
@@ -74,10 +63,6 @@ class PlainWorker(WorkerBase):
             s.last_token = t
         self.timer.lap("other")
         return [[t] for t in tokens]
-
-    def remove_request(self, rid: int) -> None:
-        self._queued = None
-        super().remove_request(rid)
 
     def _launch(self, rids: Sequence[int], sts, copy: bool) -> _Step:
         """Queue one step from the host's view of the requests; ``copy``: another step will

@@ -37,9 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-draft-tokens", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=300)
     ap.add_argument("--plain", action="store_true", help="plain decoding instead")
-    ap.add_argument(
-        "--overlap-rounds", action="store_const", const="on", help="EngineConfig.overlap_rounds"
-    )
+    ap.add_argument("--overlap-rounds", action="store_true", help="EngineConfig.overlap_rounds")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     backend = create_backend(args.backend)
@@ -53,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     llm = LLM.from_modules(
         target, None if args.plain else head, spec, backend=backend, graphs="on",
         max_batch_size=args.batch_size, max_graph_batch_size=args.batch_size,
-        max_context=args.max_new_tokens + 64, overlap_rounds=args.overlap_rounds or "off",
+        max_context=args.max_new_tokens + 64, overlap_rounds="on" if args.overlap_rounds else "off",
     )  # fmt: skip
     prompts = [[3 + (7 * i + j) % 60 for j in range(32)] for i in range(args.batch_size)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)

@@ -47,8 +47,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Model dtypes; "auto" lets the backend choose (the checkpoint's dtype where supported)."""
 
 GRAPH_MODES = ("auto", "on", "off")
-OVERLAP_MODES = ("auto", "on", "off")
 """When decode rounds run as captured graphs (see :class:`EngineConfig`)."""
+
+OVERLAP_MODES = ("auto", "on", "off")
+"""When greedy decode rounds are queued behind the last one (:class:`EngineConfig`,
+``overlap_rounds``)."""
 
 MAX_NUM_STEPS = 8
 MAX_TOPK = 8

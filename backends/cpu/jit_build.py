@@ -122,11 +122,15 @@ def build_extension(
     :param duration: how long a compile takes, for the start message ("about a minute").
     :param wait_s: the most seconds to wait for another process building it; default
         :func:`wait_limit`.
-    Never raises for a build that fails or times out: the result says why.
+    Never raises for a build that fails or times out (only :func:`wait_limit`'s ConfigError
+    for a bad :data:`WAIT_ENV`): the result says why.
     """
     if wait_s is None:
         wait_s = wait_limit()
-    directory = extension_directory(name)
+    try:
+        directory = extension_directory(name)
+    except OSError as exc:
+        return BuildResult(None, f"cannot create the extension directory: {exc}", "")
     try:
         import fcntl
     except ImportError:  # no POSIX file locks: torch's loader alone
@@ -135,7 +139,10 @@ def build_extension(
         )
     deadline = time.monotonic() + wait_s
     lock_path = os.path.join(directory, LOCK_NAME)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the compiler
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the compiler
+    except OSError as exc:  # torch's loader could not write there either
+        return BuildResult(None, f"cannot open {lock_path}: {exc.strerror}", directory)
     try:
         holder = _acquire(fcntl, fd, lock_path, label, wait_s, deadline)
         if holder is not None:

@@ -19,12 +19,15 @@ import time
 from pathlib import Path
 
 import pytest
+from plugin_packages import fake_entry_point, write_plugin_module
 
 from polyspec import cli
 from polyspec.backends.cpu import jit_build
-from polyspec.errors import ConfigError
+from polyspec.errors import BackendSelectionError, ConfigError, PluginError
+from polyspec.hookspecs import KernelBuild
+from polyspec.plugins import PluginRegistry
 
-pytestmark = pytest.mark.skipif(
+needs_toolchain = pytest.mark.skipif(
     sys.platform != "linux" or shutil.which(os.environ.get("CXX", "c++")) is None
     or shutil.which("ninja") is None,
     reason="needs Linux, a C++ compiler and ninja",
@@ -143,6 +146,7 @@ def ws(tmp_path):
     workspace.cleanup()
 
 
+@needs_toolchain
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "sig, whole_group",
@@ -181,6 +185,7 @@ def test_build_killed_midway_then_next_run_builds(ws, sig, whole_group):
     assert seconds < RUN_BOUND_S
 
 
+@needs_toolchain
 @pytest.mark.timeout(240)
 def test_waiting_for_a_live_builder_is_bounded(ws):
     """A run that finds another process compiling says so with its pid, gives up after
@@ -200,6 +205,7 @@ def test_waiting_for_a_live_builder_is_bounded(ws):
     assert STARTING in err and "compiled the test kernels in " in err
 
 
+@needs_toolchain
 def test_compile_error_names_the_first_error_lines(tmp_path, monkeypatch, capfd):
     """A failing compile says so with the compiler's own error line; no module, a reason."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
@@ -252,3 +258,53 @@ def test_build_kernels_command_reports_why_it_cannot_build(tmp_path, monkeypatch
     monkeypatch.setenv(jit_build.WAIT_ENV, "later")
     assert cli.main(["build-kernels", "--backend", "cpu"]) == 2
     assert f"{jit_build.WAIT_ENV}='later'" in capsys.readouterr().err
+
+
+def _kernel_plugin(folder: Path, name: str, available: bool, hook: str) -> object:
+    """A fake backend plugin (cpu's factory) whose polyspec_build_kernels body is ``hook``."""
+    module = f"fake_kernels_{name}"
+    write_plugin_module(
+        folder,
+        module,
+        f"""
+from polyspec.backend import BackendCapabilities
+from polyspec.hookspecs import BackendSpec, KernelBuild, ProbeResult, hookimpl
+
+@hookimpl
+def polyspec_backend_spec():
+    return BackendSpec(name={name!r}, factory="polyspec.backends.cpu.backend:CPUBackend",
+                       priority=-1, capabilities=BackendCapabilities())
+
+@hookimpl
+def polyspec_backend_probe():
+    return ProbeResult(available={available}, reason="" if {available} else "no device")
+"""
+        + (f"\n@hookimpl\ndef polyspec_build_kernels(env):\n    {hook}\n" if hook else ""),
+    )
+    return fake_entry_point(name, module)
+
+
+def test_registry_build_kernels_calls_the_hook_of_available_backends(tmp_path, monkeypatch):
+    """PluginRegistry.build_kernels: every available backend implementing the hook, or the one
+    named; a backend without it is left out; a wrong return type is a plugin error."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [
+        _kernel_plugin(tmp_path, "built", True, "return KernelBuild(True, '/k.so', env['WHO'])"),
+        _kernel_plugin(tmp_path, "failing", True, "return KernelBuild(False, detail='no cc')"),
+        _kernel_plugin(tmp_path, "nothing", True, ""),
+        _kernel_plugin(tmp_path, "absent", False, "raise AssertionError('not available')"),
+        _kernel_plugin(tmp_path, "wrong", False, "return 'built'"),
+    ]
+    registry = PluginRegistry(entry_points=eps, env={"WHO": "me"})
+    assert registry.build_kernels() == [
+        ("built", KernelBuild(True, "/k.so", "me")),
+        ("failing", KernelBuild(False, detail="no cc")),
+    ]
+    assert registry.build_kernels("nothing") == []
+    with pytest.raises(BackendSelectionError, match="'absent'.*no device"):
+        registry.build_kernels("absent")
+    eps[-1] = _kernel_plugin(tmp_path, "wrong2", True, "return 'built'")
+    with pytest.raises(PluginError, match="'wrong2'.*returned str, expected KernelBuild"):
+        PluginRegistry(entry_points=eps, env={"WHO": "me"}).build_kernels("wrong2")
+    with pytest.raises(ValueError, match="needs a detail"):
+        KernelBuild(False)

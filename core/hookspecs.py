@@ -14,10 +14,11 @@ Hooks are always called with keyword arguments only (pluggy enforces this). An i
 may accept fewer arguments than the specification lists (pluggy passes only the ones it names),
 which keeps old plugins working when a hook gains an argument.
 
-Rule for both hooks: they must be cheap and import no vendor runtime (no ``torch_npu``,
-``triton``, no CUDA initialisation). Listing backends calls them for every installed plugin;
-the vendor imports belong in the factory's module, which is imported only when the backend is
-activated.
+Rule for the two discovery hooks (spec and probe): they must be cheap and import no vendor
+runtime (no ``torch_npu``, ``triton``, no CUDA initialisation). Listing backends calls them for
+every installed plugin; the vendor imports belong in the factory's module, which is imported only
+when the backend is activated. The optional ``polyspec_build_kernels`` is called only by
+``polyspec build-kernels`` and may do real work.
 """
 
 from __future__ import annotations
@@ -97,4 +98,33 @@ def polyspec_backend_probe(env: dict[str, str]) -> ProbeResult:
     (``/dev/nvidia*``, ``/dev/davinci*``), environment variables and executables on ``PATH``.
     Not allowed: importing vendor packages or calling anything that initialises a device.
     An exception raised here is reported as a broken plugin and the plugin is skipped.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBuild:
+    """What :func:`polyspec_build_kernels` did."""
+
+    built: bool
+    """True when the kernels are built for this machine (by this call or an earlier one)."""
+    location: str = ""
+    """Where the built kernels live (a file or directory), when built."""
+    detail: str = ""
+    """When built, how ("compiled in 52 s", "already built"); otherwise why not and what to do."""
+
+    def __post_init__(self) -> None:
+        if not self.built and not self.detail:
+            raise ValueError("KernelBuild(built=False) needs a detail saying why")
+
+
+@hookspec(firstresult=True)
+def polyspec_build_kernels(env: dict[str, str]) -> KernelBuild | None:
+    """Build the backend's just-in-time compiled kernels for this machine now, so that a first
+    run does not (``polyspec build-kernels``: an image or a CI job pays the compile once).
+
+    Optional: a backend with nothing to build ahead of time does not implement it. Called only by
+    that command, for an available backend; it may import the vendor runtime and run a compiler.
+    A build that fails is a ``KernelBuild(built=False, detail=...)``, not an exception.
+
+    :param env: the environment variables the command runs under.
     """

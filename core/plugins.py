@@ -38,8 +38,8 @@ import pluggy
 
 from polyspec import hookspecs
 from polyspec.backend import BACKEND_API_VERSION, Backend, BackendCapabilities
-from polyspec.errors import BackendSelectionError, PluginError
-from polyspec.hookspecs import BackendSpec, ProbeResult
+from polyspec.errors import BackendSelectionError, PluginError, PolyspecError
+from polyspec.hookspecs import BackendSpec, KernelBuild, ProbeResult
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -133,6 +133,9 @@ class _Loaded:
 
     report: BackendReport
     spec: BackendSpec
+    plugin: Any = None
+    """The registered plugin object, and the manager it is registered with (optional hooks)."""
+    pm: pluggy.PluginManager | None = None
 
 
 def _ep_identity(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
@@ -296,7 +299,7 @@ class PluginRegistry:
             return self._broken(
                 ep,
                 f"implements unknown hook(s) {', '.join(unknown)} (known: "
-                f"polyspec_backend_spec, polyspec_backend_probe)",
+                f"polyspec_backend_spec, polyspec_backend_probe, polyspec_build_kernels)",
                 None,
                 fatal,
             )
@@ -334,7 +337,7 @@ class PluginRegistry:
             device_type=spec.device_type,
             description=spec.description,
         )
-        return _Loaded(report, spec)
+        return _Loaded(report, spec, plugin, pm)
 
     def _check_spec(self, ep: importlib.metadata.EntryPoint, spec: Any) -> str | None:
         """What is wrong with a plugin's spec, or None."""
@@ -413,6 +416,41 @@ class PluginRegistry:
                 f"polyspec.toml or --backend NAME."
             )
         return top[0], f"auto-detected (highest priority available, {best})"
+
+    # -- ahead-of-time kernel builds ------------------------------------------------------
+
+    def build_kernels(self, name: str | None = None) -> list[tuple[str, KernelBuild]]:
+        """Call ``polyspec_build_kernels`` of backend ``name`` (selected as :meth:`select` does:
+        an unavailable one is a :class:`BackendSelectionError`), or of every available backend
+        when ``name`` is None; (backend name, result) for each that implements the hook."""
+        if name is not None:
+            entries = [self._select_named(name, "requested explicitly", self._discover(name))]
+        else:
+            entries = [
+                e for e in self._discover(None) if isinstance(e, _Loaded) and e.report.available
+            ]
+        out = []
+        for entry in entries:
+            others = [p for p in entry.pm.get_plugins() if p is not entry.plugin]
+            caller = entry.pm.subset_hook_caller("polyspec_build_kernels", others)
+            try:
+                result = caller(env=dict(self._env))
+            except PolyspecError:  # a setting to fix (a bad POLYSPEC_CPU_BUILD_WAIT): as it is
+                raise
+            except Exception as exc:
+                raise PluginError(
+                    f"backend plugin '{entry.report.name}' raised in polyspec_build_kernels: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if result is None:
+                continue
+            if not isinstance(result, KernelBuild):
+                raise PluginError(
+                    f"backend plugin '{entry.report.name}': polyspec_build_kernels returned "
+                    f"{type(result).__name__}, expected KernelBuild"
+                )
+            out.append((entry.report.name, result))
+        return out
 
     # -- creation -------------------------------------------------------------------------
 

@@ -4,8 +4,11 @@ The result for one row of `linear` or one query row of `attention` is bitwise th
 other rows come with it, whatever its position, and whatever the thread count, so that verifying
 N draft tokens in one forward gives exactly the greedy tokens of N one-token forwards.
 
-The extension is JIT-built on first use (`load()`); on machines that cannot build or run it,
-`load()` returns None and `unavailable_reason()` says why, so callers can fall back to stock ops.
+The extension is JIT-built on first use (`load()`, through `jit_build.build_extension`: a lock
+that dies with its holder, a bounded wait for another process building it, messages on stderr
+while it compiles) or ahead of time (`build()`, what `polyspec build-kernels` runs); on machines
+that cannot build or run it, `load()` returns None and `unavailable_reason()` says why, so callers
+can fall back to stock ops.
 
 `linear` has three paths: "avx2"; "avx512" (16-lane accumulators and taller tiles: a verify
 forward of 4-8 rows costs little more than one row); and "amx" (Intel AMX tiles, bf16 inputs
@@ -27,6 +30,9 @@ import torch
 
 from polyspec.errors import ConfigError
 
+from . import jit_build
+
+_NAME = "polyspec_cpu_rowinv"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rowinv.cpp")
 
 # -ffp-contract=off: GCC contracts a*b+c into an FMA by default when -mfma is on; doing so in some
@@ -85,7 +91,8 @@ def _apply_isa(module: ModuleType, request: str) -> None:
 @functools.cache
 def _build() -> tuple[ModuleType | None, str]:
     """Build once per process; returns (module, "") or (None, reason). Raises ConfigError for a
-    bad POLYSPEC_ROWINV_ISA: that is a mistake to fix, not a reason to fall back."""
+    bad POLYSPEC_ROWINV_ISA or POLYSPEC_CPU_BUILD_WAIT: a mistake to fix, not a reason to fall
+    back."""
     request = _isa_request()
     module, reason = _compile()
     if module is not None:
@@ -95,31 +102,45 @@ def _build() -> tuple[ModuleType | None, str]:
 
 def _compile() -> tuple[ModuleType | None, str]:
     """Build (or find built) and import the extension; (module, "") or (None, reason)."""
+    result = build()
+    return result.module, result.reason
+
+
+def build() -> jit_build.BuildResult:
+    """Build (or find built) and import the extension now, in this call (no per-process cache):
+    what ``polyspec build-kernels`` runs. Its ``reason`` says why there is no module. Raises
+    ConfigError for a bad POLYSPEC_CPU_BUILD_WAIT."""
+    wait_s = jit_build.wait_limit()
     try:
         cap = torch.backends.cpu.get_cpu_capability()
         # ATen reports AVX2 only when the CPU has both AVX2 and FMA3, which is what we need.
         if cap not in ("AVX2", "AVX512"):
-            return None, f"CPU capability is {cap!r}; the kernels need AVX2 + FMA"
+            return _not_built(f"CPU capability is {cap!r}; the kernels need AVX2 + FMA")
         missing = _missing_cpu_flags()
         if missing:  # ATEN_CPU_CAPABILITY can claim AVX2 on a CPU without it
-            return None, f"CPU lacks {', '.join(missing)} (per /proc/cpuinfo)"
+            return _not_built(f"CPU lacks {', '.join(missing)} (per /proc/cpuinfo)")
         from torch.utils import cpp_extension
 
         cxx = os.environ.get("CXX", "c++")
         if shutil.which(cxx) is None:
-            return None, f"no C++ compiler found ({cxx!r} is not on PATH)"
+            return _not_built(f"no C++ compiler found ({cxx!r} is not on PATH)")
         if not cpp_extension.is_ninja_available():
-            return None, "ninja is not available (torch.utils.cpp_extension.load needs it)"
-        module = cpp_extension.load(
-            name="polyspec_cpu_rowinv",
-            sources=[_SOURCE],
+            return _not_built("ninja is not available (torch.utils.cpp_extension.load needs it)")
+        return jit_build.build_extension(
+            _NAME,
+            [_SOURCE],
             extra_cflags=_CFLAGS,
             extra_ldflags=_LDFLAGS,
-            verbose=False,
+            label="the cpu kernels",
+            duration="about a minute",
+            wait_s=wait_s,
         )
-        return module, ""
     except Exception as exc:  # never raise: the caller falls back to stock PyTorch
-        return None, f"build or load failed: {type(exc).__name__}: {exc}"
+        return _not_built(f"build or load failed: {type(exc).__name__}: {exc}")
+
+
+def _not_built(reason: str) -> jit_build.BuildResult:
+    return jit_build.BuildResult(None, reason, directory="")
 
 
 def load() -> ModuleType | None:

@@ -140,13 +140,13 @@ def test_overlapped_rounds_with_long_accepted_paths(reference_backend, batch_siz
 
 
 def test_host_time_script_reports_rounds_inside_and_outside_replays(capsys):
-    """``ci/host_time_per_round.py``: a captured run whose wall time splits into the replays
+    """``benchmarks/host_time_per_round.py``: a captured run whose wall time splits into the replays
     and the rest."""
     import importlib.util
     import re
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "ci" / "host_time_per_round.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "host_time_per_round.py"
     spec = importlib.util.spec_from_file_location("host_time_per_round", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -1,7 +1,7 @@
 """The cpu backend's draft-side kernels and its attention, timed alone (docs/benchmarks.md,
 "Twelfth session" and "Thirteenth session").
 
-    python ci/bench_draft_kernels.py [--threads 2]
+    python benchmarks/bench_draft_kernels.py [--threads 2]
 
 - the draft lm_head (16384 x 576) as bf16 (``rowinv.linear``) and int8 (``rowinv.linear_w8``),
   streamed from memory: 64 copies of the weight (~0.6-1.2 GB) read in turn, so no call finds

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Host time per captured decode round outside the graph replays.
 
-  python ci/host_time_per_round.py                       # cpu, batch 1, S=3 K=6 N=16
-  python ci/host_time_per_round.py --topk 3 --num-draft-tokens 8 --plain
+  python benchmarks/host_time_per_round.py                       # cpu, batch 1, S=3 K=6 N=16
+  python benchmarks/host_time_per_round.py --topk 3 --num-draft-tokens 8 --plain
 
 A round that replays captured graphs spends the rest of its wall time on the host: scheduling,
 the round's upload and download, committing tokens (issue 6 counts it against the round). This

@@ -133,7 +133,7 @@ def softmax_topk_form(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """:func:`softmax_topk` in a given form (``"loop"``, ``"whole"``, or ``"auto"``: whole up to
     ``WHOLE_MAX``); ``num_warps`` overrides the whole form's :func:`whole_warps`. For
-    ci/bench_kernels.py, which times the forms against each other."""
+    benchmarks/bench_kernels.py, which times the forms against each other."""
     check(logits.dim() == 2, f"softmax_topk needs logits [n, V], got {tuple(logits.shape)}")
     n, vocab = logits.shape
     check(1 <= k <= vocab, f"softmax_topk needs 1 <= k <= V, got k={k}")

@@ -22,6 +22,7 @@ setup(
     package_dir=package_dir,
     package_data={
         "polyspec": ["heads/*/*.json", "heads/*/*.safetensors", "heads/*/*.md"],
+        "polyspec.bench": ["data/*.jsonl", "data/*.md"],
         "polyspec.backends": ["cpu/*.cpp"],
     },
 )

@@ -2,9 +2,9 @@
 
 Why: torch's ``softmax`` then ``topk`` over a draft vocabulary runs a radix select with one
 thread block per row: on the H200 about 36 us for each draft step of a SmolLM2-shaped round
-(three rows of 8,192; docs/benchmarks.md, "Fourteenth session"), where this kernel's three
-calls a round took 27-28 us together in its ``loop`` form and take 13 us in its ``whole`` form
-(H100, "Eighteenth session"). One program per row, in one of two forms:
+(three rows of 8,192), where this kernel's three calls a round took 27-28 us together in its
+``loop`` form and take 13 us in its ``whole`` form (H100; docs/benchmarks.md, "The draft's top-k
+on the GPU"). One program per row, in one of two forms:
 
 - ``loop`` (any vocabulary): streams the row in ``BLOCK``-wide steps, keeping a running max and
   exp-sum (online softmax) and the ``k`` best logits so far: per step two reductions for the

@@ -1,4 +1,4 @@
-"""Host work of a speculative round (issue 6): the ops a round dispatches outside its captured
+"""Host work of a speculative round: the ops a round dispatches outside its captured
 forwards (:class:`polyspec.testing.op_count.RoundOpCounter`), and the draft state the worker
 keeps batched between rounds while requests join, leave and sit rounds out."""
 
@@ -57,7 +57,7 @@ def _steady_rounds(llm: LLM, batch_size: int):
 
 def test_greedy_round_is_one_replay_with_few_ops_around_it(reference_backend):
     """Graphs on: a steady all-greedy round replays one graph and dispatches a handful of ops
-    outside it (before issue 6: ~120 at batch 1, ~270 at batch 16, with 3 replays), the same
+    outside it (a round of 3 replays dispatched ~120 at batch 1 and ~270 at batch 16), the same
     number at batch 1 and 4 (no device op per request), and reads the device once."""
     per_batch = {}
     for bs in (1, 4):

@@ -9,7 +9,8 @@ back into tracked files:
 - numbered work sittings or trained heads ("the eighteenth session", "the 3rd head", "tenth
   lease"), and references to sittings or device loans ("earlier sessions", "this session's
   code", "the next lease");
-- references to an internal issue tracker a user does not have ("issue 6's targets");
+- references to an internal issue tracker a user does not have ("issue 6's targets"; an
+  upstream one, "pytorch/pytorch issue 1234" or "triton issue 56", is fine);
 - instructions for a particular tool that reaches a GPU ("the device tool", "run by the lead").
 
 Legitimate uses of the same words are not flagged: pytest's ``scope="session"``, an HTTP or
@@ -63,7 +64,9 @@ ALLOWED_CONTEXT = re.compile(
     r"|\b(?:http|https|client|browser|ssh|tls|ssl|database|db|sql|onnx|inference|training|"
     r"interactive|login|user|web|tmux|shell)\s+sessions?\b"
     r"|\.Sessions?\b"
-    r"|\b(?:dhcp|lock|etcd|file|kv)\s+leases?\b",
+    r"|\b(?:dhcp|lock|etcd|file|kv)\s+leases?\b"
+    r"|\b(?:upstream|github|pytorch|torch|triton|cuda|transformers|sglang|vllm|[\w.-]+/[\w.-]+)"
+    r"\s+issues?\s+#?\d+",
     re.I,
 )
 """Spans of a line that are ordinary uses of a flagged word; findings inside them are dropped."""

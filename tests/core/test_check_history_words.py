@@ -48,6 +48,8 @@ def test_ordinary_uses_are_not_flagged():
         "session_id = 3",
         "the first pass over the data",
         "one sitting this round out keeps a copy",
+        "a workaround for pytorch/pytorch issue 12345",
+        "see the upstream issue #56",
     ):
         assert findings(text) == [], text
 

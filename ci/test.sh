@@ -34,6 +34,9 @@ export TRITON_INTERPRET=1
 step "core/ names no vendor code"
 python ci/check_vendor_imports.py
 
+step "the tree says what is true now (no work-log wording)"
+python ci/check_history_words.py
+
 step "ruff"
 ruff check .
 ruff format --check .

@@ -35,7 +35,7 @@ BACKEND_API_VERSION = 1
 
 
 class ForwardMode(enum.Enum):
-    """The five attention modes of a speculative engine (DESIGN.md section 2)."""
+    """The five attention modes of a speculative engine (docs/backend-guide.md)."""
 
     EXTEND = "extend"
     """Prefill: new prompt tokens; each sees the cached prefix and earlier new tokens."""
@@ -302,7 +302,7 @@ class GraphRunner(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """The named kernels of DESIGN.md section 3.
+    """The named kernels the core calls (docs/backend-guide.md, "The KernelSet override pattern").
 
     Each field is a callable with exactly the signature and semantics of the function of the same
     name in :mod:`polyspec.kernels.reference` (documented there, with shapes). A backend starts

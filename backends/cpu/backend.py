@@ -103,7 +103,7 @@ class CPUBackend(Backend):
 
     def prepare_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:  # [out, in]
         """fp32 weights column-major: oneDNN/MKL run ``x @ W.T`` with a contiguous ``W.T`` up to
-        2x faster for the 1-16 row inputs of decode and verify (docs/benchmarks.md)."""
+        2x faster for the 1-16 row inputs of decode and verify (measured at a79670e)."""
         if weight.dtype != torch.float32 or weight.dim() != 2:
             return weight
         return weight.t().contiguous().t()
@@ -126,8 +126,8 @@ class CPUBackend(Backend):
         """int8 where the C++ kernels run on AVX-512 or AMX. On an AVX2-only CPU the int8
         kernel's unpacking (two instructions per 8 weights, against two per 16 for bf16) costs
         more than the bytes it saves: the draft lm_head at 1 row took 1.07 ms in int8 against
-        0.85 ms in bf16 (``ci/bench_draft_kernels.py``, 2-core AMD EPYC, sixteenth session),
-        so the head stays in bf16 there."""
+        0.85 ms in bf16 (``benchmarks/bench_draft_kernels.py``, 2-core AMD EPYC Zen 1;
+        docs/benchmarks.md, "Draft weights, int8 or bf16"), so the head stays in bf16 there."""
         module = self.row_invariant_kernels() if dtype == torch.bfloat16 else None
         if module is None or module.isa() == "avx2":
             return None
@@ -145,7 +145,7 @@ class CPUBackend(Backend):
         pass over the weight per input row, so a 6-row verify cost 5.5x a 1-row decode; such
         inputs go to a packed fp32 copy (computed in fp32, rounded to bf16: 1.2x the 1-row
         cost at 6 rows), and single rows stay on ``F.linear``, 1.3-1.6x faster there
-        (docs/benchmarks.md). None where oneDNN is missing, or for other dtypes."""
+        (measured at b7fe0ca). None where oneDNN is missing, or for other dtypes."""
         if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32):
             return None
         module = self.row_invariant_kernels() if weight.dtype == torch.bfloat16 else None

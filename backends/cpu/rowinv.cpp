@@ -115,8 +115,8 @@ constexpr int64_t kXChunkBytes = 192 * 1024;  // otherwise chunks of packed x ro
 // later tile will read); C/2 lines per K block is the rate at which this tile consumes its own.
 // The hint is NTA: the weights are read once a call, and on a Zen 1 (AVX2 only) one forward's
 // linears took 0-6 % less at 1-2 rows than with T0, and within noise at 3-6 rows (row blocks
-// after the first still find the group's weights in L1). ci/ab_weight_prefetch.py builds this
-// file with another hint (-DPOLYSPEC_WEIGHT_PREFETCH=...) and times both in one process.
+// after the first still find the group's weights in L1; an A/B of builds with each hint in one
+// process, at 634a3b1). -DPOLYSPEC_WEIGHT_PREFETCH=... builds this file with another hint.
 #ifndef POLYSPEC_WEIGHT_PREFETCH
 #define POLYSPEC_WEIGHT_PREFETCH _MM_HINT_NTA
 #endif
@@ -488,8 +488,8 @@ void amx_columns(const AmxArgs& a, int64_t b0, int64_t b1) {
       src[i] = {partial ? a.w_last : a.w + b * kAmxCols * a.K, a.K * 2,
                 a.tails ? a.tails + b * kAmxCols * kAmxK : nullptr};
     }
-    // No software prefetch, and no repacking of the weights (ci/bench_amx_layouts.cpp, a whole
-    // SmolLM2 step's linears at M = 1 on a 2-core Sapphire Rapids): prefetching the next
+    // No software prefetch, and no repacking of the weights (a standalone C++ timing at e20e01d, a
+    // whole SmolLM2 step's linears at M = 1 on a 2-core Sapphire Rapids): prefetching the next
     // group into L2 while one runs made it slower (15.8 ms vs 11.8 ms), and weights repacked
     // into tile order were only 2 % faster (11.6 ms), not worth a second copy of every weight.
     for (int64_t mb = 0; mb < mblocks; ++mb) {
@@ -513,7 +513,7 @@ void amx_columns(const AmxArgs& a, int64_t b0, int64_t b1) {
 // (dst arrives zeroed). In 32-bit units each m block is the [mt][K/2] matrix of x's element
 // pairs, transposed: a verify's 8-16 rows go through 8 x 8 transposes, the rest one pair at a
 // time. It runs on one thread before the tile work is split, so a scalar loop here weighed on
-// every verify (ci/bench_draft_kernels.py, a 576 x 1536 linear at 8 / 16 rows: 20.8 / 32.9 us
+// every verify (benchmarks/bench_draft_kernels.py, a 576 x 1536 linear at 8 / 16 rows: 20.8 / 32.9 us
 // with it, 19.7 / 26-28 us with the transposes).
 // Pairs p .. p + 7 of 8 bf16 rows (any alignment: an odd K leaves rows 2-byte aligned only).
 inline void transpose8x8_store(const uint16_t* const* rows, int64_t p, uint32_t* d, int64_t mt) {
@@ -780,7 +780,7 @@ void w8_columns(const W8Args& a, int64_t g0, int64_t g1) {
     // The hardware prefetcher alone left this kernel well below the bf16 kernel's DRAM rate: ask
     // for the group kW8PrefetchGroups ahead, one line at a time, into L2, before computing this
     // one (measured faster than into L1 and than no prefetch; 2 to 32 groups ahead alike).
-    // ci/bench_draft_kernels.py times the result.
+    // benchmarks/bench_draft_kernels.py times the result.
     const char* pf = reinterpret_cast<const char*>(a.q + n0 * a.K) + kW8PrefetchGroups * group_bytes;
     for (int64_t i = 0; i < group_bytes && pf + i < end; i += 64) _mm_prefetch(pf + i, _MM_HINT_T1);
     if (n0 + kW8Cols <= a.N) {
@@ -1325,7 +1325,7 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at
 // polyspec.kernels.reference step by step (same roundings to bf16); reductions run in one
 // fixed sequential order per row, so they are row-invariant as well. (8 lane sums would make
 // the norm ~2 us faster at 8 rows, 0.13 ms a round, but change the bits of every bf16 output:
-// measured in the eleventh session and left, docs/benchmarks.md.)
+// measured at 6520afe and reverted in 7fed185.)
 // ============================================================================================
 
 // 8 fp32 -> 8 bf16 exactly as bf16_rne does lane by lane (NaNs quieted, the rest rounded to
@@ -1354,7 +1354,7 @@ void check_bf16_rows(const at::Tensor& x, const char* name) {
 // chains of up to 8 rows advance together, row r in lane r (8 x 8 blocks transposed in
 // registers), with the scalar loop's operations per lane, so the bits are the serial loop's:
 // one chain is bound by the add latency, 8 share it (fused_add_rms_norm, 8 rows of 576:
-// 7.7 -> 6.0 us, 16 rows 13.6 -> 10.0 us, ci/bench_draft_kernels.py; one row keeps the scalar
+// 7.7 -> 6.0 us, 16 rows 13.6 -> 10.0 us, benchmarks/bench_draft_kernels.py; one row keeps the scalar
 // loop).
 inline void transpose8(__m256 r[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -1654,7 +1654,7 @@ struct BoundLinearW8 {
 // select_top_k at step >= 1 (polyspec.kernels.reference): per request, the K best of the K*K
 // products scores[b, i] * topk_p[b*K + i, j] (fp32 products, as torch's), ties lower candidate
 // first; their tokens, the hidden rows of the lanes they came from and their parent ids. One
-// call instead of ~10 torch ops (29 us -> 5 us a step, ci/bench_draft_kernels.py).
+// call instead of ~10 torch ops (29 us -> 5 us a step, benchmarks/bench_draft_kernels.py).
 // Returns (input_ids [bs*K], hidden [bs*K, F], cs_p [bs, K], flat_scores [bs, K*K],
 // tree_parents [bs, K]).
 std::vector<at::Tensor> select_top_k_step(int64_t step, const at::Tensor& topk_p_in, const at::Tensor& topk_index_in,
@@ -1722,7 +1722,7 @@ std::vector<at::Tensor> select_top_k_step(int64_t step, const at::Tensor& topk_p
 // their ids. One pass keeps the running max and the k best logits (insertion; a later equal
 // logit never displaces an earlier one, so ties come lower id first), a second sums
 // exp(l - max) in 8 fp32 lanes; p = exp(l - max) / sum. Replaces softmax + topk over the whole
-// draft vocabulary (3 x 16384: 84 us -> 30 us, ci/bench_draft_kernels.py).
+// draft vocabulary (3 x 16384: 84 us -> 30 us, benchmarks/bench_draft_kernels.py).
 constexpr int64_t kMaxTopk = 64;
 
 void softmax_topk_row(const float* l, int64_t V, int64_t k, float* p_out, int64_t* i_out) {

@@ -1,4 +1,4 @@
-"""Benchmark prompt sets: MT-bench (found on disk, never downloaded) or a user JSONL file."""
+"""Benchmark prompt sets: MT-bench (shipped with polyspec) or a user JSONL file."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 from polyspec.errors import ConfigError
 
 MT_BENCH = "mt_bench"
-MT_BENCH_RELPATH = Path("data") / "eval" / "mt_bench.jsonl"
+MT_BENCH_RELPATH = Path("eval") / "mt_bench.jsonl"
+MT_BENCH_PACKAGED = Path(__file__).resolve().parent / "data" / "mt_bench.jsonl"
+"""The 80 MT-bench questions of lm-sys/FastChat (Apache-2.0; data/README.md)."""
 MT_BENCH_URL = (
     "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/"
     "question.jsonl"
@@ -18,28 +20,25 @@ MT_BENCH_URL = (
 
 
 def mt_bench_candidates(
-    cwd: str | Path | None = None, env: Mapping[str, str] | None = None
+    env: Mapping[str, str] | None = None, packaged: Path = MT_BENCH_PACKAGED
 ) -> list[Path]:
-    """Where ``--dataset mt_bench`` looks, in order: ``$POLYSPEC_DATA_DIR/eval/mt_bench.jsonl``,
-    then ``shared/data/eval/mt_bench.jsonl`` in the working directory and each directory above
-    it (which covers ``../shared/data/...`` next to a checkout)."""
+    """Where ``--dataset mt_bench`` looks, in order: ``$POLYSPEC_DATA_DIR/eval/mt_bench.jsonl``
+    (a copy of the user's own), then the file shipped in this package."""
     env = os.environ if env is None else env
-    here = Path.cwd() if cwd is None else Path(cwd)
-    here = here.resolve()
     out = []
     if env.get("POLYSPEC_DATA_DIR"):
-        out.append(Path(env["POLYSPEC_DATA_DIR"]) / "eval" / "mt_bench.jsonl")
-    out += [d / "shared" / MT_BENCH_RELPATH for d in (here, *here.parents)]
+        out.append(Path(env["POLYSPEC_DATA_DIR"]) / MT_BENCH_RELPATH)
+    out.append(packaged)
     return out
 
 
-def find_mt_bench(cwd: str | Path | None = None, env: Mapping[str, str] | None = None) -> Path:
+def find_mt_bench(env: Mapping[str, str] | None = None, packaged: Path = MT_BENCH_PACKAGED) -> Path:
     """The MT-bench question file; a :class:`ConfigError` saying how to get it when absent."""
-    candidates = mt_bench_candidates(cwd, env)
+    candidates = mt_bench_candidates(env, packaged)
     for path in candidates:
         if path.is_file():
             return path
-    looked = ", ".join(str(p) for p in candidates[:4]) + (", ..." if len(candidates) > 4 else "")
+    looked = ", ".join(str(p) for p in candidates)
     raise ConfigError(
         f"dataset 'mt_bench' not found (looked in {looked}). Download it with "
         f"`curl -o mt_bench.jsonl {MT_BENCH_URL}` and pass --dataset mt_bench.jsonl, or put it "

@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--dataset",
         default="mt_bench",
-        help="'mt_bench' (found under shared/data/eval or $POLYSPEC_DATA_DIR/eval) or "
+        help="'mt_bench' (shipped with polyspec; $POLYSPEC_DATA_DIR/eval/mt_bench.jsonl first) or "
         'a JSONL file with one {"prompt": ...} or {"turns": [...]} per line',
     )
     p.add_argument(

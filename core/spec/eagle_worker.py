@@ -1,4 +1,4 @@
-"""The EAGLE worker: draft -> build tree -> verify -> accept -> draft extend (DESIGN.md §4).
+"""The EAGLE worker: draft -> build tree -> verify -> accept -> draft extend (docs/architecture.md).
 
 Works for EAGLE-1/2 heads, EAGLE-3 heads and standalone draft models alike: the draft is any
 module with the draft-head interface (``forward``, ``topk``, ``probs``).

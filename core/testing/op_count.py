@@ -19,7 +19,7 @@ other), each round gets:
   ``.to("cpu")`` is not seen: on the cpu backend it cannot be told from a no-op);
 - ``replays``: graph replays.
 
-Used by ``ci/count_round_ops.py`` and tests; it only observes, and restores what it patched.
+Used by ``benchmarks/count_round_ops.py`` and tests; it only observes, and restores what it patched.
 """
 
 from __future__ import annotations

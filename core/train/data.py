@@ -23,7 +23,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     if not path.is_file():
         raise ConfigError(
             f"prompt file {path} not found: pass --prompts FILE.jsonl (for example "
-            "../shared/data/prompts/train.jsonl)"
+            "the train.jsonl that docs/training.md builds)"
         )
     prompts = []
     with path.open() as f:

@@ -4,7 +4,7 @@ Plain Magpie sampling (``self_prompts``) gives the prompts a small model finds m
 short questions. Chat benchmarks such as MT-bench also ask for long-form writing, role-play,
 puzzles, word problems, code, extraction from a given text, and STEM and humanities essays,
 and a head trained only on answers to short questions drafts those answers worse (per-category
-chain acceptance in ``ci/head_accuracy.py --by-category``). Appending an opening such as
+chain acceptance, measured at b73a4f3). Appending an opening such as
 "Imagine you are" to the user turn's prefix makes the target write the rest of such a prompt
 itself, so the prompt and its answer both stay the target's own text.
 

@@ -30,7 +30,7 @@ def tile_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for a weight [n, k]: a function of the weight alone, never
     of the row count, so every call on that weight sums each output element in one order.
 
-    Chosen from ``ci/bench_rowinv_cuda.py`` on the H200 (inside CUDA graphs, SmolLM2 shapes,
+    Chosen from ``benchmarks/bench_rowinv_cuda.py`` on the H200 (inside CUDA graphs, SmolLM2 shapes,
     1-16 rows): narrow 32-column tiles with 128-deep K steps for the layer weights (down
     [576, 1536]: 4.5 us against 6.5 us for 64x64, cuBLAS 4.4-4.8 us), 64x64 for a vocabulary
     head (lm_head [49152, 576]: 15.9 us, cuBLAS 16.1 us; 32x128 takes 20.4 us there)."""

@@ -37,9 +37,10 @@ from polyspec.kernels.triton.cache import store_kv
 
 BLOCK_N = 128
 """Keys per online-softmax step. Chosen on the H200 for this kernel's first, one-program-per-
-query-head form (ci/bench_rowinv_cuda.py, SmolLM2's 9/3 heads, in graphs): a 400-key list
+query-head form (benchmarks/bench_rowinv_cuda.py, SmolLM2's 9/3 heads, in graphs): a 400-key list
 took 18.5 / 14.5 / 11.6 us with 32 / 64 / 128, the loop being latency-bound. The grouped form
-that replaced it was measured end to end only (docs/benchmarks.md, "Seventh session")."""
+that replaced it was measured end to end only (at ba249ec); the block sizes were compared again
+for it on an H100 (docs/benchmarks.md, "List attention block size")."""
 
 
 @triton.jit

@@ -2,9 +2,9 @@
 
 Why: torch's ``softmax`` then ``topk`` over a draft vocabulary runs a radix select with one
 thread block per row: on the H200 about 36 us for each draft step of a SmolLM2-shaped round
-(three rows of 8,192; docs/benchmarks.md, "Fourteenth session"), where this kernel's three
-calls a round took 27-28 us together in its ``loop`` form and take 13 us in its ``whole`` form
-(H100, "Eighteenth session"). One program per row, in one of two forms:
+(three rows of 8,192), where this kernel's three calls a round took 27-28 us together in its
+``loop`` form and take 13 us in its ``whole`` form (H100; docs/benchmarks.md, "The draft's top-k
+on the GPU"). One program per row, in one of two forms:
 
 - ``loop`` (any vocabulary): streams the row in ``BLOCK``-wide steps, keeping a running max and
   exp-sum (online softmax) and the ``k`` best logits so far: per step two reductions for the
@@ -133,7 +133,7 @@ def softmax_topk_form(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """:func:`softmax_topk` in a given form (``"loop"``, ``"whole"``, or ``"auto"``: whole up to
     ``WHOLE_MAX``); ``num_warps`` overrides the whole form's :func:`whole_warps`. For
-    ci/bench_kernels.py, which times the forms against each other."""
+    benchmarks/bench_kernels.py, which times the forms against each other."""
     check(logits.dim() == 2, f"softmax_topk needs logits [n, V], got {tuple(logits.shape)}")
     n, vocab = logits.shape
     check(1 <= k <= vocab, f"softmax_topk needs 1 <= k <= V, got k={k}")

@@ -124,21 +124,15 @@ def test_read_prompts_formats_and_errors(tmp_path):
 
 
 def test_find_mt_bench(tmp_path):
-    nested = tmp_path / "a" / "main" / "sub"
-    nested.mkdir(parents=True)
+    shipped = datasets.find_mt_bench(env={})
+    assert shipped == datasets.MT_BENCH_PACKAGED
+    assert len(datasets.read_prompts(shipped)) == 80
     with pytest.raises(ConfigError, match="question.jsonl"):
-        datasets.find_mt_bench(cwd=nested, env={})
-    found = tmp_path / "a" / "shared" / "data" / "eval" / "mt_bench.jsonl"
-    found.parent.mkdir(parents=True)
-    found.write_text('{"turns": ["q"]}\n')
-    assert datasets.find_mt_bench(cwd=nested, env={}) == found
+        datasets.find_mt_bench(env={}, packaged=tmp_path / "missing.jsonl")
     env_file = tmp_path / "env" / "eval" / "mt_bench.jsonl"
     env_file.parent.mkdir(parents=True)
     env_file.write_text('{"turns": ["q"]}\n')
-    assert (
-        datasets.find_mt_bench(cwd=nested, env={"POLYSPEC_DATA_DIR": str(env_file.parents[1])})
-        == env_file
-    )
+    assert datasets.find_mt_bench(env={"POLYSPEC_DATA_DIR": str(env_file.parents[1])}) == env_file
 
 
 def test_metrics():

@@ -1,4 +1,4 @@
-"""Host work of a speculative round (issue 6): the ops a round dispatches outside its captured
+"""Host work of a speculative round: the ops a round dispatches outside its captured
 forwards (:class:`polyspec.testing.op_count.RoundOpCounter`), and the draft state the worker
 keeps batched between rounds while requests join, leave and sit rounds out."""
 
@@ -57,7 +57,7 @@ def _steady_rounds(llm: LLM, batch_size: int):
 
 def test_greedy_round_is_one_replay_with_few_ops_around_it(reference_backend):
     """Graphs on: a steady all-greedy round replays one graph and dispatches a handful of ops
-    outside it (before issue 6: ~120 at batch 1, ~270 at batch 16, with 3 replays), the same
+    outside it (a round of 3 replays dispatched ~120 at batch 1 and ~270 at batch 16), the same
     number at batch 1 and 4 (no device op per request), and reads the device once."""
     per_batch = {}
     for bs in (1, 4):
@@ -140,13 +140,13 @@ def test_overlapped_rounds_with_long_accepted_paths(reference_backend, batch_siz
 
 
 def test_host_time_script_reports_rounds_inside_and_outside_replays(capsys):
-    """``ci/host_time_per_round.py``: a captured run whose wall time splits into the replays
+    """``benchmarks/host_time_per_round.py``: a captured run whose wall time splits into the replays
     and the rest."""
     import importlib.util
     import re
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "ci" / "host_time_per_round.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "host_time_per_round.py"
     spec = importlib.util.spec_from_file_location("host_time_per_round", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -46,7 +46,7 @@ def test_the_choice_follows_the_cost_of_verify_width():
 
 
 def test_a_narrow_width_timed_above_a_wider_one_is_disturbed():
-    # the seventeenth session's outlier (ms): a 2-token target forward timed like a 3-token one
+    # a measured outlier (ms, a Zen 1 at de76fda): a 2-token target forward timed like a 3-token one
     best = {1: 25.2, 2: 32.4, 3: 32.1, 4: 36.8, 8: 71.9}
     assert disturbed(best) == [2]
     assert disturbed({1: 2.75, 2: 2.62, 3: 3.3}) == [1]  # draft widths: 1 above 2

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Host time per captured decode round outside the graph replays.
 
-  python ci/host_time_per_round.py                       # cpu, batch 1, S=3 K=6 N=16
-  python ci/host_time_per_round.py --topk 3 --num-draft-tokens 8 --plain
+  python benchmarks/host_time_per_round.py                       # cpu, batch 1, S=3 K=6 N=16
+  python benchmarks/host_time_per_round.py --topk 3 --num-draft-tokens 8 --plain
 
 A round that replays captured graphs spends the rest of its wall time on the host: scheduling,
-the round's upload and download, committing tokens (issue 6 counts it against the round). This
+the round's upload and download, committing tokens (time the round's device work does not cover). This
 times one generate on a tiny bigram model (:func:`polyspec.testing.builders.build_bigram_models`,
 whose drafts are mostly accepted) with ``graphs = "on"``, subtracting the time spent inside
 ``GraphRunner.replay`` (on an asynchronous device a replay returns at once: there the figure is

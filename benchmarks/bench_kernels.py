@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Microbenchmarks of the Triton kernels on a CUDA device (run by ci/device_cuda.sh).
 
-  python ci/bench_kernels.py OUT.json [--iters 200]
+  python benchmarks/bench_kernels.py OUT.json [--iters 200]
 
 * build_tree and verify_tree_greedy at batch 1 (target: < 20 us each), timed two ways with CUDA
   events: ``eager`` = back-to-back Python calls (includes launch overhead: what an eager engine

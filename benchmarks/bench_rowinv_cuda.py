@@ -2,8 +2,8 @@
 timed inside CUDA graphs (as the engine runs them), for several tile configurations; and, for
 each configuration, whether a row computed alone equals that row in a larger batch bitwise.
 
-    python ci/bench_rowinv_cuda.py OUT.json      # on a CUDA machine (ci/device_cuda.sh rowinv)
-    python ci/bench_rowinv_cuda.py OUT.json --attention-only
+    python benchmarks/bench_rowinv_cuda.py OUT.json      # on a CUDA machine (ci/device_cuda.sh rowinv)
+    python benchmarks/bench_rowinv_cuda.py OUT.json --attention-only
 
 The attention part times ``list_attention`` per ``block_n`` (and, at 256, per warp count) at
 1, 6, 8, 96 and 128 query tokens (a batch-1 decode, small and SmolLM2-tree verifies, a

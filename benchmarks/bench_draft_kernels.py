@@ -1,7 +1,7 @@
 """The cpu backend's draft-side kernels and its attention, timed alone (docs/benchmarks.md,
-"Twelfth session" and "Thirteenth session").
+"Draft weights, int8 or bf16").
 
-    python ci/bench_draft_kernels.py [--threads 2]
+    python benchmarks/bench_draft_kernels.py [--threads 2]
 
 - the draft lm_head (16384 x 576) as bf16 (``rowinv.linear``) and int8 (``rowinv.linear_w8``),
   streamed from memory: 64 copies of the weight (~0.6-1.2 GB) read in turn, so no call finds
@@ -12,8 +12,7 @@
   rows, its weight in the caches (what x's packing for the tiles costs shows here);
 - ``attention`` (SmolLM2's 9 query and 3 kv heads of 64) at 1, 8 and 16 query rows over 250
   keys each, on the avx2 path and on this CPU's best path (avx512 or amx: the AVX-512 kernel,
-  bit-identical to the avx2 one; the avx2 path is the kernel every build before the thirteenth
-  session ran).
+  bit-identical to the avx2 one).
 Medians of repeated calls, microseconds (the lm_head in milliseconds).
 """
 

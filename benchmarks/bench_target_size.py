@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """polyspec's speculative engine at target-model size, with RANDOM weights.
 
-  python ci/bench_target_size.py --backend cuda --preset llama3-8b --out DIR
-  python ci/bench_target_size.py --backend cpu --preset tiny --graphs on --batch-sizes 1,4 --out DIR
+  python benchmarks/bench_target_size.py --backend cuda --preset llama3-8b --out DIR
+  python benchmarks/bench_target_size.py --backend cpu --preset tiny --graphs on --batch-sizes 1,4 --out DIR
 
 What it measures. A Llama-3-8B-shaped target (and an EAGLE-3 head of the same width) is built
 directly on the device with random weights, in memory (no checkpoint: 16 GB of bf16 would take
@@ -722,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         command = shlex.join(["python", *sys.argv])
     else:
-        command = shlex.join(["python", "ci/bench_target_size.py", *argv])
+        command = shlex.join(["python", "benchmarks/bench_target_size.py", *argv])
     from polyspec.plugins import create_backend
 
     try:

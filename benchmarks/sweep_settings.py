@@ -1,6 +1,6 @@
 """Sweep of speculative settings for the shipped head (docs/benchmarks.md).
 
-    python ci/sweep_settings.py [DTYPE] [--more | --only S-K-N,S-K-N,...] [--repeats R]
+    python benchmarks/sweep_settings.py [DTYPE] [--more | --only S-K-N,S-K-N,...] [--repeats R]
                                 [--quantizations auto,none,int8] [--dynamic-depths 0,0.05,...]
                                        # MT-bench 81, 91, ..., 151; 64 new tokens
 

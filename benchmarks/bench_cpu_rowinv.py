@@ -1,6 +1,6 @@
 """Benchmarks for rowinv.linear / rowinv.attention against stock PyTorch CPU paths.
 
-Usage: python bench.py [--quick] [--skip-shapes] [--skip-model] [--skip-attn] [--skip-large]
+Usage: python benchmarks/bench_cpu_rowinv.py [--quick] [--skip-shapes] [--skip-model] [--skip-attn] [--skip-large]
 Prints markdown tables (times are medians, microseconds unless noted). The model and per-shape
 tables time every rowinv.linear path the CPU has (avx2, avx512); the other tables, the default
 one (POLYSPEC_ROWINV_ISA picks another).

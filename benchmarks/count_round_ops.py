@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Torch operations per speculative round outside the captured forwards, by phase (cpu proxy).
 
-  python ci/count_round_ops.py                      # batch 1 and 16, S3 K2 N6
-  python ci/count_round_ops.py --batch-sizes 1,4 --topk 1 --num-draft-tokens 4 --json out.json
+  python benchmarks/count_round_ops.py                      # batch 1 and 16, S3 K2 N6
+  python benchmarks/count_round_ops.py --batch-sizes 1,4 --topk 1 --num-draft-tokens 4 --json out.json
 
 On an accelerator with graphs, what a round spends outside its model forwards is mostly host
-work per operation dispatched between the graph replays (issue 6: ~5-10 us each on an H200).
+work per operation dispatched between the graph replays (~5-10 us each on an H200).
 This counts those operations on the cpu backend with ``graphs = "on"``, whose eager graph
 runner replays by rerunning the captured functions: counting pauses inside them
 (:class:`polyspec.testing.op_count.RoundOpCounter`). Op counts do not depend on the CPU's load,

@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from polyspec.config import SamplingParams, SpeculativeConfig
-from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
+from polyspec.defaults import shipped_head_path, shipped_head_settings
 from polyspec.engine.llm import LLM
 
 

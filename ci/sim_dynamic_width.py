@@ -28,8 +28,8 @@ import torch
 
 from polyspec.bench.datasets import load_dataset
 from polyspec.config import SamplingParams, SpeculativeConfig, TreeCandidate
+from polyspec.defaults import shipped_head_path
 from polyspec.engine import tree_choice
-from polyspec.engine.defaults import shipped_head_path
 from polyspec.engine.llm import LLM
 from polyspec.model.eagle import DraftHead
 

@@ -34,6 +34,9 @@ export TRITON_INTERPRET=1
 step "core/ names no vendor code"
 python ci/check_vendor_imports.py
 
+step "no import runs up the layers (docs/architecture.md)"
+python ci/check_layers.py
+
 step "ruff"
 ruff check .
 ruff format --check .

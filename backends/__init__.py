@@ -1,1 +1,2 @@
-"""Backend plugins shipped with polyspec (cpu, cuda, npu)."""
+"""Backend plugins shipped with polyspec (cpu, cuda, npu), and ``common``, the mechanism they
+share (no backend imports another)."""

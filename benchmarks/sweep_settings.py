@@ -22,7 +22,7 @@ import torch
 
 from polyspec.bench.datasets import load_dataset
 from polyspec.config import SamplingParams, SpeculativeConfig
-from polyspec.engine.defaults import shipped_head_path
+from polyspec.defaults import shipped_head_path
 from polyspec.engine.llm import LLM
 
 SETTINGS = [(2, 1, 3), (3, 1, 4), (5, 1, 6), (3, 2, 6), (5, 2, 10), (5, 4, 16), (4, 8, 32)]

@@ -37,6 +37,9 @@ python ci/check_vendor_imports.py
 step "the tree says what is true now (no work-log wording)"
 python ci/check_history_words.py
 
+step "no import runs up the layers (docs/architecture.md)"
+python ci/check_layers.py
+
 step "ruff"
 ruff check .
 ruff format --check .

@@ -1,12 +1,18 @@
-"""The backend contract: everything the engine asks of an accelerator.
+"""The backend contract: everything the engine asks of an accelerator, on one page.
 
 A backend plugin's factory returns a :class:`Backend`. The engine (``polyspec.spec``,
 ``polyspec.engine``) only ever talks to that object; it never asks which vendor it is and
-branches only on :class:`BackendCapabilities`.
+branches only on :class:`BackendCapabilities`. Every capability here is read by the engine and
+every :class:`KernelSet` entry is called by it: nothing in this file is optional decoration.
+This module imports nothing else from polyspec (it is the bottom of the layers,
+docs/architecture.md); ``polyspec.backends.common`` holds ready-made pieces (allocator, KV pool,
+SDPA attention, eager graph runner) and ``polyspec.kernels.reference.reference_kernels()`` a
+complete :class:`KernelSet` to start from.
 
 Notation used in shapes: ``bs`` requests, ``K`` topk, ``S`` num_steps, ``N`` num_draft_tokens
 (tree nodes verified per request, root included), ``T`` tokens in one forward, ``H`` hidden
-size, ``Hq``/``Hkv`` query / key-value heads, ``D`` head dim, ``V`` vocabulary size.
+size, ``Hq``/``Hkv`` query / key-value heads, ``D`` head dim, ``V`` vocabulary size, ``W``
+draft slots per lane (:func:`draft_lane_width`).
 
 KV cache model: one slot index space per engine, shared by the target and the draft pool (each
 model owns its own :class:`KVPool` tensors, indexed by the same slots). Slot 0 is never handed
@@ -18,6 +24,11 @@ out: it is the padding target, so padded index entries may safely point at it. W
 slot holding the K/V of position ``pos`` of the request in row ``r``. Before a forward, the core
 writes the slots of the new tokens into it, so that for every mode except DRAFT_DECODE the keys
 of request ``b`` are ``req_to_token[req_pool_indices[b], : prefix_lens[b] + extend_lens[b]]``.
+
+Who owns which duty: the attention's :meth:`AttentionBackend.forward` stores a forward's new
+K/V; :meth:`KVPool.move` compacts an accepted path's K/V after verification (and copies a
+prefix's partial last page into each draft lane); the :class:`KernelSet` does the slot and tree
+bookkeeping, the model's layer ops and sampling; the :class:`KVAllocator` hands out slots.
 """
 
 from __future__ import annotations
@@ -30,8 +41,18 @@ from typing import Any
 
 import torch
 
-BACKEND_API_VERSION = 1
-"""Version of this contract. A plugin built for another version is refused at load time."""
+BACKEND_API_VERSION = 2
+"""Version of this contract. A plugin built for another version is refused at load time, with
+a message naming both versions."""
+
+
+def draft_lane_width(num_steps: int, page_size: int) -> int:
+    """W, the KV slots each draft lane owns (``lane_locs`` is ``[bs, K, W]``): ``num_steps``
+    with token slots, else whole pages covering a prefix's partial last page (up to
+    ``page_size - 1`` slots, copied into the lane) plus ``num_steps`` new slots."""
+    if page_size == 1:
+        return num_steps
+    return page_size * ((page_size - 1 + num_steps + page_size - 1) // page_size)
 
 
 class ForwardMode(enum.Enum):
@@ -51,15 +72,11 @@ class ForwardMode(enum.Enum):
 
 
 class TreeMaskMode(enum.Enum):
-    """Layouts of the tree mask produced by ``build_tree``."""
+    """The layout of the tree mask ``build_tree`` writes, named in its ``tree_mask_mode``
+    argument. One layout: the one :attr:`ForwardBatch.tree_mask` carries to TARGET_VERIFY."""
 
-    FULL = "full"
-    """Flat bool; request b contributes ``N * (seq_lens[b] + N)`` entries, row-major ``[N, seq_len
-    + N]``: prefix columns all True, then the tree columns."""
     TREE_ONLY = "tree_only"
     """Bool ``[bs, N, N]``: ``mask[b, i, j]`` is True when node j is node i or its ancestor."""
-    BITPACKED = "bitpacked"
-    """int32 ``[bs, N, ceil(N / 32)]``: bit ``j % 32`` of word ``j // 32`` set as in TREE_ONLY."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +96,7 @@ class BackendCapabilities:
     index_dtype: str = "int64"
     """dtype of slot and position indices the backend's kernels take: "int64" or "int32"."""
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
-    """Model dtypes the attention and model kernels support."""
-    sampling_dtypes: tuple[str, ...] = ("float32",)
-    """dtypes the sampling kernels accept; the core casts probabilities to the first one."""
-    sampling_verify: bool = True
-    """``verify_tree_sampling`` is implemented (lossless sampling of tempered requests)."""
-    host_seq_lens: bool = False
-    """Attention metadata needs host-side lists of sequence lengths each step
-    (``ForwardBatch.prefix_lens_cpu`` / ``extend_lens_cpu`` must be filled)."""
-    tree_mask_mode: TreeMaskMode = TreeMaskMode.TREE_ONLY
-    """The tree-mask layout the backend's TARGET_VERIFY attention reads."""
+    """Model dtypes the attention and model kernels support ("auto" picks among them)."""
     static_metadata: bool = False
     """:meth:`AttentionBackend.build_static_metadata` is implemented, so forwards can be
     captured into graphs (the engine captures only when ``graph_capture`` is True as well)."""
@@ -106,6 +114,7 @@ class BackendCapabilities:
     ``EngineConfig.overlap_rounds = "auto"`` turns overlapped rounds on where this is True."""
 
     def supports_page_size(self, page_size: int) -> bool:
+        """Whether ``page_size`` is one of :attr:`page_sizes` (any positive size when None)."""
         return page_size >= 1 and (self.page_sizes is None or page_size in self.page_sizes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,11 +122,7 @@ class BackendCapabilities:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, enum.Enum):
-                v = v.value
-            elif isinstance(v, tuple):
-                v = list(v)
-            out[f.name] = v
+            out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
 
 
@@ -129,6 +134,11 @@ class ForwardBatch:
     :class:`AttentionMetadata` by :meth:`AttentionBackend.build_metadata` once per forward.
     Token order in ``input_ids`` is request-major: request 0's tokens, then request 1's, ...
     For DRAFT_DECODE it is ``[bs, K]`` flattened (lane-major within a request).
+
+    Index tensors are in the backend's index dtype (``capabilities.index_dtype``). The ``*_cpu``
+    host lists equal their device tensors and are filled for every eager forward, so building
+    metadata never needs a device-to-host read; in a captured forward they are None and a
+    backend that needs host lengths gets them through :meth:`GraphRunner.prepare`.
     """
 
     mode: ForwardMode
@@ -139,20 +149,22 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [max_requests, max_context]
     prefix_lens: torch.Tensor  # [bs] keys before the new tokens (shared prefix for DRAFT_DECODE)
     extend_lens: torch.Tensor  # [bs] queries per request (1 DECODE, K DRAFT_DECODE, N VERIFY)
-    prefix_lens_cpu: list[int] | None = None  # host copy (filled except in captured forwards)
-    extend_lens_cpu: list[int] | None = None
+    prefix_lens_cpu: list[int] | None = None  # host copy (None only in captured forwards)
+    extend_lens_cpu: list[int] | None = None  # host copy (None only in captured forwards)
     tree_mask: torch.Tensor | None = None  # TARGET_VERIFY: [bs, N, N] bool (TREE_ONLY layout)
     lane_locs: torch.Tensor | None = None  # DRAFT_DECODE: [bs, K, W] slots of each lane
     lane_lens: torch.Tensor | None = None  # DRAFT_DECODE: [bs] lane slots visible this step
-    lane_lens_cpu: list[int] | None = None
-    topk: int = 1
+    lane_lens_cpu: list[int] | None = None  # DRAFT_DECODE: host copy of lane_lens
+    topk: int = 1  # DRAFT_DECODE: K lanes per request
 
     @property
     def batch_size(self) -> int:
+        """bs, the number of requests."""
         return int(self.req_pool_indices.shape[0])
 
     @property
     def num_tokens(self) -> int:
+        """T, the number of new tokens (query rows)."""
         return int(self.input_ids.shape[0])
 
 
@@ -212,10 +224,16 @@ class AttentionBackend(abc.ABC):
 
 
 class KVPool(abc.ABC):
-    """Per-model K/V storage: for each layer a ``[num_slots, Hkv, D]`` tensor for K and for V."""
+    """Per-model K/V storage: for each layer a ``[num_slots, Hkv, D]`` tensor for K and for V.
+
+    The one owner of K/V data movement: the attention stores a forward's new K/V (through
+    :meth:`write` or a fused kernel of its own), and the engine calls :meth:`move` to compact an
+    accepted path and to copy a prefix's partial last page into the draft lanes."""
 
     num_slots: int
+    """Slots per layer (slot 0 included)."""
     num_layers: int
+    """Layers of the model this pool serves."""
 
     @abc.abstractmethod
     def k_cache(self, layer: int) -> torch.Tensor:  # [num_slots, Hkv, D]
@@ -227,12 +245,16 @@ class KVPool(abc.ABC):
 
     @abc.abstractmethod
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """``loc`` [T] slots; ``k``/``v`` [T, Hkv, D]."""
+        """``k_cache(layer)[loc] = k`` and ``v_cache(layer)[loc] = v``, cast to the pool
+        dtype: ``loc`` [T] slots; ``k``/``v`` [T, Hkv, D]. The conformance suite fills pools
+        through it."""
 
     @abc.abstractmethod
     def move(self, dst_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         """Copy every layer's K/V from ``src_loc`` [n] to ``dst_loc`` [n]; all sources are read
-        before any destination is written, so overlapping lists are safe."""
+        before any destination is written, so overlapping lists are safe (an accepted path's
+        compaction moves slots onto slots of the same tree). Called by the engine every
+        speculative round, with device index tensors (no host sync)."""
 
 
 class KVAllocator(abc.ABC):
@@ -243,7 +265,9 @@ class KVAllocator(abc.ABC):
     """
 
     num_slots: int
+    """Slots managed (slot 0 included, never handed out)."""
     page_size: int
+    """Slots per page (1: token slots)."""
 
     @abc.abstractmethod
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
@@ -302,49 +326,60 @@ class GraphRunner(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """The named kernels the core calls (docs/backend-guide.md, "The KernelSet override pattern").
+    """The named kernels the engine calls (docs/backend-guide.md, "The KernelSet override pattern").
 
     Each field is a callable with exactly the signature and semantics of the function of the same
     name in :mod:`polyspec.kernels.reference` (documented there, with shapes). A backend starts
-    from :meth:`reference` and overrides the ones it accelerates with :func:`dataclasses.replace`.
+    from ``polyspec.kernels.reference.reference_kernels()`` and overrides the ones it
+    accelerates with :func:`dataclasses.replace`. Index arguments arrive in the backend's
+    index dtype; sampling probabilities arrive in float32. The conformance suite compares every
+    entry with the reference.
     """
 
     select_top_k: Callable[..., Any]
+    """Draft: one level of top-K tree expansion (scores, parents, next tokens)."""
     organize_draft_results: Callable[..., Any]
+    """Draft: the N-1 best candidates of the S levels by path score."""
     build_tree: Callable[..., Any]
+    """Tree: positions, the TREE_ONLY mask and the ``retrive_*`` links of each request's tree."""
     verify_tree_greedy: Callable[..., Any]
+    """Accept: the longest path whose tokens match the target's argmax (all-greedy batches)."""
     verify_tree_sampling: Callable[..., Any]
+    """Accept: lossless tree speculative sampling (batches with a sampled request)."""
     assign_draft_cache_locs: Callable[..., Any]
+    """Draft: each lane's ``[W]`` slots and the prefix-tail copies paging needs."""
     assign_req_to_token: Callable[..., Any]
+    """KV bookkeeping: write newly owned slots into ``req_to_token``."""
     assign_extend_cache_locs: Callable[..., Any]
-    get_last_loc: Callable[..., Any]
+    """KV bookkeeping: read a forward's ``out_cache_loc`` out of ``req_to_token``."""
     assign_accept_locs: Callable[..., Any]
-    move_kv: Callable[..., Any]
-    store_kv: Callable[..., Any]
+    """Accept -> draft extend: where the accepted path's KV moves, and the extend's indices."""
     rms_norm: Callable[..., Any]
+    """Model: RMSNorm."""
     fused_add_rms_norm: Callable[..., Any]
+    """Model: residual add, then RMSNorm (both results)."""
     rotary_embedding: Callable[..., Any]
+    """Model: rotary position embedding of q and k."""
     silu_and_mul: Callable[..., Any]
+    """Model: the gated MLP's SiLU(gate) * up."""
     softmax_topk: Callable[..., Any]
+    """Draft head: softmax over the vocabulary and its top-K (the next level's candidates)."""
     top_k_top_p_renorm: Callable[..., Any]
+    """Sampling: keep the top-k / top-p mass of each row and renormalise."""
     sample: Callable[..., Any]
+    """Sampling: one token per row from probabilities and exponential noise."""
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
+        """The field names, in declaration order."""
         return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def reference(cls) -> KernelSet:
-        """Every kernel from :mod:`polyspec.kernels.reference`."""
-        from polyspec.kernels import reference
-
-        return cls(**{name: getattr(reference, name) for name in cls.names()})
 
 
 class HostRead:
     """A device-to-host copy that may still be in flight (:meth:`Backend.read_async`)."""
 
     def __init__(self, host: torch.Tensor, wait_fn: Callable[[], None] | None = None) -> None:
+        """``host`` receives the copy; ``wait_fn`` blocks until it has landed (None: it has)."""
         self._host = host
         self._wait_fn = wait_fn
 
@@ -364,8 +399,11 @@ class Backend(abc.ABC):
     device_type: str
     """torch device type string ("cpu", "cuda", "npu")."""
     api_version: int = BACKEND_API_VERSION
+    """The contract version this backend implements (leave the default)."""
     capabilities: BackendCapabilities
+    """What it can do (the same as its plugin's ``BackendSpec.capabilities``)."""
     kernels: KernelSet
+    """The kernels the engine and the models call."""
 
     def device(self, rank: int = 0) -> torch.device:
         """The torch device of local rank ``rank``."""
@@ -384,6 +422,7 @@ class Backend(abc.ABC):
 
     @property
     def index_dtype(self) -> torch.dtype:
+        """``capabilities.index_dtype`` as a torch dtype: the engine builds index tensors in it."""
         return getattr(torch, self.capabilities.index_dtype)
 
     def host_tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:  # [n]

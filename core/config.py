@@ -802,7 +802,7 @@ def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
         return
     if all(spec.get(k) is not None for k in ("num_steps", "topk", "num_draft_tokens")):
         return  # a tree given in full is the user's own: none of the head's settings apply
-    from polyspec.engine.defaults import head_settings, shipped_head_path
+    from polyspec.defaults import head_settings, shipped_head_path
 
     head = engine.get("draft")
     if head is None and engine.get("target") is None and spec["algorithm"] == "eagle3":

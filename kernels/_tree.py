@@ -195,38 +195,6 @@ def _parent_nodes(
     return torch.cat([root, parent], dim=1)
 
 
-def _pack_mask(
-    tree: torch.Tensor,  # [bs, N, N] bool
-    seq_lens: torch.Tensor,  # [bs]
-    mode: TreeMaskMode,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """``tree`` converted to the layout ``mode`` asks for, shaped like ``out``."""
-    bs, n, _ = tree.shape
-    if mode is TreeMaskMode.TREE_ONLY:
-        return tree
-    if mode is TreeMaskMode.BITPACKED:
-        words = (n + 31) // 32
-        padded = torch.zeros(bs, n, words * 32, dtype=torch.long, device=tree.device)
-        padded[:, :, :n] = tree.long()
-        shifts = torch.arange(32, device=tree.device, dtype=torch.long)
-        packed = (padded.view(bs, n, words, 32) << shifts).sum(dim=3)  # [bs, N, words] < 2**32
-        # Reinterpret as two's complement so bit 31 survives the int32 cast.
-        return torch.where(packed >= 2**31, packed - 2**32, packed)
-    # FULL: request b owns a row-major [N, seq_len + N] block, prefix columns True.
-    seq = seq_lens.long()
-    sizes = n * (seq + n)  # [bs]
-    total = out.numel()
-    starts = torch.cumsum(sizes, 0) - sizes
-    owner = torch.repeat_interleave(torch.arange(bs, device=tree.device), sizes, output_size=total)
-    local = torch.arange(total, device=tree.device) - starts[owner]
-    width = seq[owner] + n
-    row = torch.div(local, width, rounding_mode="floor")
-    col = local - row * width
-    tree_col = (col - seq[owner]).clamp(min=0)
-    return (col < seq[owner]) | tree[owner, row, tree_col]
-
-
 def check_build_tree_args(
     parent_list: torch.Tensor,  # [bs, K*(S-1)+1] ([bs, 0] allowed when S == 1)
     top_scores_index: torch.Tensor,  # [bs, N-1]
@@ -265,18 +233,11 @@ def check_build_tree_args(
     ):
         _check(tuple(t.shape) == (bs, n), f"{name} must be [bs={bs}, N={n}], got {tuple(t.shape)}")
     _check(positions.numel() == bs * n, f"positions must have bs*N={bs * n} entries")
-    if tree_mask_mode is TreeMaskMode.TREE_ONLY:
-        _check(
-            tuple(tree_mask.shape) == (bs, n, n), f"TREE_ONLY tree_mask must be [{bs}, {n}, {n}]"
-        )
-    elif tree_mask_mode is TreeMaskMode.BITPACKED:
-        words = (n + 31) // 32
-        _check(
-            tuple(tree_mask.shape) == (bs, n, words),
-            f"BITPACKED tree_mask must be [{bs}, {n}, {words}] int32",
-        )
-    else:
-        _check(tree_mask.dim() == 1, "FULL tree_mask must be flat: sum_b N*(seq_lens[b]+N)")
+    _check(
+        tree_mask_mode is TreeMaskMode.TREE_ONLY,
+        f"tree_mask_mode must be TreeMaskMode.TREE_ONLY, got {tree_mask_mode!r}",
+    )
+    _check(tuple(tree_mask.shape) == (bs, n, n), f"TREE_ONLY tree_mask must be [{bs}, {n}, {n}]")
 
 
 def build_tree(
@@ -287,7 +248,7 @@ def build_tree(
     num_steps: int,
     num_draft_tokens: int,
     tree_mask_mode: TreeMaskMode,
-    tree_mask: torch.Tensor,  # out: layout of tree_mask_mode (see below)
+    tree_mask: torch.Tensor,  # out: [bs, N, N] bool (TREE_ONLY, see below)
     positions: torch.Tensor,  # out: [bs*N]
     retrive_index: torch.Tensor,  # out: [bs, N]
     retrive_next_token: torch.Tensor,  # out: [bs, N]
@@ -316,11 +277,8 @@ def build_tree(
     is the true depth and the mask row is the full ancestor set; on garbage (missing parents,
     duplicate ids, cycles) it stays bounded.
 
-    Mask layouts (``tree_mask_mode``):
-      FULL: flat bool [sum_b N*(seq_lens[b]+N)]; request b is a row-major [N, seq_lens[b]+N]
-      block, prefix columns True, then the N tree columns.
-      TREE_ONLY: bool [bs, N, N]. BITPACKED: int32 [bs, N, ceil(N/32)], node i's bit of row j is
-      bit i%32 of word i//32.
+    Mask layout (``tree_mask_mode``, always ``TreeMaskMode.TREE_ONLY``): bool [bs, N, N],
+    ``tree_mask[b, i, j]`` True when node j is node i or one of its ancestors.
     """
     check_build_tree_args(
         parent_list, top_scores_index, seq_lens, topk, num_steps, num_draft_tokens,
@@ -358,7 +316,7 @@ def build_tree(
 
     write_tree_outputs(
         tree, depth, torch.where(first_child < n, first_child, -1),
-        torch.where(next_sib < n, next_sib, -1), seq_lens, tree_mask_mode, tree_mask, positions,
+        torch.where(next_sib < n, next_sib, -1), seq_lens, tree_mask, positions,
         retrive_index, retrive_next_token, retrive_next_sibling,
     )  # fmt: skip
 
@@ -369,17 +327,16 @@ def write_tree_outputs(
     next_token: torch.Tensor,  # [bs, N] first child, -1 for none
     next_sibling: torch.Tensor,  # [bs, N] next sibling, -1 for none
     seq_lens: torch.Tensor,  # [bs]
-    tree_mask_mode: TreeMaskMode,
-    tree_mask: torch.Tensor,  # out: layout of tree_mask_mode
+    tree_mask: torch.Tensor,  # out: [bs, N, N] bool
     positions: torch.Tensor,  # out: [bs*N]
     retrive_index: torch.Tensor,  # out: [bs, N]
     retrive_next_token: torch.Tensor,  # out: [bs, N]
     retrive_next_sibling: torch.Tensor,  # out: [bs, N]
 ) -> None:
-    """build_tree's outputs from its tree: the mask in the asked layout, positions (prefix
-    length + depth), retrive_index (``b*N + j``) and the links."""
+    """build_tree's outputs from its tree: the mask, positions (prefix length + depth),
+    retrive_index (``b*N + j``) and the links."""
     bs, n = depth.shape
-    tree_mask.copy_(_pack_mask(tree, seq_lens, tree_mask_mode, tree_mask).to(tree_mask.dtype))
+    tree_mask.copy_(tree)
     positions.copy_((seq_lens.long().unsqueeze(1) + depth).flatten())
     retrive_index.copy_(torch.arange(bs * n, device=depth.device).view(bs, n))
     retrive_next_token.copy_(next_token)

@@ -11,6 +11,8 @@ Notation: ``bs`` requests, ``K`` topk, ``S`` num_steps, ``N`` num_draft_tokens (
 ``R`` / ``C`` rows / columns of ``req_to_token``.
 
 The draft-tree kernels live in :mod:`polyspec.kernels._tree` and are re-exported here.
+:func:`reference_kernels` is the complete :class:`~polyspec.backend.KernelSet` of these
+functions, the set every backend starts from.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from polyspec.backend import TreeMaskMode
+from polyspec.backend import KernelSet, TreeMaskMode, draft_lane_width
 from polyspec.kernels._tree import (
     build_tree,
     inverse_cdf,
@@ -29,6 +31,7 @@ from polyspec.kernels._tree import (
 )
 
 __all__ = [
+    "reference_kernels",
     "TreeMaskMode",
     "select_top_k",
     "organize_draft_results",
@@ -36,14 +39,10 @@ __all__ = [
     "verify_tree_greedy",
     "verify_tree_sampling",
     "inverse_cdf",
-    "draft_lane_width",
     "assign_draft_cache_locs",
     "assign_req_to_token",
     "assign_extend_cache_locs",
-    "get_last_loc",
     "assign_accept_locs",
-    "move_kv",
-    "store_kv",
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
@@ -54,6 +53,12 @@ __all__ = [
 ]
 
 
+def reference_kernels() -> KernelSet:
+    """Every :class:`~polyspec.backend.KernelSet` entry from this module."""
+    module = globals()
+    return KernelSet(**{name: module[name] for name in KernelSet.names()})
+
+
 def _check(condition: bool, message: str) -> None:
     """Raise ValueError with ``message`` unless ``condition`` (shape checks only)."""
     if not condition:
@@ -61,13 +66,6 @@ def _check(condition: bool, message: str) -> None:
 
 
 # --------------------------------------------------------------------------- slot bookkeeping
-
-
-def draft_lane_width(num_steps: int, page_size: int) -> int:
-    """W, the slots each lane owns: S, or whole pages covering a prefix tail plus S steps."""
-    if page_size == 1:
-        return num_steps
-    return page_size * ((page_size - 1 + num_steps + page_size - 1) // page_size)
 
 
 def check_draft_cache_locs_args(
@@ -191,18 +189,6 @@ def assign_extend_cache_locs(
     out.copy_(req_to_token[rows, col])
 
 
-def get_last_loc(
-    req_to_token: torch.Tensor,  # [R, C]
-    req_pool_indices: torch.Tensor,  # [bs]
-    prefix_lens: torch.Tensor,  # [bs]
-) -> torch.Tensor:  # [bs], dtype of req_to_token
-    """The slot of each request's last prefix position, ``req_to_token[r_b, prefix_lens[b]-1]``,
-    or -1 where ``prefix_lens[b] == 0`` (paged allocation continues that slot's page)."""
-    last = (prefix_lens.long() - 1).clamp(min=0)
-    loc = req_to_token[req_pool_indices.long(), last]
-    return torch.where(prefix_lens > 0, loc, torch.full_like(loc, -1))
-
-
 def check_accept_locs_args(
     req_pool_indices: torch.Tensor,  # [bs]
     accept_index: torch.Tensor,  # [bs, S+1]
@@ -279,37 +265,6 @@ def assign_accept_locs(
     ext = torch.where(active[:, 0], accept_length.long() + 1, 0)
     extend_lens.copy_(ext.view(extend_lens.shape))
     last_index.copy_((b * depth + (ext - 1).clamp(min=0)).view(last_index.shape))
-
-
-def move_kv(
-    k_cache: torch.Tensor,  # [slots, Hkv, D]
-    v_cache: torch.Tensor,  # [slots, Hkv, D]
-    dst_loc: torch.Tensor,  # [n]
-    src_loc: torch.Tensor,  # [n]
-) -> None:
-    """Copy K/V of ``src_loc`` into ``dst_loc``. Every source is gathered before any destination
-    is written, so overlapping lists are safe (accepted-path compaction moves slots onto slots
-    of the same tree)."""
-    _check(dst_loc.numel() == src_loc.numel(), "dst_loc and src_loc must have the same length")
-    src = src_loc.long()
-    dst = dst_loc.long()
-    k_moved = k_cache[src]  # advanced indexing copies: the gather is complete before scatter
-    v_moved = v_cache[src]
-    k_cache[dst] = k_moved
-    v_cache[dst] = v_moved
-
-
-def store_kv(
-    k_cache: torch.Tensor,  # [slots, Hkv, D]
-    v_cache: torch.Tensor,  # [slots, Hkv, D]
-    loc: torch.Tensor,  # [T]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,  # [T, Hkv, D]
-) -> None:
-    """``k_cache[loc] = k``, ``v_cache[loc] = v`` (cast to the cache dtype)."""
-    idx = loc.long()
-    k_cache[idx] = k.to(k_cache.dtype)
-    v_cache[idx] = v.to(v_cache.dtype)
 
 
 # ----------------------------------------------------------------------------- model kernels

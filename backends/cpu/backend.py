@@ -20,14 +20,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from polyspec.backend import Backend, BackendCapabilities, KernelSet, TreeMaskMode
+from polyspec.backend import Backend, BackendCapabilities, KernelSet
+from polyspec.backends.common import EagerGraphRunner, PagedAllocator, SDPAAttention, TensorKVPool
 from polyspec.errors import ConfigError
+from polyspec.kernels.reference import reference_kernels
 
 from . import rowinv
-from .allocator import PagedAllocator
-from .attention import SDPAAttention
-from .graph import EagerGraphRunner
-from .kv_pool import TensorKVPool
 
 CPU_CAPABILITIES = BackendCapabilities(
     graph_capture=False,
@@ -37,11 +35,7 @@ CPU_CAPABILITIES = BackendCapabilities(
     page_sizes=None,
     index_dtype="int64",
     dtypes=("float32", "bfloat16", "float16"),
-    sampling_dtypes=("float32",),
-    sampling_verify=True,
-    host_seq_lens=False,
     static_metadata=True,
-    tree_mask_mode=TreeMaskMode.TREE_ONLY,
     weight_quantization=("int8",),
 )
 """What the cpu backend supports: everything, but its graph runner is eager."""
@@ -54,10 +48,10 @@ class CPUBackend(Backend):
     device_type = "cpu"
 
     def __init__(self) -> None:
-        """Load the reference kernel set (fails loudly if ``polyspec.kernels.reference`` is
-        incomplete)."""
+        """The reference kernel set, with the C++ layer ops for bf16 unless
+        ``POLYSPEC_CPU_KERNELS=torch``."""
         self.capabilities = CPU_CAPABILITIES
-        reference = KernelSet.reference()
+        reference = reference_kernels()
         self.kernels = reference
         self.kernel_choice = os.environ.get("POLYSPEC_CPU_KERNELS", "auto").strip() or "auto"
         if self.kernel_choice not in ("auto", "torch"):

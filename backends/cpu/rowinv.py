@@ -374,14 +374,14 @@ def build_tree(
     num_steps: int,
     num_draft_tokens: int,
     tree_mask_mode,
-    tree_mask: torch.Tensor,  # out
+    tree_mask: torch.Tensor,  # out: [bs, N, N] bool
     positions: torch.Tensor,  # out: [bs*N]
     retrive_index: torch.Tensor,  # out: [bs, N]
     retrive_next_token: torch.Tensor,  # out: [bs, N]
     retrive_next_sibling: torch.Tensor,  # out: [bs, N]
 ) -> None:
     """``polyspec.kernels.reference.build_tree`` with its parent search, links and ancestor
-    walk as one C++ loop (same checks, same outputs, every mask layout)."""
+    walk as one C++ loop (same checks, same outputs)."""
     from polyspec.kernels._tree import check_build_tree_args, write_tree_outputs
 
     check_build_tree_args(
@@ -396,6 +396,6 @@ def build_tree(
         int(num_steps),
     )
     write_tree_outputs(
-        tree, depth, next_token, next_sibling, seq_lens, tree_mask_mode, tree_mask, positions,
-        retrive_index, retrive_next_token, retrive_next_sibling,
+        tree, depth, next_token, next_sibling, seq_lens, tree_mask, positions, retrive_index,
+        retrive_next_token, retrive_next_sibling,
     )  # fmt: skip

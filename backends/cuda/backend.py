@@ -1,18 +1,20 @@
-"""The CUDA backend: the cpu reference's allocator, KV pool and attention metadata on a CUDA
-device, the portable Triton kernels in the KernelSet, and real CUDA graphs.
+"""The CUDA backend: the shared allocator, KV pool and SDPA attention layout
+(``polyspec.backends.common``) on a CUDA device, the portable Triton kernels in the KernelSet,
+and real CUDA graphs.
 
 Kernels (``POLYSPEC_CUDA_KERNELS``):
 
 * ``rowinv`` (default): every linear layer runs :mod:`polyspec.kernels.triton.linear` and
-  every attention :mod:`polyspec.kernels.triton.list_attention`, both row-invariant: a token's
+  every attention :class:`.attention.RowInvariantAttention`
+  (:mod:`polyspec.kernels.triton.list_attention`), both row-invariant: a token's
   result does not depend on how many tokens share the forward, so a verify forward computes
   bitwise what a decode step would, and greedy speculative output equals plain greedy output
   in bf16 too.
 * ``torch``: cuBLAS through ``F.linear`` and the SDPA attention below (the kernels before
   row-invariance; bf16 outputs may then part after a near-tie, docs/benchmarks.md).
 
-In ``torch`` mode attention reuses :class:`polyspec.backends.cpu.attention.SDPAAttention`, which is plain torch and
-device-agnostic: on CUDA, ``scaled_dot_product_attention`` dispatches to the flash / memory
+In ``torch`` mode attention is :class:`polyspec.backends.common.SDPAAttention`, which is plain
+torch and device-agnostic: on CUDA, ``scaled_dot_product_attention`` dispatches to the flash / memory
 efficient kernels, and every mode (tree masks included) works over the paged KV cache. It reads
 host-side lengths while building metadata, so the attention metadata is built outside captured
 graphs (the engine builds it once per forward anyway).
@@ -26,9 +28,8 @@ import os
 import torch
 
 from polyspec.backend import Backend, HostRead, KernelSet
-from polyspec.backends.cpu.allocator import PagedAllocator
-from polyspec.backends.cpu.attention import SDPAAttention
-from polyspec.backends.cpu.kv_pool import TensorKVPool
+from polyspec.backends.common import PagedAllocator, SDPAAttention, TensorKVPool
+from polyspec.kernels.reference import reference_kernels
 from polyspec.kernels.triton import triton_kernel_overrides
 
 from .graph import CUDAGraphRunner
@@ -89,7 +90,7 @@ class CUDABackend(Backend):
                 f"{torch.cuda.device_count()} CUDA device(s) are visible"
             )
         self.capabilities = CUDA_CAPABILITIES
-        self.kernels = dataclasses.replace(KernelSet.reference(), **_chosen_overrides())
+        self.kernels = dataclasses.replace(reference_kernels(), **_chosen_overrides())
         self.kernel_mode = _kernel_mode()
         self._read_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
@@ -174,13 +175,13 @@ class CUDABackend(Backend):
                 f"{type(kv_pool).__name__}"
             )
         if self.kernel_mode == "rowinv":
-            from polyspec.kernels.triton.list_attention import RowInvariantAttention
+            from .attention import RowInvariantAttention
 
             return RowInvariantAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
         if os.environ.get("POLYSPEC_CUDA_TRITON_ATTENTION", "") == "1":
             # Checked against the oracle under the Triton interpreter, not yet measured on a
             # GPU: opt-in until a benchmark says it beats SDPA (docs/backends/cuda.md).
-            from polyspec.kernels.triton.attention import TritonAttention
+            from .attention import TritonAttention
 
             return TritonAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
         return SDPAAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)

@@ -5,21 +5,25 @@ caching allocator's first allocations happen outside the graph), records it into
 allocates from the runner's private pool (shared by every key: graphs replay one at a time, so
 their intermediates may alias), then replays it once so the returned static outputs already hold
 the values for the current static inputs, as with the eager runner. ``replay`` applies the same
-input rules as :class:`polyspec.backends.cpu.graph.EagerGraphRunner` (unknown names, dtype, rank,
+input rules as every runner (:mod:`polyspec.backends.common.graph`: unknown names, dtype, rank,
 trailing dims and leading dims larger than captured are refused before anything is copied).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from polyspec.backend import GraphRunner
-from polyspec.backends.cpu.graph import _check_fits
+from polyspec.backends.common.graph import (
+    check_inputs,
+    checked_static_inputs,
+    copy_inputs,
+    never_captured,
+)
 
 
 @dataclasses.dataclass
@@ -52,18 +56,13 @@ class CUDAGraphRunner(GraphRunner):
         static outputs (tensors, or tuples / lists / dicts of them) that replays refresh."""
         if key in self._graphs:
             raise ValueError(f"graph runner: key {key!r} is already captured; use a new key")
-        for name, buf in static_inputs.items():
-            if not isinstance(name, str) or not isinstance(buf, torch.Tensor):
-                raise ValueError(
-                    f"graph runner: static_inputs must map str -> torch.Tensor, got "
-                    f"{type(name).__name__} -> {type(buf).__name__} for {name!r}"
-                )
+        inputs = checked_static_inputs(static_inputs)
+        for name, buf in inputs.items():
             if buf.device.type != "cuda":
                 raise ValueError(
                     f"graph runner: static input {name!r} lives on {buf.device}; CUDA graphs "
                     f"read their inputs from device memory, allocate it on {self.device}"
                 )
-        inputs = types.MappingProxyType(dict(static_inputs))
         with torch.cuda.device(self.device):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -94,17 +93,8 @@ class CUDAGraphRunner(GraphRunner):
         zeroed: index buffers then point at the padding slot 0), replay, return the static
         outputs. Inputs not named keep their previous buffer contents."""
         graph = self._get(key)
-        for name, new in new_inputs.items():
-            _check_fits(key, name, new, graph.inputs)
-        for name, new in new_inputs.items():
-            buf = graph.inputs[name]
-            if buf.dim() == 0:
-                buf.copy_(new, non_blocking=True)
-                continue
-            n = new.shape[0]
-            buf[:n].copy_(new, non_blocking=True)
-            if n < buf.shape[0]:
-                buf[n:].zero_()
+        check_inputs(key, new_inputs, graph.inputs)
+        copy_inputs(new_inputs, graph.inputs, non_blocking=True)
         graph.graph.replay()
         return graph.outputs
 
@@ -117,8 +107,4 @@ class CUDAGraphRunner(GraphRunner):
         try:
             return self._graphs[key]
         except KeyError:
-            captured = list(self._graphs)[:8]
-            raise KeyError(
-                f"graph runner: key {key!r} was never captured (captured keys: {captured}); "
-                f"call capture() for it first or check can_run()"
-            ) from None
+            raise never_captured("graph runner", key, list(self._graphs)) from None

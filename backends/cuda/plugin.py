@@ -19,7 +19,6 @@ CAPABILITIES = BackendCapabilities(
     page_sizes=None,
     index_dtype="int64",
     dtypes=("float32", "bfloat16", "float16"),
-    sampling_verify=True,
     async_execution=True,
     async_host_reads=True,
 )

@@ -13,11 +13,11 @@ each draft lane.
 | TARGET_VERIFY | ``npu_fused_infer_attention_score`` BSND | N per request | the prefix plus its tree ancestors: an explicit ``[bs, 1, N, KV]`` mask (``sparse_mode=0``, True = masked) built from the tree mask, so any tree (topk > 1) verifies, not only chains |
 
 Sequence lengths reach the operators as host lists (``actual_seq_lengths`` /
-``actual_seq_lengths_kv`` / ``context_lens``), taken from ``ForwardBatch.*_cpu`` (the backend
-declares ``host_seq_lens``): no device-to-host sync per layer or per forward.
+``actual_seq_lengths_kv`` / ``context_lens``), taken from ``ForwardBatch.*_cpu`` (filled in every
+eager forward): no device-to-host sync per layer or per forward.
 
 float32 models: Ascend's fused attention takes float16 / bfloat16 only, so a float32 pool uses
-the portable gather + SDPA attention of the cpu backend on the NPU (exact, slower). It is what
+the portable gather + SDPA attention of ``polyspec.backends.common`` on the NPU (exact, slower). It is what
 the conformance suite's float32 lossless tests run.
 
 Graph capture: while a graph is being captured (``torch.npu.is_current_stream_capturing()``),
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from polyspec.backend import AttentionBackend, AttentionMetadata, ForwardBatch, ForwardMode
-from polyspec.backends.cpu.attention import SDPAAttention
+from polyspec.backends.common import SDPAAttention
 
 from .kv_pool import NPUKVPool
 from .runtime import import_torch_npu
@@ -361,11 +361,11 @@ def update_task(task: GraphTask, stream: Any, lengths: HostLengths) -> None:
 
 
 def _host(values: list[int] | None, name: str, bs: int) -> list[int]:
-    """The batch's host list ``name``_cpu, which this backend requires (host_seq_lens)."""
+    """The batch's host list ``name``_cpu, which this backend requires."""
     if values is None:
         raise ValueError(
             f"npu attention: ForwardBatch.{name}_cpu is missing; Ascend's attention operators "
-            f"take host-side sequence lengths (capabilities.host_seq_lens)"
+            f"take host-side sequence lengths, which every eager forward carries"
         )
     if len(values) != bs:
         raise ValueError(f"npu attention: {name}_cpu has {len(values)} entries for {bs} requests")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from polyspec.backend import Backend
-from polyspec.backends.cpu.allocator import PagedAllocator
+from polyspec.backends.common import PagedAllocator
 
 from .attention import FIA_DTYPES, GraphTaskRecorder, NPUAttention
 from .graph import NPUGraphRunner

@@ -16,14 +16,18 @@ Rules shared with every graph runner: inputs only through the static buffers giv
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from polyspec.backend import ForwardMode, GraphRunner
-from polyspec.backends.cpu.graph import _check_fits
+from polyspec.backends.common.graph import (
+    check_inputs,
+    checked_static_inputs,
+    copy_inputs,
+    never_captured,
+)
 
 from .attention import GraphTask, GraphTaskRecorder, host_lengths, update_task
 from .runtime import import_torch_npu
@@ -65,7 +69,7 @@ class NPUGraphRunner(GraphRunner):
                 f"npu graph runner: cannot capture {key!r}: {self.max_shapes} graph shapes are "
                 f"already captured (capabilities.max_graph_shapes); capture fewer batch sizes"
             )
-        inputs = types.MappingProxyType(dict(static_inputs))
+        inputs = checked_static_inputs(static_inputs)
         side = npu.Stream()
         side.wait_stream(npu.current_stream())
         with npu.stream(side):
@@ -116,22 +120,13 @@ class NPUGraphRunner(GraphRunner):
         """Copy ``new_inputs`` into the static buffers (zeroing the rest), replay, return the
         static outputs. Raises ``RuntimeError`` without a :meth:`prepare` since the last replay."""
         graph = self._get(key)
-        for name, new in new_inputs.items():
-            _check_fits(key, name, new, graph.inputs)
+        check_inputs(key, new_inputs, graph.inputs)
         if key not in self._prepared:
             raise RuntimeError(
                 f"npu graph runner: replay of {key!r} without prepare(): Ascend graphs need "
                 f"their host-side sequence lengths updated before every replay"
             )
-        for name, new in new_inputs.items():
-            buf = graph.inputs[name]
-            if buf.dim() == 0:
-                buf.copy_(new)
-                continue
-            n = new.shape[0]
-            buf[:n].copy_(new)
-            if n < buf.shape[0]:
-                buf[n:].zero_()
+        copy_inputs(new_inputs, graph.inputs)
         graph.graph.replay()
         self._prepared.discard(key)
         return graph.outputs
@@ -140,10 +135,7 @@ class NPUGraphRunner(GraphRunner):
         try:
             return self._graphs[key]
         except KeyError:
-            raise KeyError(
-                f"npu graph runner: key {key!r} was never captured (captured: "
-                f"{list(self._graphs)[:8]}); call capture() first or check can_run()"
-            ) from None
+            raise never_captured("npu graph runner", key, list(self._graphs)) from None
 
 
 def _int_list(params: Mapping[str, Any], name: str) -> list[int]:

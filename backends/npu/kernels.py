@@ -8,9 +8,9 @@ call fails inside Triton itself (a compilation error or missing resources on thi
 kernel falls back to the reference for the rest of the process and the reason is recorded in
 :attr:`NPUKernels.sources`. Errors raised for bad inputs (the kernels' own checks) propagate.
 
-``store_kv`` uses torch_npu's ``npu_scatter_nd_update_``; the sampling kernels
-(``top_k_top_p_renorm``, ``sample``, ``verify_tree_sampling``) run as torch ops on the NPU unless
-Triton provides them, so sampled requests are always verified by sampling, never greedily.
+The sampling kernels (``top_k_top_p_renorm``, ``sample``, ``verify_tree_sampling``) run as torch
+ops on the NPU unless Triton provides them, so sampled requests are always verified by
+sampling, never greedily.
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from collections.abc import Callable
 from typing import Any
 
 from polyspec.backend import KernelSet
-
-from .kv_pool import store_rows
+from polyspec.kernels.reference import reference_kernels
 
 TRITON_PACKAGE = "polyspec.kernels.triton"
 
 
 @dataclasses.dataclass
 class NPUKernels:
-    """The kernel set and, per kernel name, where it comes from ("triton", "torch_npu",
-    "reference", or "reference (why)")."""
+    """The kernel set and, per kernel name, where it comes from ("triton", "reference", or
+    "reference (why)")."""
 
     kernels: KernelSet
     sources: dict[str, str]
@@ -90,10 +89,9 @@ def _raised_by_triton(exc: BaseException) -> bool:
 
 def build_kernels(use_triton: bool = True) -> NPUKernels:
     """The npu KernelSet (module docstring); ``use_triton=False`` keeps every reference."""
-    reference = KernelSet.reference()
+    reference = reference_kernels()
     sources = {name: "reference" for name in KernelSet.names()}
-    overrides: dict[str, Callable[..., Any]] = {"store_kv": store_rows}
-    sources["store_kv"] = "torch_npu"
+    overrides: dict[str, Callable[..., Any]] = {}
     if use_triton:
         try:
             families: dict[str, tuple[str, ...]] = importlib.import_module(TRITON_PACKAGE).KERNELS
@@ -107,11 +105,10 @@ def build_kernels(use_triton: bool = True) -> NPUKernels:
                 module = importlib.import_module(f"{TRITON_PACKAGE}.{family}")
             except Exception as exc:  # noqa: BLE001  (any import failure: keep the reference)
                 for name in names:
-                    if name != "store_kv":
-                        sources[name] = f"reference (import of {family} failed: {exc})"
+                    sources[name] = f"reference (import of {family} failed: {exc})"
                 continue
             for name in names:
-                if name == "store_kv" or not hasattr(module, name):
+                if not hasattr(module, name):
                     continue
                 overrides[name] = _TritonWithFallback(
                     name, getattr(module, name), getattr(reference, name), sources

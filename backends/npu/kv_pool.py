@@ -1,4 +1,4 @@
-"""K/V storage of the npu backend: the cpu pool's layout on the NPU, with a paged view.
+"""K/V storage of the npu backend: the shared pool's layout on the NPU, with a paged view.
 
 One ``[num_layers, num_slots, Hkv, D]`` tensor each for K and V. Slot ``s`` of a layer is row
 ``s`` of ``k_cache(layer)`` and, with ``page_size`` P, row ``s % P`` of block ``s // P`` of
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from polyspec.backends.cpu.kv_pool import TensorKVPool
+from polyspec.backends.common import TensorKVPool
 
 from .runtime import import_torch_npu
 
@@ -54,7 +54,7 @@ def store_rows(
     v: torch.Tensor,  # [T, Hkv, D]
 ) -> None:
     """``k_cache[loc] = k``, ``v_cache[loc] = v`` with the in-place scatter of torch_npu (the
-    store_kv kernel of the npu backend; same contract as the reference)."""
+    store of :meth:`NPUKVPool.write`)."""
     torch_npu = import_torch_npu()
     index = loc.to(torch.int32).view(-1, 1)  # [T, 1]: one index per row
     torch_npu.npu_scatter_nd_update_(k_cache, index, k.to(k_cache.dtype).contiguous())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from polyspec.backend import BackendCapabilities, TreeMaskMode
+from polyspec.backend import BackendCapabilities
 from polyspec.backends.probing import device_nodes, has_module, torch_build_info
 from polyspec.hookspecs import BackendSpec, ProbeResult, hookimpl
 
@@ -25,15 +25,12 @@ CAPABILITIES = BackendCapabilities(
     page_sizes=(PAGE_SIZE,),
     index_dtype="int32",
     dtypes=("float32", "bfloat16", "float16"),
-    sampling_dtypes=("float32",),
-    sampling_verify=True,
-    host_seq_lens=True,
-    tree_mask_mode=TreeMaskMode.TREE_ONLY,
     async_execution=True,
 )
 """Ascend: graphs need host lengths before each replay (and are few: each holds streams and
-memory), int32 indices, 128-slot pages, host-side sequence lengths. float32 models run the
-portable attention path (the fused operators take float16 / bfloat16)."""
+memory), int32 indices, 128-slot pages. The attention reads the host-side sequence lengths
+every eager ``ForwardBatch`` carries. float32 models run the portable attention path (the fused
+operators take float16 / bfloat16)."""
 
 CANN_SETUP = "source /usr/local/Ascend/ascend-toolkit/set_env.sh (CANN toolkit)"
 

@@ -17,8 +17,6 @@ _CAPABILITY_FLAGS = (
     "graph_capture",
     "graph_needs_prepare",
     "tree_attention",
-    "sampling_verify",
-    "host_seq_lens",
     "static_metadata",
     "async_execution",
     "async_host_reads",
@@ -47,7 +45,6 @@ def capability_summary(capabilities: dict) -> str:
     parts.append("pages=" + ("any" if pages is None else "/".join(str(p) for p in pages)))
     parts.append(f"index={capabilities.get('index_dtype')}")
     parts.append("dtypes=" + "/".join(capabilities.get("dtypes") or []))
-    parts.append(f"mask={capabilities.get('tree_mask_mode')}")
     return " ".join(parts)
 
 

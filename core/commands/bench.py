@@ -146,7 +146,7 @@ def bench_configs(args: argparse.Namespace):
     """(plain EngineConfig, speculative EngineConfig or None, SamplingParams, why spec is
     skipped or None) from the flags > env > config file > defaults, as ``generate`` reads them."""
     from polyspec.config import load_config
-    from polyspec.engine.defaults import shipped_head_path
+    from polyspec.defaults import shipped_head_path
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
     if args.batch_size is not None and args.batch_size < 1:

@@ -101,7 +101,7 @@ _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_s
 def engine_from_args(args: argparse.Namespace):
     """(LLM, SamplingParams, notes) from CLI flags > env > config file > defaults."""
     from polyspec.config import load_config
-    from polyspec.engine.defaults import shipped_head_path
+    from polyspec.defaults import shipped_head_path
     from polyspec.engine.llm import LLM
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
@@ -135,7 +135,7 @@ def tune_shipped_head(cli: dict) -> None:
     on the default model (instead of being an error): fill in the algorithm and the head;
     ``load_config`` then takes the settings the user did not give from the head's
     ``polyspec.json``."""
-    from polyspec.engine.defaults import shipped_head_path
+    from polyspec.defaults import shipped_head_path
 
     given = [k for k in _SPEC_KEYS if cli.get(k) is not None]
     if not given or any(cli.get(k) is not None for k in ("algorithm", "target", "draft")):

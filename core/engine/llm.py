@@ -9,13 +9,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from polyspec.backend import draft_lane_width
 from polyspec.config import EngineConfig, SamplingParams, SpeculativeConfig
-from polyspec.engine.defaults import default_target_path, shipped_head_path
+from polyspec.defaults import default_target_path, shipped_head_path
 from polyspec.engine.request import Request, RequestOutput, RequestStats
 from polyspec.engine.scheduler import Scheduler
 from polyspec.engine.stop import StopChecker
 from polyspec.errors import ConfigError
-from polyspec.kernels.reference import draft_lane_width
 
 if TYPE_CHECKING:
     import torch

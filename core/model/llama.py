@@ -175,7 +175,7 @@ class CausalLM(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        kernels: KernelSet | None = None,
+        kernels: KernelSet,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
@@ -183,7 +183,7 @@ class CausalLM(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.kernels = kernels or KernelSet.reference()
+        self.kernels = kernels
         self.eps = c.rms_norm_eps
         device = torch.device(device) if device is not None else None
         self.register_buffer(

@@ -20,10 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from polyspec.backend import ForwardMode, HostRead, TreeMaskMode
+from polyspec.backend import ForwardMode, HostRead, TreeMaskMode, draft_lane_width
 from polyspec.config import SpeculativeConfig
 from polyspec.errors import ConfigError
-from polyspec.kernels.reference import draft_lane_width
 from polyspec.runtime.graphs import block_slots, static_batch
 from polyspec.runtime.kv_cache import OutOfKVSlots
 from polyspec.runtime.model_runner import ModelRunner

@@ -1,16 +1,17 @@
 """An Ascend-shaped constrained backend on the CPU, for testing the engine without an NPU.
 
-It is the cpu reference (exact same numerics) behind the constraints Ascend NPUs impose, each
+It is the shared backend mechanism (``polyspec.backends.common``: the cpu backend's exact
+numerics) and the reference kernels behind the constraints Ascend NPUs impose, each
 enforced loudly so that an engine path that would break on Ascend breaks here first:
 
 * **int32 indices** (``index_dtype="int32"``): Ascend's cache / paged-attention operators take
   int32 slot mappings and block tables. Every kernel argument that holds slots, rows, lengths or
   tree links, and every index tensor the attention and KV pool receive, must be int32; an int64
   one raises ``TypeError``.
-* **host-side sequence lengths** (``host_seq_lens=True``): the fused attention operator takes
-  ``actual_seq_lengths`` as host lists. ``build_metadata`` raises unless ``prefix_lens_cpu`` /
-  ``extend_lens_cpu`` (and ``lane_lens_cpu`` in DRAFT_DECODE) are filled and equal the device
-  tensors.
+* **host-side sequence lengths**: the fused attention operator takes ``actual_seq_lengths`` as
+  host lists, which the contract promises in every eager forward. ``build_metadata`` raises
+  unless ``prefix_lens_cpu`` / ``extend_lens_cpu`` (and ``lane_lens_cpu`` in DRAFT_DECODE) are
+  filled and equal the device tensors.
 * **page size 128 only** (``page_sizes=(128,)``): the KV cache is read through block tables, so
   every request's slots must be whole, consecutive 128-slot pages (checked per forward) and a
   DRAFT_DECODE lane's shared prefix must end on a page boundary.
@@ -18,8 +19,8 @@ enforced loudly so that an engine path that would break on Ascend breaks here fi
   without a :meth:`AscendLikeGraphRunner.prepare` since the previous replay raises, as Ascend
   graphs need their host-side sequence lengths updated before each replay.
 * **few graph shapes** (``max_graph_shapes=8``): capturing a ninth key raises.
-* **fp32-only sampling** (``sampling_dtypes=("float32",)``): ``top_k_top_p_renorm``, ``sample``
-  and ``verify_tree_sampling`` reject other floating dtypes.
+* **fp32-only sampling**: ``top_k_top_p_renorm``, ``sample`` and ``verify_tree_sampling``
+  reject other floating dtypes (the contract passes sampling probabilities in float32).
 
 Register it for the conformance suite through the test plugin package
 ``tests/plugins/polyspec-ascend-like`` (entry point ``ascend-like``), then run
@@ -37,18 +38,16 @@ from typing import Any
 
 import torch
 
-from polyspec.backend import (
-    Backend,
-    BackendCapabilities,
-    ForwardBatch,
-    ForwardMode,
-    KernelSet,
-    TreeMaskMode,
+from polyspec.backend import Backend, BackendCapabilities, ForwardBatch, ForwardMode, KernelSet
+from polyspec.backends.common import (
+    EagerGraphRunner,
+    PagedAllocator,
+    SDPAAttention,
+    SDPAMetadata,
+    TensorKVPool,
 )
-from polyspec.backends.cpu.allocator import PagedAllocator
-from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
-from polyspec.backends.cpu.graph import EagerGraphRunner, _check_fits
-from polyspec.backends.cpu.kv_pool import TensorKVPool
+from polyspec.backends.common.graph import check_inputs
+from polyspec.kernels.reference import reference_kernels
 
 PAGE_SIZE = 128
 """The only KV page size (Ascend's paged attention block size)."""
@@ -64,10 +63,6 @@ ASCEND_LIKE_CAPABILITIES = BackendCapabilities(
     page_sizes=(PAGE_SIZE,),
     index_dtype="int32",
     dtypes=("float32", "bfloat16", "float16"),
-    sampling_dtypes=("float32",),
-    sampling_verify=True,
-    host_seq_lens=True,
-    tree_mask_mode=TreeMaskMode.TREE_ONLY,
 )
 """Ascend's constraints (``graph_capture`` is declared as on Ascend; replay runs eagerly)."""
 
@@ -84,9 +79,6 @@ INDEX_ARGUMENTS: dict[str, tuple[str, ...]] = {
     ),
     "assign_req_to_token": ("req_pool_indices", "req_to_token", "start", "end", "slots"),
     "assign_extend_cache_locs": ("req_pool_indices", "req_to_token", "start", "end", "out"),
-    "get_last_loc": ("req_to_token", "req_pool_indices", "prefix_lens"),
-    "move_kv": ("dst_loc", "src_loc"),
-    "store_kv": ("loc",),
     "build_tree": ("seq_lens", "retrive_index", "retrive_next_token", "retrive_next_sibling"),
     "verify_tree_greedy": (
         "retrive_index",
@@ -111,7 +103,10 @@ SAMPLING_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "sample": ("probs", "exp_noise"),
     "verify_tree_sampling": ("target_probs", "draft_probs", "coins", "final_coins"),
 }
-"""Floating arguments of the sampling kernels: one of ``sampling_dtypes`` only."""
+"""Floating arguments of the sampling kernels: one of :data:`SAMPLING_DTYPES` only."""
+
+SAMPLING_DTYPES = ("float32",)
+"""The floating dtypes the sampling kernels accept (what Ascend's sampling operators take)."""
 
 
 def require_int32(where: str, name: str, t: torch.Tensor | None) -> None:
@@ -147,8 +142,8 @@ def _checked_kernel(name: str, fn: Callable[..., Any], sampling_dtypes: tuple[st
             if isinstance(t, torch.Tensor) and t.dtype not in allowed:
                 raise TypeError(
                     f"{where}: {arg} is {t.dtype}, but this backend's sampling kernels accept "
-                    f"only {list(sampling_dtypes)} (capabilities.sampling_dtypes); cast "
-                    f"probabilities to {sampling_dtypes[0]} first"
+                    f"only {list(sampling_dtypes)}; the contract passes sampling probabilities "
+                    f"in {sampling_dtypes[0]}"
                 )
         return fn(*args, **kwargs)
 
@@ -157,13 +152,14 @@ def _checked_kernel(name: str, fn: Callable[..., Any], sampling_dtypes: tuple[st
 
 def ascend_like_kernels(base: KernelSet | None = None) -> KernelSet:
     """``base`` (default: the reference set) with every kernel wrapped in the Ascend checks."""
-    base = base or KernelSet.reference()
-    dtypes = ASCEND_LIKE_CAPABILITIES.sampling_dtypes
-    return KernelSet(**{n: _checked_kernel(n, getattr(base, n), dtypes) for n in KernelSet.names()})
+    base = base or reference_kernels()
+    return KernelSet(
+        **{n: _checked_kernel(n, getattr(base, n), SAMPLING_DTYPES) for n in KernelSet.names()}
+    )
 
 
 class AscendLikeKVPool(TensorKVPool):
-    """The cpu pool, taking int32 slot indices only."""
+    """The shared pool, taking int32 slot indices only."""
 
     def write(
         self,
@@ -188,10 +184,10 @@ class AscendLikeKVPool(TensorKVPool):
 
 
 class AscendLikeAttention(SDPAAttention):
-    """The cpu SDPA attention behind Ascend's input rules (see the module docstring)."""
+    """The shared SDPA attention behind Ascend's input rules (see the module docstring)."""
 
     def build_metadata(self, batch: ForwardBatch) -> SDPAMetadata:
-        """Check int32 indices, host lengths and the page structure, then build as the cpu."""
+        """Check int32 indices, host lengths and the page structure, then build as SDPA does."""
         where = f"ascend-like attention ({batch.mode.value})"
         for name in (
             "out_cache_loc",
@@ -218,7 +214,7 @@ def _check_host_list(where: str, name: str, host: list[int] | None, dev: torch.T
     if host is None:
         raise ValueError(
             f"{where}: ForwardBatch.{name}_cpu is missing; this backend needs host-side sequence "
-            f"lengths every step (capabilities.host_seq_lens): fill {name}_cpu with the same "
+            f"lengths in every eager forward (the contract): fill {name}_cpu with the same "
             f"values as {name}"
         )
     values = [int(x) for x in dev.tolist()]
@@ -339,8 +335,7 @@ class AscendLikeGraphRunner(EagerGraphRunner):
         """Replay ``key``; raises ``RuntimeError`` unless :meth:`prepare` ran since the last
         replay (the prepared parameters are consumed)."""
         graph = self._get(key)
-        for name, new in new_inputs.items():  # bad inputs are reported as such first
-            _check_fits(key, name, new, graph.inputs)
+        check_inputs(key, new_inputs, graph.inputs)  # bad inputs are reported as such first
         if key not in self._prepared:
             raise RuntimeError(
                 f"ascend-like graph runner: replay of {key!r} without prepare(): this backend's "
@@ -353,7 +348,8 @@ class AscendLikeGraphRunner(EagerGraphRunner):
 
 
 class AscendLikeBackend(Backend):
-    """The cpu reference under Ascend's constraints (module docstring); device ``cpu``."""
+    """The shared mechanism and reference kernels under Ascend's constraints (module
+    docstring); device ``cpu``."""
 
     name = "ascend-like"
     device_type = "cpu"

@@ -2,7 +2,8 @@
 
 Output tensors are poisoned twice (two different sentinels) before the call, so a kernel that
 forgets to write an entry fails whatever that entry's correct value is. A few checks also hold
-the reference itself to an independent formula (RMSNorm, rotary, KV moves, sampling laws).
+the reference itself to an independent formula (RMSNorm, rotary, sampling laws); KV moves are
+the KV pool's (test_kv_pool.py).
 """
 
 from __future__ import annotations
@@ -140,19 +141,10 @@ def test_select_top_k_and_organize_match_reference(
         _assert_equal(a, b, f"organize_draft_results {name}")
 
 
-def _mask_out(backend, mode: TreeMaskMode, bs: int, n: int, seq_lens: torch.Tensor):
-    if mode is TreeMaskMode.FULL:
-        size = int((n * (seq_lens.long() + n)).sum())
-        return torch.empty(size, dtype=torch.bool, device=backend.device())
-    if mode is TreeMaskMode.BITPACKED:
-        return torch.empty(bs, n, (n + 31) // 32, dtype=torch.int32, device=backend.device())
-    return torch.empty(bs, n, n, dtype=torch.bool, device=backend.device())
-
-
-def _tree_outs(backend, mode: TreeMaskMode, bs: int, n: int, seq_lens: torch.Tensor) -> dict:
+def _tree_outs(backend, bs: int, n: int) -> dict:
     dev, idt = backend.device(), backend.index_dtype
     return {
-        "tree_mask": _mask_out(backend, mode, bs, n, seq_lens),
+        "tree_mask": torch.empty(bs, n, n, dtype=torch.bool, device=dev),
         "positions": torch.empty(bs * n, dtype=idt, device=dev),
         "retrive_index": torch.empty(bs, n, dtype=idt, device=dev),
         "retrive_next_token": torch.empty(bs, n, dtype=idt, device=dev),
@@ -172,16 +164,16 @@ def _random_tree(seed: int, bs: int, topk: int, num_steps: int, n: int):
 
 
 def _reference_kernels():
-    from polyspec.backend import KernelSet
+    from polyspec.kernels.reference import reference_kernels
 
-    return KernelSet.reference()
+    return reference_kernels()
 
 
-@pytest.mark.parametrize("mode", list(TreeMaskMode))
 @pytest.mark.parametrize("topk,num_steps,n", [(1, 4, 5), (4, 3, 10), (3, 5, 40)])
-def test_build_tree_matches_reference(backend, reference_backend, mode, topk, num_steps, n):
+def test_build_tree_matches_reference(backend, reference_backend, topk, num_steps, n):
     bs = 3
     parent_list, tsi, _, seq_lens = _random_tree(SEED + n, bs, topk, num_steps, n)
+    mode = TreeMaskMode.TREE_ONLY
     common = {"topk": topk, "num_steps": num_steps, "num_draft_tokens": n, "tree_mask_mode": mode}
     args = {
         "parent_list": _idx(backend, parent_list),
@@ -190,10 +182,8 @@ def test_build_tree_matches_reference(backend, reference_backend, mode, topk, nu
         **common,
     }
     ref_args = {"parent_list": parent_list, "top_scores_index": tsi, "seq_lens": seq_lens, **common}
-    ref_outs = {k: _cpu(v) for k, v in _tree_outs(backend, mode, bs, n, seq_lens).items()}
-    got = _call_poisoned(
-        backend.kernels.build_tree, args, _tree_outs(backend, mode, bs, n, seq_lens)
-    )
+    ref_outs = {k: _cpu(v) for k, v in _tree_outs(backend, bs, n).items()}
+    got = _call_poisoned(backend.kernels.build_tree, args, _tree_outs(backend, bs, n))
     ref = _call_poisoned(reference_backend.kernels.build_tree, ref_args, ref_outs)
     _check_outs(got, ref, "build_tree")
 
@@ -202,7 +192,7 @@ def _verify_case(seed: int, bs: int, topk: int, num_steps: int, n: int, vocab: i
     """A random tree with target predictions that often follow a child (long accept paths)."""
     parent_list, tsi, draft_tokens, seq_lens = _random_tree(seed, bs, topk, num_steps, n)
     ref = _reference_kernels()
-    outs = _tree_outs(_CPU_INT64, TreeMaskMode.TREE_ONLY, bs, n, seq_lens)
+    outs = _tree_outs(_CPU_INT64, bs, n)
     ref.build_tree(parent_list, tsi, seq_lens, topk, num_steps, n, TreeMaskMode.TREE_ONLY, **outs)
     g = _gen(seed + 1)
     root = torch.randint(0, vocab, (bs, 1), generator=g)
@@ -270,8 +260,6 @@ def test_verify_tree_greedy_matches_reference(backend, reference_backend, topk, 
 def test_verify_tree_sampling_matches_reference(
     backend, reference_backend, with_draft_probs, topk, num_steps, n
 ):
-    if not backend.capabilities.sampling_verify:
-        pytest.skip("backend lacks capability: sampling_verify")
     bs, vocab = 16, 12
     candidates, tree, _ = _verify_case(SEED + 7 * n, bs, topk, num_steps, n, vocab)
     g = _gen(SEED + 3)
@@ -335,8 +323,6 @@ def test_verify_tree_sampling_target_only_is_lossless(backend):
     The tree has a duplicate child token and one grandchild, so rejections, residual updates and
     a second depth are all exercised.
     20000 trials in one batched call, chi-square at p ~ 1e-6 (seeded: deterministic)."""
-    if not backend.capabilities.sampling_verify:
-        pytest.skip("backend lacks capability: sampling_verify")
     trials, vocab, n, num_steps = 20000, 6, 5, 2
     # Tree: root -> nodes 1 (token 2), 2 (token 0), 3 (token 2, duplicate); node 1 -> node 4.
     candidates = torch.tensor([5, 2, 0, 2, 4])
@@ -388,8 +374,6 @@ def test_verify_tree_sampling_target_only_is_lossless(backend):
 def test_verify_tree_sampling_with_draft_probs_is_lossless(backend):
     """Children drawn i.i.d. from draft_probs: the first emitted token still follows the target.
     20000 trials, 3 sampled children each, chi-square at p ~ 1e-6."""
-    if not backend.capabilities.sampling_verify:
-        pytest.skip("backend lacks capability: sampling_verify")
     trials, vocab, n = 20000, 6, 4
     g = _gen(SEED + 12)
     p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
@@ -535,19 +519,6 @@ def test_assign_req_to_token_and_extend_cache_locs_match_reference(backend, refe
     _assert_equal(ref[0]["out"], expected, "assign_extend_cache_locs (independent)")
 
 
-def test_get_last_loc_matches_reference(backend, reference_backend):
-    g = _gen(SEED + 22)
-    table = torch.randint(1, 10000, (6, 30), generator=g)
-    req_pool_indices = torch.tensor([3, 0, 5, 1])
-    prefix_lens = torch.tensor([7, 0, 30, 1])
-    got = backend.kernels.get_last_loc(
-        _idx(backend, table), _idx(backend, req_pool_indices), _idx(backend, prefix_lens)
-    )
-    ref = reference_backend.kernels.get_last_loc(table, req_pool_indices, prefix_lens)
-    _assert_equal(got, ref, "get_last_loc")
-    _assert_equal(ref, torch.tensor([table[3, 6], -1, table[5, 29], table[1, 0]]), "independent")
-
-
 def _accept_case(g: torch.Generator, bs: int, num_steps: int, n: int, cols: int):
     """Accepted paths as verify leaves them: root first, then nodes of the tree (global ids
     b*N + j), -1 past the path; request 1 is a graph's padding request (width 0) and request
@@ -615,51 +586,6 @@ def test_assign_accept_locs_matches_reference(backend, reference_backend, num_st
                 assert int(r["dst_loc"][e]) == int(table[row, pos])
             else:
                 assert int(r["src_loc"][e]) == int(r["dst_loc"][e]) == 0
-
-
-def _kv(g: torch.Generator, slots: int, dtype: torch.dtype):
-    return (
-        torch.randn(slots, 2, 8, generator=g).to(dtype),
-        torch.randn(slots, 2, 8, generator=g).to(dtype),
-    )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_move_kv_is_overlap_safe_and_matches_reference(backend, reference_backend, dtype):
-    g = _gen(SEED + 23)
-    k, v = _kv(g, 32, dtype)
-    # Overlapping lists where slots are written before they are read (a shift to the right and
-    # a swap): a kernel that copies one pair at a time, or scatters before gathering, fails.
-    src = torch.tensor([4, 5, 6, 20, 11, 12])
-    dst = torch.tensor([5, 6, 7, 4, 12, 11])
-    bk, bv = _dev(backend, k), _dev(backend, v)
-    backend.kernels.move_kv(bk, bv, _idx(backend, dst), _idx(backend, src))
-    rk, rv = k.clone(), v.clone()
-    reference_backend.kernels.move_kv(rk, rv, dst, src)
-    _assert_equal(bk, rk, "move_kv k")
-    _assert_equal(bv, rv, "move_kv v")
-    ek, ev = k.clone(), v.clone()
-    ek[dst], ev[dst] = k[src].clone(), v[src].clone()
-    _assert_equal(rk, ek, "move_kv (independent)")
-    _assert_equal(rv, ev, "move_kv v (independent)")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_store_kv_matches_reference(backend, reference_backend, dtype):
-    if str(dtype).removeprefix("torch.") not in backend.capabilities.dtypes:
-        pytest.skip(f"backend lacks capability: dtypes ({dtype})")
-    g = _gen(SEED + 24)
-    k, v = _kv(g, 32, dtype)
-    loc = torch.tensor([3, 31, 1, 17, 9])
-    nk, nv = _kv(g, 5, dtype)
-    bk, bv = _dev(backend, k), _dev(backend, v)
-    backend.kernels.store_kv(bk, bv, _idx(backend, loc), _dev(backend, nk), _dev(backend, nv))
-    rk, rv = k.clone(), v.clone()
-    reference_backend.kernels.store_kv(rk, rv, loc, nk, nv)
-    _assert_equal(bk, rk, "store_kv k")
-    _assert_equal(bv, rv, "store_kv v")
-    _assert_equal(rk[loc], nk, "store_kv (independent)")
-    _assert_equal(rk[0], k[0], "store_kv touched an unlisted slot")
 
 
 # ----------------------------------------------------------------------------- model kernels

@@ -130,7 +130,6 @@ def test_speculative_sampling_matches_target(
     """Also with dynamic depth: rounds that stop drafting early verify probability-0 filler
     nodes (repeated tokens), which must not bias the sample. And with batch trees: the
     batches of 64 sample through a wider, deeper tree than the last, smaller batch."""
-    require(backend.capabilities.sampling_verify, "sampling_verify")
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     llm = _llm(
         backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps,

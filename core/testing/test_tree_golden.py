@@ -27,36 +27,15 @@ def _cpu_long(t: torch.Tensor) -> torch.Tensor:
 def _expected_layout(rows: list[list[set[int]]], seq_lens: list[int], mode: TreeMaskMode):
     """The mask layout built by plain loops from per-request row sets."""
     n = len(rows[0])
-    if mode is TreeMaskMode.TREE_ONLY:
-        return torch.tensor([[[j in r for j in range(n)] for r in req] for req in rows])
-    if mode is TreeMaskMode.BITPACKED:
-        words = (n + 31) // 32
-        out = []
-        for req in rows:
-            req_out = []
-            for r in req:
-                vals = [sum(1 << (j % 32) for j in r if j // 32 == w) for w in range(words)]
-                req_out.append([v - (1 << 32) if v >= 1 << 31 else v for v in vals])
-            out.append(req_out)
-        return torch.tensor(out, dtype=torch.int32)
-    flat: list[bool] = []
-    for req, seq in zip(rows, seq_lens):
-        for r in req:
-            flat += [True] * seq + [j in r for j in range(n)]
-    return torch.tensor(flat)
+    assert mode is TreeMaskMode.TREE_ONLY
+    return torch.tensor([[[j in r for j in range(n)] for r in req] for req in rows])
 
 
 def _build(backend, parent_list, selected, seq_lens, topk, num_steps, n, mode):
     bs = len(seq_lens)
     dev, idt = backend.device(), backend.index_dtype
-    if mode is TreeMaskMode.FULL:
-        mask = torch.empty(sum(n * (s + n) for s in seq_lens), dtype=torch.bool, device=dev)
-    elif mode is TreeMaskMode.BITPACKED:
-        mask = torch.empty(bs, n, (n + 31) // 32, dtype=torch.int32, device=dev)
-    else:
-        mask = torch.empty(bs, n, n, dtype=torch.bool, device=dev)
     outs = {
-        "tree_mask": mask.fill_(True if mask.dtype == torch.bool else -1),
+        "tree_mask": torch.full((bs, n, n), True, device=dev),
         "positions": torch.full((bs * n,), -7, dtype=idt, device=dev),
         "retrive_index": torch.full((bs, n), -7, dtype=idt, device=dev),
         "retrive_next_token": torch.full((bs, n), -7, dtype=idt, device=dev),
@@ -177,7 +156,7 @@ def test_topk_tree(backend, mode):
     parent_list, selected = _branchy_draft(backend)
     # Nodes: 1=c0, 2=c1 (root children); 3=c2 (parent c0 -> node 1); 4=c4 (parent c1 -> node 2);
     # 5=c6 (parent lane c4 -> node 4); 6=c8 (parent lane c2 -> node 3). Two requests, the same
-    # tree, different prefix lengths (FULL layout offsets).
+    # tree, different prefix lengths.
     seq_lens = [3, 9]
     out = _build(backend, [parent_list] * 2, [selected] * 2, seq_lens, 2, 3, 7, mode)
     req_rows = [{0}, {0, 1}, {0, 2}, {0, 1, 3}, {0, 2, 4}, {0, 2, 4, 5}, {0, 1, 3, 6}]
@@ -234,7 +213,7 @@ def test_out_of_range_and_duplicate_ids(backend):
         [2],
         TreeMaskMode.TREE_ONLY,
     )
-    out = _build(backend, [[-1, 0, 1]], [[0, 100]], [2], 2, 2, 3, TreeMaskMode.BITPACKED)
+    out = _build(backend, [[-1, 0, 1]], [[0, 100]], [2], 2, 2, 3, TreeMaskMode.TREE_ONLY)
     _check_tree(
         out,
         [[{0}, {0, 1}, {0, 2}]],
@@ -242,7 +221,7 @@ def test_out_of_range_and_duplicate_ids(backend):
         [[1, -1, -1]],
         [[-1, -1, -1]],
         [2],
-        TreeMaskMode.BITPACKED,
+        TreeMaskMode.TREE_ONLY,
     )
     # Verify on the duplicate tree: both root children carry token 6; the first is accepted.
     dup = _build(backend, [[-1, 0, 1]], [[-3, 0, 0, 2]], [2], 2, 2, 5, TreeMaskMode.TREE_ONLY)
@@ -263,8 +242,6 @@ def test_verify_greedy_garbage_links_are_bounded(backend):
 
 
 def test_verify_sampling_golden(backend):
-    if not backend.capabilities.sampling_verify:
-        pytest.skip("backend lacks capability: sampling_verify")
     # Chain root -> 1 (token 1) -> 2 (token 0), V=3, target-only.
     # Depth 1: r = [.5, .3, .2], coin .2 < .3 -> accept node 1 (predicts[root] = 1).
     # Depth 2: r = [.1, .6, .3], coin .5 >= .1 -> reject; residual [0, .6, .3] / .9;

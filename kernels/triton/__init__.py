@@ -19,8 +19,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "assign_req_to_token",
         "assign_extend_cache_locs",
         "assign_accept_locs",
-        "move_kv",
-        "store_kv",
     ),
     "norm": ("rms_norm", "fused_add_rms_norm"),
     "rope": ("rotary_embedding",),

@@ -1,7 +1,7 @@
-"""Triton paged attention for every ForwardMode, over the cpu backend's SDPA metadata.
+"""Triton paged attention over the SDPA layout of ``polyspec.backends.common.attention``.
 
-:class:`TritonAttention` reuses :class:`polyspec.backends.cpu.attention.SDPAAttention`'s
-metadata (eager and captured): for request ``b`` the key columns are ``kv_index[b, :L]``, the
+:func:`paged_attention` reads that layout's index tensors (eager and captured): for request
+``b`` the key columns are ``kv_index[b, :L]``, the
 first ``P = L - BW`` of them the cached prefix (visible where ``c < prefix_lens[b]``), the last
 ``BW`` the mode's block (new tokens or draft lanes) with the bool mask row of the query. The
 kernel differs from SDPA in what it reads: the prefix loop stops at the request's own prefix
@@ -11,19 +11,16 @@ query head ``h`` to KV head ``h // G``. One program per (query token, query head
 softmax in fp32.
 
 Status: checked against SDPA under ``TRITON_INTERPRET=1`` (tests/kernels); not measured on a
-GPU yet, so the cuda backend uses it only with ``POLYSPEC_CUDA_TRITON_ATTENTION=1``.
+GPU yet, so the cuda backend's ``TritonAttention`` uses it only with
+``POLYSPEC_CUDA_TRITON_ATTENTION=1``.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
-from polyspec.backend import ForwardBatch, ForwardMode
-from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
 from polyspec.kernels.triton._util import next_pow2
 
 
@@ -96,83 +93,32 @@ def _paged_attention_kernel(
     tl.store(out_ptr + t * HEAD_DIM * tl.num_programs(1) + h * HEAD_DIM + d, out)
 
 
-@dataclasses.dataclass
-class TritonMetadata:
-    """SDPA's metadata plus what the kernel reads per token and per request."""
-
-    sdpa: SDPAMetadata
-    prefix_lens: torch.Tensor  # [B] int64 prefix columns to read (all L when unmasked)
-    token_row: torch.Tensor  # [T] int64 padded query row of each token
-    mask: torch.Tensor  # [B * Qmax, L] int8
-    prefix_width: int  # P
-
-
-class TritonAttention(SDPAAttention):
-    """SDPA's metadata, the Triton kernel above for the attention itself."""
-
-    def build_metadata(self, batch: ForwardBatch) -> TritonMetadata:
-        """SDPA's eager metadata, extended for the kernel."""
-        return self._extend(batch, super().build_metadata(batch), static=False)
-
-    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> TritonMetadata:
-        """SDPA's captured-forward metadata, extended for the kernel (device ops only)."""
-        return self._extend(batch, super().build_static_metadata(batch, max_prefix_len), True)
-
-    def _kv_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # The kernel reads the pool directly: no gathered copies.
-        empty = torch.empty(0, self.num_kv_heads, self.head_dim, device=self.kv_pool.device)
-        return empty, empty
-
-    def _extend(self, batch: ForwardBatch, m: SDPAMetadata, static: bool) -> TritonMetadata:
-        device = self.kv_pool.device
-        rows = m.batch_rows * m.max_queries
-        if m.mask is None:  # every column visible to every query (the decode hot path)
-            prefix_width = m.kv_len
-            prefix_lens = torch.full((m.batch_rows,), m.kv_len, dtype=torch.int64, device=device)
-            mask = torch.zeros(1, dtype=torch.int8, device=device)  # no block: never read
-        else:
-            mask = m.mask.reshape(rows, m.kv_len).to(torch.int8)
-            if static:
-                prefix_width = m.kv_len - _block_width(batch, m)
-            elif batch.prefix_lens_cpu is not None:
-                prefix_width = max(batch.prefix_lens_cpu)
-            else:
-                prefix_width = int(batch.prefix_lens.max())
-            prefix_lens = batch.prefix_lens.to(device=device, dtype=torch.int64)
-        if m.output_index is not None:
-            token_row = m.output_index.to(torch.int64)
-        else:
-            token_row = torch.arange(m.num_tokens, device=device, dtype=torch.int64)
-        return TritonMetadata(m, prefix_lens, token_row, mask, prefix_width)
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        layer: int,
-        metadata: TritonMetadata,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        """Store ``k``/``v`` at ``out_cache_loc``, then the kernel over the pool."""
-        m = metadata.sdpa
-        k_cache, v_cache = self.store_kv(q, k, v, layer, m)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        block = m.kv_len - metadata.prefix_width
-        _paged_attention_kernel[(m.num_tokens, self.num_heads)](
-            q, k_cache, v_cache, out,
-            m.kv_index, metadata.prefix_lens, metadata.token_row, metadata.mask,
-            m.max_queries, m.kv_len, metadata.prefix_width,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), self.scale,
-            GROUP=self.group, HEAD_DIM=self.head_dim, BLOCK_N=64,
-            BLOCK_W=max(16, next_pow2(max(block, 1))),
-        )  # fmt: skip
-        return out.to(q.dtype)
-
-
-def _block_width(batch: ForwardBatch, m: SDPAMetadata) -> int:
-    """Columns of the mode's block in a captured forward's metadata (shape-derived)."""
-    if batch.mode is ForwardMode.DRAFT_DECODE and batch.lane_locs is not None:
-        return int(batch.lane_locs.shape[1] * batch.lane_locs.shape[2])
-    return m.max_queries
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    kv_index: torch.Tensor,  # [B * L] slots of the key columns
+    prefix_lens: torch.Tensor,  # [B] int64 prefix columns to read
+    token_row: torch.Tensor,  # [T] int64 padded query row (b * Qmax + q) of each token
+    mask: torch.Tensor,  # [B * Qmax, L] int8 (1 = visible); only the block columns are read
+    max_queries: int,  # Qmax
+    kv_len: int,  # L
+    prefix_width: int,  # P: the first P columns are the prefix, the last L - P the block
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D] in q's dtype
+    """Attention of each token over its request's visible columns (module doc); query head
+    ``h`` reads kv head ``h // (Hq // Hkv)``."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    block = kv_len - prefix_width
+    _paged_attention_kernel[(q.shape[0], num_heads)](
+        q, k_cache, v_cache, out,
+        kv_index, prefix_lens, token_row, mask,
+        max_queries, kv_len, prefix_width,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), scale,
+        GROUP=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_N=64,
+        BLOCK_W=max(16, next_pow2(max(block, 1))),
+    )  # fmt: skip
+    return out.to(q.dtype)

@@ -1,8 +1,7 @@
-"""Triton slot-bookkeeping and KV-copy kernels: ``assign_draft_cache_locs``,
-``assign_req_to_token``, ``assign_extend_cache_locs``, ``assign_accept_locs``, ``move_kv``,
-``store_kv``.
-
-Drop-ins for the functions of the same name in :mod:`polyspec.kernels.reference`. Portable
+"""Triton slot-bookkeeping kernels, ``assign_draft_cache_locs``, ``assign_req_to_token``,
+``assign_extend_cache_locs``, ``assign_accept_locs`` (drop-ins for the KernelSet entries of
+the same name in :mod:`polyspec.kernels.reference`), and ``store_kv``, the K/V store of one
+layer that the cuda backend's attentions run at the start of every forward. Portable
 Triton only. Segment kernels run one program per request and find their offset in the
 concatenated slot list by summing the earlier requests' lengths in-kernel (no host sync, no
 extra launch).
@@ -310,33 +309,6 @@ def assign_accept_locs(
         finish()
 
 
-@triton.jit
-def _copy_rows_kernel(
-    src_ptr,  # [rows, row_len] (row stride stride_src)
-    dst_ptr,  # [rows, row_len] (row stride stride_dst)
-    src_index_ptr,  # [n] row of src for each copy (unused when not GATHER_INDEX)
-    dst_index_ptr,  # [n] row of dst for each copy (unused when not SCATTER_INDEX)
-    row_len,
-    stride_src,
-    stride_dst,
-    GATHER_INDEX: tl.constexpr,
-    SCATTER_INDEX: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    i = tl.program_id(0)
-    c0 = tl.program_id(1) * BLOCK
-    offs = c0 + tl.arange(0, BLOCK)
-    m = offs < row_len
-    src_row = i.to(tl.int64)
-    dst_row = i.to(tl.int64)
-    if GATHER_INDEX:
-        src_row = tl.load(src_index_ptr + i).to(tl.int64)
-    if SCATTER_INDEX:
-        dst_row = tl.load(dst_index_ptr + i).to(tl.int64)
-    vals = tl.load(src_ptr + src_row * stride_src + offs, mask=m)
-    tl.store(dst_ptr + dst_row * stride_dst + offs, vals, mask=m)
-
-
 def _cache_rows(cache: torch.Tensor, what: str) -> int:
     """Row length (Hkv * D) of a ``[slots, Hkv, D]`` cache whose rows are contiguous."""
     check(cache.dim() == 3, f"{what} must be [slots, Hkv, D], got {tuple(cache.shape)}")
@@ -346,33 +318,6 @@ def _cache_rows(cache: torch.Tensor, what: str) -> int:
         f"{what}: each slot's [Hkv, D] block must be contiguous (as KV pools allocate them)",
     )
     return hkv * d
-
-
-def move_kv(
-    k_cache: torch.Tensor,  # [slots, Hkv, D]
-    v_cache: torch.Tensor,  # [slots, Hkv, D]
-    dst_loc: torch.Tensor,  # [n]
-    src_loc: torch.Tensor,  # [n]
-) -> None:
-    """Triton ``move_kv``: a gather launch into a temporary, then a scatter launch, so
-    overlapping ``src`` / ``dst`` lists are safe (see :func:`polyspec.kernels.reference.move_kv`)."""
-    check(dst_loc.numel() == src_loc.numel(), "dst_loc and src_loc must have the same length")
-    n = dst_loc.numel()
-    if n == 0:
-        return
-    src = src_loc.reshape(-1).contiguous()
-    dst = dst_loc.reshape(-1).contiguous()
-    for cache, what in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        row_len = _cache_rows(cache, what)
-        block = min(next_pow2(row_len), 1024)
-        grid = (n, triton.cdiv(row_len, block))
-        moved = torch.empty(n, row_len, dtype=cache.dtype, device=cache.device)
-        _copy_rows_kernel[grid](
-            cache, moved, src, src, row_len, cache.stride(0), row_len, True, False, block
-        )
-        _copy_rows_kernel[grid](
-            moved, cache, dst, dst, row_len, row_len, cache.stride(0), False, True, block
-        )
 
 
 @triton.jit

@@ -4,8 +4,9 @@ Why: a draft token verified at tree depth d must get bitwise the attention outpu
 decode step at the same position would get, or bf16 greedy speculative output parts from
 plain greedy output after a near-tie. SDPA (and :mod:`.attention`) split the keys into the
 cached prefix and the mode's block, so the same keys are summed in a different grouping in a
-verify forward than in a decode step. Here the metadata of the cpu backend's SDPA layout (any
-mode, eager or captured) is turned into one list per token: its visible key columns in column
+verify forward than in a decode step. Here the SDPA layout of
+``polyspec.backends.common.attention`` (any mode, eager or captured) is turned into one list per
+token: its visible key columns in column
 order, which is the prefix in position order and then, for a verify row, its ancestors root
 first (a tree node's parent always precedes it). That is exactly the list a plain decode step
 at that position has. The kernel walks every list in ``BLOCK_N`` chunks of the list index
@@ -16,7 +17,8 @@ group; the probabilities enter the second product in the value dtype, as in flas
 
 The lists are ``key_lists [T, L]`` (slot of the i-th visible key; the tail past ``key_lens`` is
 never read) and ``key_lens [T]``. An eager forward derives them from SDPA's layout with device
-ops (a cumsum and a scatter, no ``nonzero``); a captured forward writes them with one kernel,
+ops (a cumsum and a scatter, no ``nonzero``: ``key_lists_from`` of the cuda backend's
+attention); a captured forward writes them with one kernel,
 :func:`static_key_lists`, straight from the batch's index tensors: the layout and its mask took
 about 35 small launches per forward, four forwards a speculative round, and inside a CUDA graph
 each launch costs its latency whatever its size.
@@ -24,16 +26,12 @@ each launch costs its latency whatever its size.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
 from polyspec.backend import ForwardBatch, ForwardMode
-from polyspec.backends.cpu.attention import SDPAAttention, SDPAMetadata
 from polyspec.kernels.triton._util import check, interpreted, next_pow2
-from polyspec.kernels.triton.cache import store_kv
 
 BLOCK_N = 128
 """Keys per online-softmax step. Chosen on the H200 for this kernel's first, one-program-per-
@@ -151,29 +149,6 @@ def list_attention(
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, num_warps=num_warps,
     )  # fmt: skip
     return out
-
-
-def key_lists_from(m: SDPAMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, L], [T])
-    """Each token's visible key slots in column order, and their count, from the SDPA layout
-    (device ops only: no host sync, so this runs inside graph capture)."""
-    kv = m.kv_index.view(m.batch_rows, m.kv_len)  # [B, L]
-    if m.mask is None and m.output_index is None:  # every token sees every column of its row
-        token_rows = torch.arange(m.num_tokens, device=kv.device) // m.max_queries
-        lens = torch.full((m.num_tokens,), m.kv_len, dtype=torch.int32, device=kv.device)
-        return kv.index_select(0, token_rows), lens
-    if m.output_index is None:
-        rows = torch.arange(m.batch_rows * m.max_queries, device=kv.device)  # [T]
-    else:
-        rows = m.output_index.to(torch.int64)  # [T] padded query row of each token
-    slots = kv.index_select(0, rows // m.max_queries)  # [T, L]
-    if m.mask is None:
-        return slots, torch.full_like(rows, m.kv_len, dtype=torch.int32)
-    visible = m.mask.reshape(m.batch_rows * m.max_queries, m.kv_len).index_select(0, rows)
-    rank = torch.cumsum(visible, 1, dtype=torch.int64) - 1  # [T, L] place in the list
-    dest = torch.where(visible, rank, m.kv_len)  # hidden columns go to a spare last column
-    lists = torch.zeros((rows.numel(), m.kv_len + 1), dtype=slots.dtype, device=kv.device)
-    lists.scatter_(1, dest, slots)
-    return lists[:, : m.kv_len], visible.sum(1, dtype=torch.int32)
 
 
 @triton.jit
@@ -299,53 +274,3 @@ def static_key_lists(
         *lane_strides, Q=q, Q_PAD=next_pow2(q), W_PAD=w_pad, MODE=mode, BLOCK=256,
     )  # fmt: skip
     return lists, lens
-
-
-@dataclasses.dataclass
-class ListMetadata(SDPAMetadata):
-    """SDPA's layout plus the per-token key lists the kernel reads."""
-
-    key_lists: torch.Tensor | None = None  # [T, L] slots in attention order
-    key_lens: torch.Tensor | None = None  # [T] int32
-
-
-class RowInvariantAttention(SDPAAttention):
-    """SDPA's metadata (every mode, eager and captured), attended by :func:`list_attention`.
-    The base class's ``build_metadata`` and ``build_static_metadata`` both end in
-    ``_with_key_lists``, which here adds the per-token key lists."""
-
-    write_kv = staticmethod(store_kv)  # K and V in one launch
-
-    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> ListMetadata:
-        """A captured forward's metadata: the key lists from :func:`static_key_lists` (one
-        launch) instead of SDPA's layout, which this attention does not read."""
-        lists, lens = static_key_lists(batch, max_prefix_len)
-        empty = torch.empty(0, dtype=torch.int64, device=lists.device)
-        return ListMetadata(
-            batch.mode, batch.num_tokens, batch.batch_size, batch.num_tokens // batch.batch_size,
-            batch.out_cache_loc.to(torch.int64), empty, 0, None, None, None,
-            *self._kv_buffers(0), key_lists=lists, key_lens=lens,
-        )  # fmt: skip
-
-    def _with_key_lists(self, m: SDPAMetadata) -> ListMetadata:
-        lists, lens = key_lists_from(m)
-        fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(SDPAMetadata)}
-        return ListMetadata(**fields, key_lists=lists, key_lens=lens)
-
-    def _kv_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # The kernel reads the pool directly: no gathered copies.
-        empty = torch.empty(0, self.num_kv_heads, self.head_dim, device=self.kv_pool.device)
-        return empty, empty
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        layer: int,
-        metadata: ListMetadata,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        """Store ``k``/``v`` at ``out_cache_loc`` of ``layer``, then :func:`list_attention`."""
-        m = metadata
-        k_cache, v_cache = self.store_kv(q, k, v, layer, m)
-        return list_attention(q, k_cache, v_cache, m.key_lists, m.key_lens, self.scale)

@@ -20,9 +20,6 @@ from polyspec.backend import TreeMaskMode
 from polyspec.kernels._tree import check_build_tree_args, check_sampling_probs, check_verify_args
 from polyspec.kernels.triton._util import check, next_pow2, writable
 
-_MASK_CODES = {TreeMaskMode.TREE_ONLY: 0, TreeMaskMode.BITPACKED: 1, TreeMaskMode.FULL: 2}
-
-
 # ------------------------------------------------------------------------------ build_tree
 
 
@@ -31,8 +28,7 @@ def _build_tree_kernel(
     parent_list_ptr,  # [bs, P]
     selected_ptr,  # [bs, N-1] candidate ids of nodes 1..N-1
     seq_lens_ptr,  # [bs]
-    mask_ptr,  # TREE_ONLY [bs, N, N] / BITPACKED [bs, N, WORDS] / FULL flat
-    mask_start_ptr,  # [bs] int64 FULL block offsets (unused otherwise)
+    mask_ptr,  # [bs, N, N] (TREE_ONLY)
     positions_ptr,  # [bs*N]
     retrive_index_ptr,  # [bs, N]
     next_token_ptr,  # [bs, N]
@@ -43,10 +39,7 @@ def _build_tree_kernel(
     num_parents,  # P
     stride_parent,
     stride_selected,
-    MASK_MODE: tl.constexpr,  # 0 TREE_ONLY, 1 BITPACKED, 2 FULL
-    WORDS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0)
     node = tl.arange(0, BLOCK_N)  # [BLOCK_N] int32
@@ -96,28 +89,8 @@ def _build_tree_kernel(
     tl.store(next_sibling_ptr + row, tl.where(next_sib < n, next_sib, -1), mask=valid)
 
     cell = valid[:, None] & valid[None, :]
-    if MASK_MODE == 0:
-        offs = (b * n + node[:, None]) * n + node[None, :]
-        tl.store(mask_ptr + offs, tree, mask=cell)
-    elif MASK_MODE == 1:
-        bit = tl.full([BLOCK_N], 1, tl.int64) << (node % 32).to(tl.int64)  # [BLOCK_N]
-        for w in tl.static_range(WORDS):
-            in_word = (node // 32 == w) & valid
-            bits = tl.where(tree & in_word[None, :], bit[None, :], 0)
-            word = tl.sum(bits, axis=1)  # distinct bits: the sum is the OR, < 2**32
-            # Two's complement reinterpretation so that bit 31 survives the int32 store.
-            word = tl.where(word >= 2147483648, word - 4294967296, word).to(tl.int32)
-            tl.store(mask_ptr + (b * n + node) * WORDS + w, word, mask=valid)
-    else:
-        start = tl.load(mask_start_ptr + b)
-        width = seq + n
-        col = tl.arange(0, BLOCK_C)
-        row_base = start + node[:, None].to(tl.int64) * width  # [BLOCK_N, 1]
-        ones = (col[None, :] + node[:, None] * 0) >= 0
-        for c0 in range(0, seq, BLOCK_C):
-            keep = valid[:, None] & (c0 + col[None, :] < seq)
-            tl.store(mask_ptr + row_base + c0 + col[None, :], ones, mask=keep)
-        tl.store(mask_ptr + row_base + seq + node[None, :], tree, mask=cell)
+    offs = (b * n + node[:, None]) * n + node[None, :]
+    tl.store(mask_ptr + offs, tree, mask=cell)
 
 
 def build_tree(
@@ -128,7 +101,7 @@ def build_tree(
     num_steps: int,
     num_draft_tokens: int,
     tree_mask_mode: TreeMaskMode,
-    tree_mask: torch.Tensor,  # out: layout of tree_mask_mode
+    tree_mask: torch.Tensor,  # out: [bs, N, N] bool
     positions: torch.Tensor,  # out: [bs*N]
     retrive_index: torch.Tensor,  # out: [bs, N]
     retrive_next_token: torch.Tensor,  # out: [bs, N]
@@ -141,14 +114,8 @@ def build_tree(
         retrive_next_sibling,
     )  # fmt: skip
     bs, n = seq_lens.shape[0], num_draft_tokens
-    words = (n + 31) // 32
     if bs == 0:
         return
-    if tree_mask_mode is TreeMaskMode.FULL:
-        sizes = n * (seq_lens.long() + n)
-        mask_start = torch.cumsum(sizes, 0) - sizes  # [bs] offset of each request's block
-    else:
-        mask_start = seq_lens  # unused by the kernel
     parent = parent_list if parent_list.shape[1] > 0 else seq_lens.reshape(bs, 1)  # never read
     selected = top_scores_index if n > 1 else seq_lens.reshape(bs, 1)  # never read when N == 1
     outs = [writable(t) for t in (tree_mask, positions, retrive_index)]
@@ -158,7 +125,6 @@ def build_tree(
         selected,
         seq_lens,
         outs[0][0],
-        mask_start,
         outs[1][0],
         outs[2][0],
         outs[3][0],
@@ -169,10 +135,7 @@ def build_tree(
         parent_list.shape[1],
         parent.stride(0),
         selected.stride(0),
-        MASK_MODE=_MASK_CODES[tree_mask_mode],
-        WORDS=words,
         BLOCK_N=next_pow2(n),
-        BLOCK_C=64,
         num_warps=1 if n <= 32 else 4,
     )
     for _, finish in outs:

@@ -31,9 +31,8 @@ def test_registered_through_its_entry_point():
     backend = create_backend("ascend-like")
     assert isinstance(backend, AscendLikeBackend)
     caps = backend.capabilities
-    assert caps.index_dtype == "int32" and caps.host_seq_lens and caps.graph_needs_prepare
-    assert caps.page_sizes == (PAGE_SIZE,) and caps.sampling_dtypes == ("float32",)
-    assert caps.max_graph_shapes == 8
+    assert caps.index_dtype == "int32" and caps.graph_needs_prepare
+    assert caps.page_sizes == (PAGE_SIZE,) and caps.max_graph_shapes == 8
 
 
 def test_allocator_is_page_128_int32(be):
@@ -43,16 +42,16 @@ def test_allocator_is_page_128_int32(be):
     assert slots.dtype == I32 and slots.shape == (PAGE_SIZE,)
 
 
-def test_kernels_reject_int64_indices(be):
-    k = torch.zeros(300, 2, 8)
-    v = torch.zeros(300, 2, 8)
-    new = torch.ones(3, 2, 8)
-    with pytest.raises(TypeError, match="loc is torch.int64"):
-        be.kernels.store_kv(k, v, torch.tensor([1, 2, 3]), new, new)
-    be.kernels.store_kv(k, v, torch.tensor([1, 2, 3], dtype=I32), new, new)
-    assert k[1:4].eq(1).all()
+def test_kernels_and_pool_reject_int64_indices(be):
+    table = torch.zeros(2, 8, dtype=I32)
+    rows, start, end = (torch.tensor([x], dtype=I32) for x in (1, 0, 3))
+    with pytest.raises(TypeError, match="slots is torch.int64"):
+        be.kernels.assign_req_to_token(rows, table, start, end, torch.tensor([4, 5, 6]))
+    be.kernels.assign_req_to_token(rows, table, start, end, torch.tensor([4, 5, 6], dtype=I32))
+    assert table[1, :3].tolist() == [4, 5, 6]
+    pool = be.make_kv_pool(4 * PAGE_SIZE, 1, 2, 8, torch.float32)
     with pytest.raises(TypeError, match="dst_loc"):
-        be.kernels.move_kv(k, v, torch.tensor([4]), torch.tensor([1], dtype=I32))
+        pool.move(torch.tensor([4]), torch.tensor([1], dtype=I32))
     bs, n = 2, 3
     outs = dict(
         tree_mask=torch.empty(bs, n, n, dtype=torch.bool),

@@ -355,7 +355,7 @@ def test_a_speculative_mapping_takes_the_heads_settings_too(tmp_path):
 
 
 def test_the_shipped_heads_settings_apply_where_the_engine_uses_it(tmp_path):
-    from polyspec.engine.defaults import shipped_head_path, shipped_head_settings
+    from polyspec.defaults import shipped_head_path, shipped_head_settings
 
     if shipped_head_path() is None:
         pytest.skip("no head shipped")

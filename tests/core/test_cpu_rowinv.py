@@ -535,7 +535,7 @@ def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cpu_backend_kernel_choice(monkeypatch):
     """bf16 linears and attention of the cpu backend use these kernels unless
     POLYSPEC_CPU_KERNELS=torch; a wrong value is an error that names the choices."""
-    from polyspec.backends.cpu.attention import SDPAAttention
+    from polyspec.backends.common import SDPAAttention
     from polyspec.backends.cpu.backend import CPUBackend
     from polyspec.errors import ConfigError
 
@@ -688,18 +688,18 @@ def test_verify_tree_greedy_cxx_passes_the_conformance_fuzz(monkeypatch):
 
 def test_build_tree_cxx_passes_the_conformance_tree_tests(monkeypatch):
     """The cpu backend's C++ tree build (used once the extension is loaded) through the
-    conformance suite's fuzz (random, corrupted, duplicate-id trees, every mask layout,
-    compared with the reference) and its golden trees."""
+    conformance suite's fuzz (random, corrupted, duplicate-id trees, compared with the
+    reference) and its golden trees."""
     from polyspec.backend import TreeMaskMode
     from polyspec.backends.cpu.backend import CPUBackend
     from polyspec.testing import test_tree_golden as golden
-    from polyspec.testing.test_tree_fuzz import test_build_tree_fuzz, test_wide_tree_bitpacked_words
+    from polyspec.testing.test_tree_fuzz import test_build_tree_fuzz, test_wide_tree
 
     calls = _count_cxx_calls(monkeypatch, "build_tree")
     backend = CPUBackend()
     test_build_tree_fuzz(backend=backend)
     for mode in TreeMaskMode:
-        test_wide_tree_bitpacked_words(backend, mode)
+        test_wide_tree(backend, mode)
         golden.test_chain(backend, mode)
         golden.test_topk_tree(backend, mode)
         golden.test_missing_parent(backend, mode)

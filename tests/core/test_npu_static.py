@@ -200,7 +200,6 @@ def test_npu_kernel_set_falls_back_to_the_reference_without_triton(monkeypatch):
     for mod in [m for m in sys.modules if m.startswith("polyspec.kernels.triton.")]:
         monkeypatch.delitem(sys.modules, mod)
     built = build_kernels()
-    assert built.sources["store_kv"] == "torch_npu"
     assert built.sources["build_tree"].startswith("reference (import of tree failed")
     from polyspec.kernels import reference
 

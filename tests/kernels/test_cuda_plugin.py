@@ -58,7 +58,7 @@ def test_declared_capabilities_are_the_backends():
 
     assert CUDA_CAPABILITIES is CAPABILITIES
     assert CAPABILITIES.graph_capture and CAPABILITIES.tree_attention
-    assert CAPABILITIES.page_sizes is None and CAPABILITIES.sampling_verify
+    assert CAPABILITIES.page_sizes is None and CAPABILITIES.async_host_reads
     assert issubclass(CUDABackend, Backend) and CUDABackend.name == "cuda"
     assert issubclass(CUDAGraphRunner, GraphRunner)
     with pytest.raises(ValueError, match="warmup_iters"):

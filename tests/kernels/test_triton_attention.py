@@ -1,5 +1,5 @@
-"""The Triton paged attentions (kernels/triton/attention.py, and the row-invariant
-kernels/triton/list_attention.py) against the float64 oracle of the conformance suite and the
+"""The cuda backend's Triton attentions (backends/cuda/attention.py: the paged kernel of
+kernels/triton/attention.py, and the row-invariant kernels/triton/list_attention.py) against the float64 oracle of the conformance suite and the
 cpu SDPA attention, in every mode, eager and captured metadata, under ``TRITON_INTERPRET=1``
 (or compiled, with ``POLYSPEC_TRITON_DEVICE=cuda``)."""
 
@@ -10,9 +10,9 @@ import zlib
 import pytest
 import torch
 
+from polyspec.backends.common import TensorKVPool
 from polyspec.backends.cpu.backend import CPUBackend
-from polyspec.kernels.triton.attention import TritonAttention
-from polyspec.kernels.triton.list_attention import RowInvariantAttention
+from polyspec.backends.cuda.attention import RowInvariantAttention, TritonAttention
 from polyspec.testing.test_attention import (
     SCENARIOS,
     Harness,
@@ -34,8 +34,6 @@ class _TritonAttentionBackend(CPUBackend):
         return self._dev
 
     def make_kv_pool(self, num_slots, num_layers, num_kv_heads, head_dim, dtype):
-        from polyspec.backends.cpu.kv_pool import TensorKVPool
-
         return TensorKVPool(num_slots, num_layers, num_kv_heads, head_dim, dtype, self._dev)
 
     def make_attention(self, kv_pool, num_heads, num_kv_heads, head_dim, scale):

@@ -70,7 +70,7 @@ class _TritonBackend:
         self._device = torch.device(device)
         self.index_dtype = index_dtype
         self.capabilities = CPUBackend().capabilities
-        self.kernels = dataclasses.replace(KernelSet.reference(), **triton_kernel_overrides())
+        self.kernels = dataclasses.replace(ref.reference_kernels(), **triton_kernel_overrides())
 
     def device(self, rank: int = 0) -> torch.device:
         return self._device
@@ -126,7 +126,9 @@ def test_overrides_cover_the_assigned_kernels(kernels):
     expected = {name for names in KERNELS.values() for name in names}
     assert set(kernels) == expected
     assert expected <= set(KernelSet.names())
-    assert {"build_tree", "verify_tree_greedy", "verify_tree_sampling", "move_kv"} <= expected
+    assert {"build_tree", "verify_tree_greedy", "verify_tree_sampling", "assign_accept_locs"} <= (
+        expected
+    )
 
 
 def test_importing_the_package_does_not_import_triton():
@@ -196,14 +198,9 @@ def test_select_top_k_and_organize_match_reference(
 
 
 def _tree_outs(mode: TreeMaskMode, bs: int, n: int, seq_lens: torch.Tensor, idt) -> dict:
-    if mode is TreeMaskMode.FULL:
-        mask = torch.empty(int((n * (seq_lens + n)).sum()), dtype=torch.bool)
-    elif mode is TreeMaskMode.BITPACKED:
-        mask = torch.empty(bs, n, (n + 31) // 32, dtype=torch.int32)
-    else:
-        mask = torch.empty(bs, n, n, dtype=torch.bool)
+    assert mode is TreeMaskMode.TREE_ONLY  # the one layout
     return {
-        "tree_mask": mask,
+        "tree_mask": torch.empty(bs, n, n, dtype=torch.bool),
         "positions": torch.empty(bs * n, dtype=idt),
         "retrive_index": torch.empty(bs, n, dtype=idt),
         "retrive_next_token": torch.empty(bs, n, dtype=idt),
@@ -434,23 +431,11 @@ def test_assign_req_to_token_and_extend_cache_locs_match_reference(kernels, trit
         _same(res, exp, f"assign_extend_cache_locs[{idt}]")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_move_kv_is_overlap_safe(kernels, triton_device, dtype):
-    g = _gen(SEED + 23)
-    k = torch.randn(32, 2, 8, generator=g).to(dtype)
-    v = torch.randn(32, 2, 8, generator=g).to(dtype)
-    # A right shift and a swap: copying pair by pair, or scattering before gathering, fails.
-    src = torch.tensor([4, 5, 6, 20, 11, 12])
-    dst = torch.tensor([5, 6, 7, 4, 12, 11])
-    ek, ev = k.clone(), v.clone()
-    ref.move_kv(ek, ev, dst, src)
-    gk, gv = _on(k, triton_device), _on(v, triton_device)
-    kernels["move_kv"](gk, gv, _on(dst, triton_device, torch.int32), _on(src, triton_device))
-    assert torch.equal(gk.cpu(), ek) and torch.equal(gv.cpu(), ev)
-
-
 @pytest.mark.parametrize("cache_dtype", FLOATS)
-def test_store_kv_casts_and_reads_strided_inputs(kernels, triton_device, cache_dtype):
+def test_store_kv_casts_and_reads_strided_inputs(triton_device, cache_dtype):
+    """The K/V store of the cuda backend's row-invariant attention (not a KernelSet entry)."""
+    from polyspec.kernels.triton.cache import store_kv
+
     g = _gen(SEED + 24)
     k = torch.randn(32, 2, 8, generator=g).to(cache_dtype)
     v = torch.randn(32, 2, 8, generator=g).to(cache_dtype)
@@ -459,10 +444,10 @@ def test_store_kv_casts_and_reads_strided_inputs(kernels, triton_device, cache_d
     qkv = torch.randn(5, 6, 8, generator=g)
     nk, nv = qkv[:, 2:4], qkv[:, 4:6]
     ek, ev = k.clone(), v.clone()
-    ref.store_kv(ek, ev, loc, nk, nv)
+    ek[loc], ev[loc] = nk.to(cache_dtype), nv.to(cache_dtype)
     gk, gv = _on(k, triton_device), _on(v, triton_device)
     dq = _on(qkv, triton_device)
-    kernels["store_kv"](gk, gv, _on(loc, triton_device), dq[:, 2:4], dq[:, 4:6])
+    store_kv(gk, gv, _on(loc, triton_device), dq[:, 2:4], dq[:, 4:6])
     _assert_rounded_equal(gk, ek, triton_device, "store_kv k")
     _assert_rounded_equal(gv, ev, triton_device, "store_kv v")
     untouched = torch.ones(32, dtype=torch.bool)

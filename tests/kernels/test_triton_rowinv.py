@@ -14,13 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from polyspec.backend import ForwardBatch, ForwardMode
-from polyspec.backends.cpu.attention import SDPAAttention
+from polyspec.backends.common import SDPAAttention, TensorKVPool
 from polyspec.backends.cpu.backend import CPUBackend
-from polyspec.backends.cpu.kv_pool import TensorKVPool
+from polyspec.backends.cuda.attention import RowInvariantAttention, key_lists_from
 from polyspec.kernels.triton.linear import row_invariant_linear
 from polyspec.kernels.triton.list_attention import (
-    RowInvariantAttention,
-    key_lists_from,
     list_attention,
     static_key_lists,
 )

@@ -9,8 +9,9 @@ from __future__ import annotations
 from polyspec.backend import BackendCapabilities
 from polyspec.hookspecs import BackendSpec, ProbeResult, hookimpl
 
-CAPABILITIES = BackendCapabilities(static_metadata=True, weight_quantization=("int8",))
-"""Same as the cpu reference it wraps: eager graphs, tree attention, any page size."""
+CAPABILITIES = BackendCapabilities(static_metadata=True)
+"""Eager graphs (captured forwards replay by rerunning), tree attention, any page size, the
+three float dtypes, no quantized draft weights."""
 
 
 @hookimpl
@@ -22,7 +23,7 @@ def polyspec_backend_spec() -> BackendSpec:
         priority=-1,
         capabilities=CAPABILITIES,
         device_type="cpu",
-        description="example out-of-tree plugin (cpu reference + one overridden kernel)",
+        description="example out-of-tree plugin (shared pieces + one overridden kernel)",
     )
 
 

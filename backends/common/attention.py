@@ -1,4 +1,4 @@
-"""SDPA attention of the cpu backend for the five forward modes.
+"""SDPA attention for the five forward modes, shared by the backends (plain torch, any device).
 
 Layout shared by every mode. Request ``b`` becomes one SDPA batch row with ``Qmax`` query rows
 and ``Lmax = Pmax + Bw`` key columns:
@@ -80,11 +80,11 @@ class SDPAAttention(AttentionBackend):
     ) -> None:
         """``num_heads`` must be a multiple of ``num_kv_heads``; the pool must match the KV
         head count and head dim. ``exact_attention(q, k_cache, v_cache, kv_indptr, kv_indices,
-        scale)`` (``polyspec.backends.cpu.rowinv.attention``) replaces SDPA for every mode
-        (see the module doc). ``exact_store_and_attend(q, k, v, k_cache, v_cache, loc,
+        scale)`` (the cpu backend passes its C++ ``rowinv.attention``) replaces SDPA for every
+        mode (see the module doc). ``exact_store_and_attend(q, k, v, k_cache, v_cache, loc,
         kv_indptr, kv_indices, scale)``, where given, does a layer's store and that attention
-        in one call (``rowinv.store_and_attend``: the same bits, one dispatch instead of
-        three)."""
+        in one call (the cpu backend's ``store_and_attend``: the same bits, one dispatch
+        instead of three)."""
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"attention: num_heads ({num_heads}) must be a positive multiple of "
@@ -223,8 +223,8 @@ class SDPAAttention(AttentionBackend):
     def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> SDPAMetadata:
         """Fixed-shape metadata from device tensors only (see the contract): ``max_prefix_len``
         prefix columns per request, always a mask, no padding of queries (the layout is
-        uniform), no host sync (except for the key lists of row-invariant mode: the cpu graph
-        runner is eager)."""
+        uniform), no host sync (except for the key lists of row-invariant mode, which only an
+        eager graph runner replays)."""
         return self._with_key_lists(self._build_static_metadata(batch, max_prefix_len))
 
     def _build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> SDPAMetadata:

@@ -1,4 +1,4 @@
-"""K/V storage of the cpu backend: one ``[num_layers, num_slots, Hkv, D]`` tensor each for K and V.
+"""K/V storage shared by the backends: one ``[num_layers, num_slots, Hkv, D]`` tensor each for K and V.
 
 Stacking the layers lets :meth:`TensorKVPool.move` copy every layer in one gather and one
 scatter (it runs each round to compact accepted tokens), while ``k_cache(layer)`` is still a
@@ -13,8 +13,7 @@ from polyspec.backend import KVPool
 
 
 class TensorKVPool(KVPool):
-    """Zero-initialised K/V tensors on one device; writes and moves by plain tensor indexing
-    (the same semantics as the reference ``store_kv`` / ``move_kv`` kernels)."""
+    """Zero-initialised K/V tensors on one device; writes and moves by plain tensor indexing."""
 
     def __init__(
         self,

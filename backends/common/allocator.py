@@ -1,4 +1,4 @@
-"""KV slot allocator of the cpu backend: token slots (``page_size == 1``) and whole pages.
+"""KV slot allocator shared by the backends: token slots (``page_size == 1``) and whole pages.
 
 Both cases are one allocator over *pages* (a token slot is a page of size 1). The free pages
 live in a preallocated tensor used as a stack, so ``alloc`` and ``free`` cost O(n) in the

@@ -1,4 +1,5 @@
-"""Where the default target model and the shipped draft head live."""
+"""Where the default target model and the shipped draft head live, and a head's own settings
+(``polyspec.json``), which the configuration layer (:mod:`polyspec.config`) reads."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def default_target_path() -> Path:
 
 def shipped_head_path() -> Path | None:
     """The EAGLE-3 head trained for the default target and shipped in the package, if any."""
-    path = Path(__file__).resolve().parent.parent / "heads" / SHIPPED_HEAD
+    path = Path(__file__).resolve().parent / "heads" / SHIPPED_HEAD
     return path if (path / "config.json").is_file() else None
 
 

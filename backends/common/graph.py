@@ -1,4 +1,13 @@
-"""Eager graph runner of the cpu backend: no capture, but the rules of a real graph runner.
+"""Graph runners' shared rules, and an eager runner that keeps them without capturing.
+
+The rules every runner enforces (cpu, cuda, npu and the Ascend-shaped test backend call the
+functions below): static inputs map names to tensors (:func:`checked_static_inputs`); a replay
+names only captured buffers, each new input fitting its buffer (:func:`check_inputs`); new
+values are copied into the buffers, the part past a shorter input zeroed so that index buffers
+point at the padding slot 0 (:func:`copy_inputs`); only captured keys replay
+(:func:`never_captured`).
+
+:class:`EagerGraphRunner` (the cpu backend's, and the base of the Ascend-shaped one):
 
 ``capture`` runs ``fn`` once on the static buffers and records ``fn``, the buffers and the
 outputs. ``replay`` validates and copies the new inputs into those same buffer objects, reruns
@@ -37,6 +46,54 @@ class _Captured:
     outputs: Any
 
 
+def checked_static_inputs(
+    static_inputs: Mapping[str, torch.Tensor],
+) -> Mapping[str, torch.Tensor]:
+    """A read-only copy of ``static_inputs``; ``ValueError`` unless it maps str -> tensor."""
+    for name, buf in static_inputs.items():
+        if not isinstance(name, str) or not isinstance(buf, torch.Tensor):
+            raise ValueError(
+                f"graph runner: static_inputs must map str -> torch.Tensor, got "
+                f"{type(name).__name__} -> {type(buf).__name__} for {name!r}"
+            )
+    return types.MappingProxyType(dict(static_inputs))
+
+
+def check_inputs(
+    key: Any, new_inputs: Mapping[str, Any], static: Mapping[str, torch.Tensor]
+) -> None:
+    """Raise ``ValueError`` unless every new input fits the captured buffer of its name
+    (checked before anything is copied)."""
+    for name, new in new_inputs.items():
+        check_fits(key, name, new, static)
+
+
+def copy_inputs(
+    new_inputs: Mapping[str, torch.Tensor],
+    static: Mapping[str, torch.Tensor],
+    non_blocking: bool = False,
+) -> None:
+    """Copy each new input into its static buffer and zero the rows past it (index buffers
+    then point at the padding slot 0). Inputs not named keep their previous contents."""
+    for name, new in new_inputs.items():
+        buf = static[name]
+        if buf.dim() == 0:
+            buf.copy_(new, non_blocking=non_blocking)
+            continue
+        n = new.shape[0]
+        buf[:n].copy_(new, non_blocking=non_blocking)
+        if n < buf.shape[0]:
+            buf[n:].zero_()
+
+
+def never_captured(runner: str, key: Any, captured: list[Any]) -> KeyError:
+    """The error for a replay or prepare of a key that was never captured."""
+    return KeyError(
+        f"{runner}: key {key!r} was never captured (captured keys: {captured[:8]}); "
+        f"call capture() for it first or check can_run()"
+    )
+
+
 class EagerGraphRunner(GraphRunner):
     """A :class:`GraphRunner` that reruns the recorded function eagerly on replay."""
 
@@ -54,13 +111,7 @@ class EagerGraphRunner(GraphRunner):
         (tensors, or tuples / lists / dicts of them), which replays update in place."""
         if key in self._graphs:
             raise ValueError(f"graph runner: key {key!r} is already captured; use a new key")
-        for name, buf in static_inputs.items():
-            if not isinstance(name, str) or not isinstance(buf, torch.Tensor):
-                raise ValueError(
-                    f"graph runner: static_inputs must map str -> torch.Tensor, got "
-                    f"{type(name).__name__} -> {type(buf).__name__} for {name!r}"
-                )
-        inputs = types.MappingProxyType(dict(static_inputs))
+        inputs = checked_static_inputs(static_inputs)
         outputs = fn(inputs)
         self._graphs[key] = _Captured(fn, inputs, outputs)
         return outputs
@@ -78,17 +129,8 @@ class EagerGraphRunner(GraphRunner):
         zeroed: index buffers then point at the padding slot 0), rerun, return the static
         outputs refreshed in place. Inputs not named keep their previous buffer contents."""
         graph = self._get(key)
-        for name, new in new_inputs.items():
-            _check_fits(key, name, new, graph.inputs)
-        for name, new in new_inputs.items():
-            buf = graph.inputs[name]
-            if buf.dim() == 0:
-                buf.copy_(new)
-                continue
-            n = new.shape[0]
-            buf[:n].copy_(new)
-            if n < buf.shape[0]:
-                buf[n:].zero_()
+        check_inputs(key, new_inputs, graph.inputs)
+        copy_inputs(new_inputs, graph.inputs)
         later = list(self._graphs)
         for other in later[later.index(key) + 1 :]:
             _poison(self._graphs[other].outputs)
@@ -100,14 +142,10 @@ class EagerGraphRunner(GraphRunner):
         try:
             return self._graphs[key]
         except KeyError:
-            captured = list(self._graphs)[:8]
-            raise KeyError(
-                f"graph runner: key {key!r} was never captured (captured keys: {captured}); "
-                f"call capture() for it first or check can_run()"
-            ) from None
+            raise never_captured("graph runner", key, list(self._graphs)) from None
 
 
-def _check_fits(key: Any, name: str, new: Any, static: Mapping[str, torch.Tensor]) -> None:
+def check_fits(key: Any, name: str, new: Any, static: Mapping[str, torch.Tensor]) -> None:
     """Raise ``ValueError`` unless ``new`` can be copied into the buffer ``name``."""
     if name not in static:
         raise ValueError(

@@ -476,8 +476,20 @@ class EngineConfig:
         object.__setattr__(self, "draft", _check_opt_str("draft", self.draft))
         if isinstance(self.speculative, Mapping):  # keys left out: the head's, then defaults
             spec = dict(self.speculative)
-            _fill_from_head(spec, {"draft": self.draft, "target": self.target})
-            object.__setattr__(self, "speculative", SpeculativeConfig(**spec))
+            given = {k for k, v in spec.items() if v is not None}
+            head = _fill_from_head(spec, {"draft": self.draft, "target": self.target})
+            try:
+                object.__setattr__(self, "speculative", SpeculativeConfig(**spec))
+            except ConfigError as exc:  # a value from the head's polyspec.json: name the file
+                field = getattr(exc, "key", "").removeprefix("speculative.").split(" ")[0]
+                filled = {k for k, v in spec.items() if v is not None} - given
+                if head is not None and (field in filled or "tree_candidates" in filled):
+                    settings = Path(head) / "polyspec.json"
+                    raise ConfigError(
+                        f"{exc} (from the head's settings file {settings}; fix or delete it, or "
+                        "give the tree with --num-steps/--topk/--num-draft-tokens)"
+                    ) from None
+                raise
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise _invalid("speculative", self.speculative, "must be a SpeculativeConfig or None")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
@@ -864,23 +876,24 @@ def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingPar
     return engine, SamplingParams(**merged["sampling"])
 
 
-def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
+def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> str | os.PathLike | None:
     """Tree settings no layer set come from the EAGLE head's own ``polyspec.json`` (the head
     in ``draft``, or the shipped one where the engine will use it), as SGLang picks settings
     for a known draft when none are given. ``num_draft_tokens``, ``dynamic_depth`` and
     ``batch_trees`` are taken only with the head's own ``num_steps`` and ``topk``: they are
-    chosen for that tree (and ``num_draft_tokens`` may not fit another)."""
+    chosen for that tree (and ``num_draft_tokens`` may not fit another). -> the head whose
+    settings were read, or None."""
     if spec.get("algorithm") not in ("eagle", "eagle3"):
-        return
+        return None
     if all(spec.get(k) is not None for k in ("num_steps", "topk", "num_draft_tokens")):
-        return  # a tree given in full is the user's own: none of the head's settings apply
+        return None  # a tree given in full is the user's own: none of the head's settings apply
     from polyspec.engine.defaults import head_settings, shipped_head_path
 
     head = engine.get("draft")
     if head is None and engine.get("target") is None and spec["algorithm"] == "eagle3":
         head = shipped_head_path()
     if head is None or not isinstance(head, (str, os.PathLike)):
-        return  # EngineConfig reports a bad draft value, or the missing draft
+        return None  # EngineConfig reports a bad draft value, or the missing draft
     recommended = head_settings(head)
     if spec.get("batch_trees") is not None:
         spec["batch_trees"] = _as_batch_trees(spec["batch_trees"])
@@ -896,3 +909,4 @@ def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
     for key in ("num_draft_tokens", "dynamic_depth", "batch_trees"):  # for the head's own tree
         if spec.get(key) is None and own_tree and key in recommended:
             spec[key] = recommended[key]
+    return head

@@ -119,6 +119,7 @@ def engine_from_args(args: argparse.Namespace):
         else:
             cfg = _replace(cfg, draft=str(head), speculative={"algorithm": "eagle3"})
     llm = LLM(config=cfg)
+    notes += llm.notes
     if llm.tree_choice is not None:
         from polyspec.engine.tree_choice import tree_note
 
@@ -178,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
         out = llm.generate([args.prompt], sampling)[0]
     else:
         out = llm.chat(args.prompt, sampling)[0]
+    if out.finish_reason == "error":
+        print(f"polyspec: error: generation failed: {out.error}", file=sys.stderr)
+        return 1
     print(out.text)
     s = out.stats
     spec = llm.config.speculative

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -112,11 +113,33 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
+def unsafe_pickle(exc: BaseException) -> bool:
+    """Whether ``torch.load(weights_only=True)`` refused a file for holding more than tensors
+    (its message then advises ``weights_only=False``, which would run the file's code: never
+    pass that advice on)."""
+    text = str(exc)
+    return isinstance(exc, pickle.UnpicklingError) and (
+        "Weights only load failed" in text or "weights_only" in text
+    )
+
+
+def unsafe_pickle_message(path: Path | str) -> str:
+    return (
+        f"{path} was refused as unsafe: it is a pickle that needs more than tensors to load, "
+        "and loading it would run code it names; convert it to safetensors with a tool you "
+        "trust, or use a checkpoint in safetensors format"
+    )
+
+
 def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ModelLoadError(f"{path} does not exist") from None
+    except pickle.UnpicklingError as e:
+        if unsafe_pickle(e):
+            raise ModelLoadError(unsafe_pickle_message(path)) from None
+        raise ModelLoadError(f"{path} is truncated or corrupt (torch.load failed: {e})") from None
     except Exception as e:
         raise ModelLoadError(f"{path} is truncated or corrupt (torch.load failed: {e})") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
@@ -128,7 +151,15 @@ def _index_files(root: Path, index: Path) -> list[Path]:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ModelLoadError(f"{index} has no weight_map")
-    files = [root / f for f in dict.fromkeys(weight_map.values())]
+    names = list(dict.fromkeys(weight_map.values()))
+    top = root.resolve()
+    for name in names:
+        if not isinstance(name, str) or not (root / name).resolve().is_relative_to(top):
+            raise ModelLoadError(
+                f"{index} names shard {name!r}, which is not a file inside {root}; every shard "
+                "must be a relative path inside the model directory"
+            )
+    files = [root / f for f in names]
     absent = [str(f.name) for f in files if not f.is_file()]
     if absent:
         raise ModelLoadError(f"{index} names shard(s) that do not exist: {', '.join(absent)}")

@@ -246,7 +246,8 @@ class EngineLoop:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the loop's thread (again a no-op)."""
+        """Start the loop's thread if it is not running (:meth:`submit` does this). The thread
+        ends whenever no request is left, and the next submit starts another."""
         with self._lock:
             if self._thread is not None:
                 return
@@ -265,12 +266,14 @@ class EngineLoop:
             self._lock.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        elif thread is None:  # never started: abort what was queued
+        elif thread is None:  # not running: abort what was queued
             self._abort_all("abort")
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the loop's thread runs now (it runs while requests are in the engine)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
@@ -369,8 +372,11 @@ class EngineLoop:
         """Take new requests and aborts, run one step; False once shut down and drained."""
         sched = self.scheduler
         with self._lock:
-            while not (self._inbox or self._aborts or sched.has_work or self._stopping):
-                self._lock.wait()
+            if not (self._inbox or self._aborts or sched.has_work or self._stopping):
+                # Idle: the thread ends, so that it does not keep the LLM (and its KV pools)
+                # alive once its user drops it; the next submit starts a new one.
+                self._thread = None
+                return False
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
             stopping = self._stopping

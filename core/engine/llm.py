@@ -263,7 +263,7 @@ class LLM:
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos))
         self._engine: EngineLoop | None = None
-        self._engine_lock = threading.Lock()
+        self._engine_lock = threading.RLock()
 
     def _check_topk(self) -> None:
         """A draft tree cannot keep more children per level than the draft has tokens."""
@@ -444,12 +444,14 @@ class LLM:
 
     @property
     def engine(self) -> EngineLoop:
-        """The engine loop every call of this LLM goes through (started on first use)."""
+        """The engine loop every call of this LLM goes through: the one built for it
+        (``EngineLoop(llm, max_queued_requests=...)``), else a default one, made on first use;
+        a new one once the last was shut down."""
         with self._engine_lock:
-            if self._engine is None:
+            if self._engine is None or self._engine._stopping:
                 from polyspec.engine.loop import EngineLoop
 
-                self._engine = EngineLoop(self)
+                EngineLoop(self)  # registers itself as self._engine
             return self._engine
 
     def shutdown(self, grace_s: float = 0.0) -> None:

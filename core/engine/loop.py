@@ -216,8 +216,11 @@ class _Running:
 
 class EngineLoop:
     """A background thread that owns ``llm``'s scheduler; ``submit`` / ``abort`` / ``stats`` are
-    safe from any thread. ``max_queued_requests``: the most requests that may wait for admission
-    (None: no limit); more raise :class:`QueueFull` at once."""
+    safe from any thread and never wait for a step. ``max_queued_requests``: the most requests
+    that may wait for admission (None: no limit); more raise :class:`QueueFull` at once.
+
+    An LLM has one loop at a time: this one becomes ``llm.engine`` (which ``LLM.generate``
+    uses); building a second while the first is not shut down raises ``RuntimeError``."""
 
     def __init__(self, llm: LLM, *, max_queued_requests: int | None = None):
         if max_queued_requests is not None and (
@@ -227,6 +230,14 @@ class EngineLoop:
                 f"max_queued_requests = {max_queued_requests!r} is invalid: a positive integer "
                 "or None"
             )
+        with llm._engine_lock:  # one loop per LLM: two would drive one scheduler
+            other = llm._engine
+            if other is not None and not other._stopping:
+                raise RuntimeError(
+                    "this LLM already has an engine loop (llm.engine); use it, or shut it down "
+                    "first (llm.shutdown())"
+                )
+            llm._engine = self
         self.llm = llm
         self.scheduler = llm.scheduler
         self.max_queued_requests = max_queued_requests
@@ -332,7 +343,8 @@ class EngineLoop:
             self._lock.notify_all()
 
     def stats(self) -> EngineStats:
-        """A consistent snapshot (taken between steps)."""
+        """A snapshot; taken while a step runs, the running / waiting counts and KV slots may
+        be that step's, the totals the last finished step's."""
         sched = self.scheduler
         worker = self.llm.worker
         with self._lock:

@@ -433,9 +433,9 @@ def _check_checkpoint(path: Path) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
         missing = {"head", "opt", "sched", "step"} - set(state)
     except Exception as exc:
-        from polyspec.model.hf import unsafe_pickle, unsafe_pickle_message
+        from polyspec.model.hf import load_error, unsafe_pickle, unsafe_pickle_message
 
-        reason = unsafe_pickle_message(path) if unsafe_pickle(exc) else f"{type(exc).__name__}"
+        reason = unsafe_pickle_message(path) if unsafe_pickle(exc) else load_error(exc)
         raise ConfigError(
             f"cannot resume: {path} does not load ({reason}); delete it to train from the start "
             "(the answers are kept)"

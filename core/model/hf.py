@@ -114,13 +114,20 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
 
 def unsafe_pickle(exc: BaseException) -> bool:
-    """Whether ``torch.load(weights_only=True)`` refused a file for holding more than tensors
-    (its message then advises ``weights_only=False``, which would run the file's code: never
-    pass that advice on)."""
+    """Whether ``torch.load(weights_only=True)`` refused a file for naming code to run (a
+    class or function beyond tensors). Its message then advises ``weights_only=False``, which
+    would run that code: never pass that advice on (:func:`load_error`)."""
+    return isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc)
+
+
+def load_error(exc: BaseException) -> str:
+    """The cause of a failed ``torch.load`` in one line, without torch's advice to load with
+    ``weights_only=False``."""
     text = str(exc)
-    return isinstance(exc, pickle.UnpicklingError) and (
-        "Weights only load failed" in text or "weights_only" in text
-    )
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    line = next((x.strip() for x in text.splitlines() if x.strip()), type(exc).__name__)
+    return line
 
 
 def unsafe_pickle_message(path: Path | str) -> str:
@@ -136,12 +143,12 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ModelLoadError(f"{path} does not exist") from None
-    except pickle.UnpicklingError as e:
+    except Exception as e:
         if unsafe_pickle(e):
             raise ModelLoadError(unsafe_pickle_message(path)) from None
-        raise ModelLoadError(f"{path} is truncated or corrupt (torch.load failed: {e})") from None
-    except Exception as e:
-        raise ModelLoadError(f"{path} is truncated or corrupt (torch.load failed: {e})") from None
+        raise ModelLoadError(
+            f"{path} is truncated or corrupt (torch.load failed: {load_error(e)})"
+        ) from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ModelLoadError(f"{path} does not hold a state dict of tensors")
     return sd

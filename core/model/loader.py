@@ -213,11 +213,11 @@ def load_draft(
         try:
             m = torch.load(token_map, map_location="cpu", weights_only=True)
         except Exception as e:
-            from polyspec.model.hf import unsafe_pickle, unsafe_pickle_message
+            from polyspec.model.hf import load_error, unsafe_pickle, unsafe_pickle_message
 
             if unsafe_pickle(e):
                 raise ModelLoadError(unsafe_pickle_message(token_map)) from None
-            raise ModelLoadError(f"cannot read token map {token_map}: {e}") from None
+            raise ModelLoadError(f"cannot read token map {token_map}: {load_error(e)}") from None
         _set_map(head, torch.as_tensor(m, dtype=torch.int64), target, f"token map {token_map}")
     apply_weight_layout(head, backend)
     return head.eval()

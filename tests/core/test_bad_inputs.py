@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import warnings
 from pathlib import Path
 
@@ -178,7 +177,10 @@ def test_a_refused_pickle_says_unsafe(tiny, tmp_path):
     with pytest.raises(ModelLoadError, match="refused as unsafe") as info:
         load_hf_weights(root)
     assert "weights_only" not in str(info.value) and "\n" not in str(info.value)
-    assert isinstance(pickle.UnpicklingError(), Exception)
+    (root / "pytorch_model.bin").write_bytes(b"\x80\x02garbage")  # corrupt, not unsafe
+    with pytest.raises(ModelLoadError, match="truncated or corrupt") as info:
+        load_hf_weights(root)
+    assert "weights_only" not in str(info.value) and "\n" not in str(info.value)
 
 
 def test_an_eagle3_head_with_algorithm_eagle_names_the_algorithm(tiny, tmp_path, capsys):

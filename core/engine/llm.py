@@ -385,7 +385,7 @@ class LLM:
         handles = []
         try:
             for t, p_ids, p in zip(texts, ids, params):
-                handles.append(engine.submit(p_ids, p, prompt=t))
+                handles.append(engine.submit(p_ids, p, prompt=t, stream=False))
         except BaseException:
             for h in handles:
                 h.abort()

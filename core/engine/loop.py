@@ -211,7 +211,9 @@ class _Running:
     req: Request
     handle: RequestHandle
     text: TextStream
-    sent_tokens: int = 0
+    stream: bool = True
+    sent_tokens: int = 0  # handed out in events
+    counted: int = 0  # counted in the totals
 
 
 class EngineLoop:
@@ -293,9 +295,12 @@ class EngineLoop:
         params: SamplingParams | None = None,
         *,
         prompt: str | None = None,
+        stream: bool = True,
     ) -> RequestHandle:
         """Queue one request; -> its handle. ``params`` None: ``SamplingParams()``; ``prompt``:
-        the text the ids came from (kept in the output).
+        the text the ids came from (kept in the output). ``stream=False``: one event, the
+        final one, with every token and the whole text (no per-round detokenization: what a
+        caller that only wants the result should ask for).
 
         :raises RequestError: the request is invalid (nothing was queued).
         :raises QueueFull: ``max_queued_requests`` requests wait already.
@@ -318,7 +323,7 @@ class EngineLoop:
             rid = next(llm._ids)
             handle = RequestHandle(rid, self)
             req = Request(rid, prompt, ids, params)
-            self._inbox.append(_Running(req, handle, TextStream(self.scheduler.stop)))
+            self._inbox.append(_Running(req, handle, TextStream(self.scheduler.stop), stream))
             self._lock.notify_all()
         self.start()
         return handle
@@ -430,19 +435,24 @@ class EngineLoop:
             self._emit(run)
 
     def _emit(self, run: _Running) -> None:
-        """Hand ``run`` its new tokens and stable text, if any; finish its handle if done."""
+        """Hand ``run`` its new tokens and stable text, if any (a request submitted with
+        ``stream=False`` only its final event); finish its handle if done."""
         req = run.req
-        new_ids = req.output_ids[run.sent_tokens :]
-        if not new_ids and not req.finished:
+        n = len(req.output_ids)
+        if n == run.counted and not req.finished:
             return
-        run.sent_tokens = len(req.output_ids)
-        text = run.text.advance(req)
         with self._lock:
-            self._totals["generation"] += len(new_ids)
+            self._totals["generation"] += n - run.counted
             if req.finished:
                 self._finished[req.finish_reason] += 1
                 self._hist.update(req.accepted_per_round)
                 self._totals["prompt"] += len(req.prompt_ids)
+        run.counted = n
+        if not req.finished and not run.stream:
+            return
+        new_ids = req.output_ids[run.sent_tokens :]
+        run.sent_tokens = n
+        text = run.text.advance(req)
         event = RequestEvent(
             token_ids=list(new_ids),
             text=text,
@@ -451,7 +461,7 @@ class EngineLoop:
             error=req.error,
         )
         if req.finished:
-            del self._running[req.rid]
+            self._running.pop(req.rid, None)
             run.handle._push(event, self._output(run))
         else:
             run.handle._push(event)
@@ -487,7 +497,8 @@ class EngineLoop:
         for run in pending:
             if not run.req.finished:
                 run.req.finish_reason, run.req.error = reason, cause
-            run.handle._push(
-                RequestEvent([], "", True, run.req.finish_reason, run.req.error),
-                self._output(run),
-            )
+            try:
+                self._emit(run)
+            except Exception:  # the failure may be the tokenizer's: end the wait regardless
+                event = RequestEvent([], "", True, run.req.finish_reason, run.req.error)
+                run.handle._push(event, self._output(run))

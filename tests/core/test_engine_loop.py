@@ -164,6 +164,11 @@ def test_generate_names_the_bad_request_and_runs_none(plain):
     _idle(plain)
     out = plain.generate(prompt_token_ids=[[5]], sampling_params=GREEDY)[0]  # still serving
     assert out.finish_reason == "length"
+    with pytest.raises(RequestError, match=r"^request 1: prompts\[1\] is a int, not a string"):
+        plain.generate(["fine", 5])
+    with pytest.raises(RequestError, match=r"^request 0: sampling params must be"):
+        plain.generate(["fine"], sampling_params=[{"max_new_tokens": 3}])
+    _idle(plain)
 
 
 def test_seed_out_of_range_is_a_config_error():

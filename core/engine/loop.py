@@ -240,8 +240,12 @@ class EngineLoop:
                     "first (llm.shutdown())"
                 )
             llm._engine = self
-        self.llm = llm
+        # What the loop uses of the LLM, not the LLM itself: no reference cycle, so a dropped
+        # LLM is freed at once (its KV pools with it), not at the next garbage collection.
         self.scheduler = llm.scheduler
+        self.worker = llm.worker
+        self._has_tokenizer = llm.tokenizer is not None
+        self._ids = llm._ids
         self.max_queued_requests = max_queued_requests
         self._lock = threading.Condition()
         self._inbox: list[_Running] = []
@@ -307,7 +311,6 @@ class EngineLoop:
         :raises RuntimeError: the loop was shut down or stopped on an error."""
         params = SamplingParams() if params is None else params
         ids = self.check(prompt_token_ids, params)
-        llm = self.llm
         with self._lock:
             if self._dead is not None:
                 raise RuntimeError(f"the engine loop stopped on an error: {self._dead}")
@@ -320,7 +323,7 @@ class EngineLoop:
                         f"{waiting} requests wait for admission (max_queued_requests = "
                         f"{self.max_queued_requests}); retry later"
                     )
-            rid = next(llm._ids)
+            rid = next(self._ids)
             handle = RequestHandle(rid, self)
             req = Request(rid, prompt, ids, params)
             self._inbox.append(_Running(req, handle, TextStream(self.scheduler.stop), stream))
@@ -336,7 +339,7 @@ class EngineLoop:
             prompt_token_ids,
             params,
             vocab_size=self._vocab_size,
-            has_tokenizer=self.llm.tokenizer is not None,
+            has_tokenizer=self._has_tokenizer,
             scheduler=self.scheduler,
         )
 
@@ -351,7 +354,7 @@ class EngineLoop:
         """A snapshot; taken while a step runs, the running / waiting counts and KV slots may
         be that step's, the totals the last finished step's."""
         sched = self.scheduler
-        worker = self.llm.worker
+        worker = self.worker
         with self._lock:
             hist = dict(sorted(self._hist.items()))
             depth = max(hist, default=1) - 1

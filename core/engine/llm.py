@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,15 +13,16 @@ from typing import TYPE_CHECKING, Any
 from polyspec.backend import draft_lane_width
 from polyspec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from polyspec.defaults import default_target_path, shipped_head_path
-from polyspec.engine.request import Request, RequestOutput, RequestStats
+from polyspec.engine.request import RequestOutput
 from polyspec.engine.scheduler import Scheduler
 from polyspec.engine.stop import StopChecker
-from polyspec.errors import ConfigError
+from polyspec.errors import ConfigError, RequestError
 
 if TYPE_CHECKING:
     import torch
 
     from polyspec.backend import Backend
+    from polyspec.engine.loop import EngineLoop, RequestHandle
     from polyspec.model.tokenizer import Tokenizer
 
 
@@ -207,6 +209,14 @@ class LLM:
 
     def _start_engine(self) -> None:
         """The worker and the scheduler over ``self.target`` / ``self.draft``."""
+        from polyspec.engine.limits import cap_max_context, check_kv_memory
+
+        self.notes: list[str] = []  # settings the engine changed, for the user (the CLI prints)
+        self.config, note = cap_max_context(self.config, self.target.config.max_position_embeddings)
+        if note:
+            self.notes.append(note)
+        if self.draft is not None:
+            self._check_topk()
         self.draft_quantization = "none"
         if self.draft is not None:
             from polyspec.model.quantize import quantize_draft
@@ -222,6 +232,14 @@ class LLM:
         num_slots = cfg.num_kv_slots or self._default_num_slots()
         ps = cfg.page_size
         num_slots = (num_slots + ps - 1) // ps * ps
+        models = [self.target.config]
+        if self.draft is not None and getattr(self.draft, "config", None) is not None:
+            models.append(self.draft.config)
+        free, total = self.backend.memory_info()
+        check_kv_memory(
+            cfg, num_slots, models, self.dtype, self.backend.index_dtype, (free, total),
+            f"backend {self.backend.name!r} ({self.backend.device()})",
+        )  # fmt: skip
         kw = dict(
             max_batch_size=cfg.max_batch_size,
             max_context=cfg.max_context,
@@ -244,6 +262,20 @@ class LLM:
             eos = tuple(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos))
+        self._engine: EngineLoop | None = None
+        self._engine_lock = threading.RLock()
+
+    def _check_topk(self) -> None:
+        """A draft tree cannot keep more children per level than the draft has tokens."""
+        vocab = getattr(self.draft, "draft_vocab_size", None) or self.target.config.vocab_size
+        spec = self.config.speculative
+        widest = max(k for _, _, k, _ in spec.trees)
+        if widest > vocab:
+            raise ConfigError(
+                f"speculative.topk = {widest} is more than the draft can propose: its "
+                f"vocabulary has {vocab} tokens; lower topk (or batch_trees' K) to at most "
+                f"{vocab}"
+            )
 
     def _choose_tree(self) -> None:
         """Settle ``speculative.tree_candidates`` into one tree for this machine
@@ -316,7 +348,14 @@ class LLM:
         progress: Callable[[int, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (raw text, no chat template; see :meth:`chat`) or each list
-        of prompt token ids. Returns one output per request, in input order."""
+        of prompt token ids. Returns one output per request, in input order.
+
+        Every request is checked before any runs: a bad one raises :class:`RequestError`
+        naming its index (``exc.index``) and what was wrong, and nothing is run. A request
+        that fails while running (a device error) gets ``finish_reason == "error"`` with the
+        cause in ``error``; the others finish. Several threads may call this (and
+        :meth:`chat`) on one LLM at once: the requests of all calls share the engine loop's
+        batches (:attr:`engine`), each call waits for its own."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ConfigError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -324,21 +363,50 @@ class LLM:
         if prompts is not None:
             self._need_tokenizer("text prompts (pass prompt_token_ids=)")
             texts: list[str | None] = list(prompts)
-            ids = [self.tokenizer.encode(p) for p in prompts]
+            for i, p in enumerate(texts):
+                if not isinstance(p, str):
+                    raise RequestError(
+                        "prompts", p, f"prompts[{i}] is a {type(p).__name__}, not a string", i
+                    )
+            ids = [self.tokenizer.encode(p) for p in texts]
         else:
-            ids = [list(map(int, p)) for p in prompt_token_ids]
+            if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(
+                prompt_token_ids, "__len__"
+            ):
+                raise ConfigError(
+                    "prompt_token_ids must be a list of prompts, each a list of token ids"
+                )
+            ids = list(prompt_token_ids)
             texts = [None] * len(ids)
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(ids)
+        if not isinstance(params, Sequence) or isinstance(params, str):
+            raise ConfigError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(params).__name__}"
+            )
         if len(params) != len(ids):
             raise ConfigError(
                 f"{len(params)} sampling_params for {len(ids)} prompts: give one, or one per prompt"
             )
-        if any(p.stop for p in params):
+        if any(isinstance(p, SamplingParams) and p.stop for p in params):
             self._need_tokenizer("stop strings")
-        reqs = [Request(next(self._ids), t, i, p) for t, i, p in zip(texts, ids, params)]
-        return self._run(reqs, progress)
+        engine = self.engine
+        for i, (p_ids, p) in enumerate(zip(ids, params)):  # all checked before any runs
+            try:
+                ids[i] = engine.check(p_ids, p)
+            except RequestError as exc:
+                raise RequestError(exc.field, exc.value, str(exc), index=i) from None
+        handles = []
+        try:
+            for t, p_ids, p in zip(texts, ids, params):
+                handles.append(engine.submit(p_ids, p, prompt=t, stream=False))
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
+        return self._wait(handles, progress)
 
     def chat(
         self,
@@ -374,52 +442,40 @@ class LLM:
                 "one (pass tokenizer=)"
             )
 
-    def _run(self, reqs: list[Request], progress) -> list[RequestOutput]:
-        sched = self.scheduler
-        for r in reqs:
-            sched.add(r)
-        done = 0
+    def _wait(self, handles: list[RequestHandle], progress) -> list[RequestOutput]:
+        """Wait for this call's own requests; abort them if the wait is cut short (Ctrl-C)."""
+        done: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         try:
-            while sched.has_work:
-                finished = sched.step()
-                done += len(finished)
-                if progress is not None and finished:
-                    progress(done, len(reqs))
+            for h in handles:
+                h.add_done_callback(done.put)
+            for n in range(1, len(handles) + 1):
+                done.get()
+                if progress is not None:
+                    progress(n, len(handles))
         except BaseException:
-            self._abort()
+            for h in handles:
+                h.abort()
             raise
-        return [self._output(r) for r in reqs]
+        return [h.result() for h in handles]
 
-    def _abort(self) -> None:
-        """Drop every request and give back their slots (after an error or Ctrl-C)."""
-        sched = self.scheduler
-        for req in list(sched.prefilling) + list(sched.decoding):
-            if req.rid in self.worker.states:
-                self.worker.remove_request(req.rid)
-        sched.waiting.clear()
-        sched.prefilling.clear()
-        sched.decoding.clear()
-        sched.reserved.clear()
+    @property
+    def engine(self) -> EngineLoop:
+        """The engine loop every call of this LLM goes through: the one built for it
+        (``EngineLoop(llm, max_queued_requests=...)``), else a default one, made on first use;
+        a new one once the last was shut down."""
+        with self._engine_lock:
+            if self._engine is None or self._engine._stopping:
+                from polyspec.engine.loop import EngineLoop
 
-    def _output(self, r: Request) -> RequestOutput:
-        rounds = r.accepted_per_round
-        mean = sum(rounds) / len(rounds) if rounds else 0.0
-        stats = RequestStats(
-            accepted_per_round=list(rounds),
-            num_rounds=len(rounds),
-            mean_acceptance_length=mean,
-            time_s=(r.finish_time or time.perf_counter()) - r.arrival,
-            time_to_first_token_s=(r.first_token_time or r.arrival) - r.arrival,
-        )
-        return RequestOutput(
-            request_id=r.rid,
-            prompt=r.prompt,
-            prompt_token_ids=r.prompt_ids,
-            text="" if self.tokenizer is None else self.scheduler.stop.text(r),
-            token_ids=list(r.output_ids),
-            finish_reason=r.finish_reason or "abort",
-            stats=stats,
-        )
+                EngineLoop(self)  # registers itself as self._engine
+            return self._engine
+
+    def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop the engine loop (:meth:`EngineLoop.shutdown`); the next call starts a new one."""
+        with self._engine_lock:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown(grace_s)
 
     @property
     def kv_slots_free(self) -> int:

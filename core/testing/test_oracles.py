@@ -393,3 +393,82 @@ def test_sampling_oracle_is_lossless():
             for seq, pr in law.items():
                 first[seq[0]] += weight * pr
         assert all(abs(a - b) < 1e-9 for a, b in zip(first, p)), f"{first} != {p}"
+
+
+# ----------------------------------------------------------------------- sampling transforms
+
+# (temperature, top_k, top_p): temperature with top-p, top-k with top-p, each alone
+TRANSFORMS = [(0.6, 0, 0.8), (1.7, 0, 0.75), (1.4, 6, 0.7), (0.8, 4, 0.9), (1.0, 5, 1.0)]
+
+
+def _wrong_order(logits: list[float], temperature: float, top_k: int, top_p: float):
+    """The top-k / top-p mask taken at temperature 1, then the temperature: a classic bug."""
+    mask = oracles.transformed_probs(logits, 1.0, top_k, top_p)
+    p = oracles.transformed_probs(logits, temperature, 0, 1.0)
+    kept = [x if m > 0 else 0.0 for x, m in zip(p, mask)]
+    return [x / sum(kept) for x in kept]
+
+
+def test_top_k_top_p_renorm_matches_oracle(backend):
+    """The caller applies the temperature to the logits, the kernel then top-k, then top-p
+    (the documented order); the result is the oracle's law of the transformed row. Rows
+    include ties (equal logits, ranked by token id)."""
+    g = torch.Generator().manual_seed(606)
+    vocab = 40
+    logits = 2.5 * torch.randn(len(TRANSFORMS) * 4, vocab, generator=g, dtype=torch.float64)
+    logits[::4, 5:9] = logits[::4, 3:4]  # ties
+    rows = [i % len(TRANSFORMS) for i in range(logits.shape[0])]
+    temps = torch.tensor([TRANSFORMS[r][0] for r in rows], dtype=torch.float64)
+    top_k = torch.tensor([TRANSFORMS[r][1] for r in rows])
+    top_p = torch.tensor([TRANSFORMS[r][2] for r in rows], dtype=torch.float32)
+    probs = torch.softmax(logits / temps[:, None], dim=-1).float()
+    want = torch.tensor(
+        [oracles.transformed_probs(logits[i].tolist(), *TRANSFORMS[r]) for i, r in enumerate(rows)],
+        dtype=torch.float64,
+    )
+    wrong = torch.tensor(
+        [_wrong_order(logits[i].tolist(), *TRANSFORMS[r]) for i, r in enumerate(rows)],
+        dtype=torch.float64,
+    )
+    apart = (want - wrong).abs().sum(dim=1) > 0.05
+    assert int(apart.sum()) >= logits.shape[0] // 3, "cases too weak: the order rarely matters"
+    for be in _under_test(backend, "top_k_top_p_renorm"):
+        got = _cpu(
+            be.kernels.top_k_top_p_renorm(
+                probs.to(be.device()), _idx(be, top_k), top_p.to(be.device())
+            )
+        )
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+        assert torch.equal(got > 0, want > 0), "top_k_top_p_renorm kept other tokens"
+
+
+def test_sample_follows_the_transformed_law(backend):
+    """``sample`` over the transformed probabilities draws from the oracle's law:
+    20000 draws per transform, chi-square at p ~ 1e-6, and no token outside the law."""
+    g = torch.Generator().manual_seed(607)
+    vocab, draws = 12, 20000
+    for temperature, top_k, top_p in TRANSFORMS[:3]:
+        logits = 2.0 * torch.randn(vocab, generator=g, dtype=torch.float64)
+        law = oracles.transformed_probs(logits.tolist(), temperature, top_k, top_p)
+        want = torch.tensor(law, dtype=torch.float64)
+        probs = torch.softmax(logits / temperature, -1).float().expand(draws, vocab).contiguous()
+        noise = torch.empty(draws, vocab).exponential_(generator=g)
+        for be in _under_test(backend, "sample"):
+            dev = be.device()
+            kept = be.kernels.top_k_top_p_renorm(
+                probs.to(dev),
+                _idx(be, torch.full((draws,), top_k)),
+                torch.full((draws,), top_p, device=dev),
+            )
+            tokens = _cpu(be.kernels.sample(kept, noise.to(dev))).long()
+            counts = torch.bincount(tokens, minlength=vocab).double()
+            assert int(counts[want == 0].sum()) == 0, f"drew tokens outside the law: {counts}"
+            expected = want * draws
+            keep = expected > 0
+            stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+            df = int(keep.sum()) - 1
+            if df == 0:
+                continue
+            a = 2.0 / (9.0 * df)
+            critical = df * (1.0 - a + 4.753 * a**0.5) ** 3
+            assert stat < critical, f"T {temperature} k {top_k} p {top_p}: chi2 {stat:.1f}"

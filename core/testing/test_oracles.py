@@ -33,7 +33,9 @@ class _Reference:
 
 
 def _under_test(backend, kernel: str) -> list:
-    """The backend, plus the reference kernels when the backend's ``kernel`` is its own."""
+    """The backend, plus the reference kernels when the backend's ``kernel`` is not the
+    reference function itself (the cpu backend's tree kernels switch to C++ loops once its
+    extension is loaded; other backends have their own)."""
     ref = _Reference()
     same = getattr(backend.kernels, kernel) is getattr(ref.kernels, kernel)
     return [backend] if same else [backend, ref]

@@ -52,7 +52,10 @@ class StopChecker:
         if not any(s in tail for s in stops):
             return False
         text = self.tokenizer.decode(ids)
-        req.stop_text_end = min(text.find(s) for s in stops if s in text)
+        hits = [text.find(s) for s in stops if s in text]
+        if not hits:  # only the window's cut first character made it (a stop holding U+FFFD)
+            return False
+        req.stop_text_end = min(hits)
         return True
 
     def text(self, req: Request) -> str:

@@ -328,13 +328,8 @@ def _off_chain_spy(backend):
     return spy, seen
 
 
-@pytest.mark.parametrize(
-    "topk,num_steps,num_draft_tokens,page_size",
-    [(2, 3, 8, 1), (4, 5, 16, 16), (4, 5, 16, NATIVE_PAGE_SIZE)],
-)
-def test_off_chain_acceptance_equals_plain_greedy(
-    backend, topk, num_steps, num_draft_tokens, page_size
-):
+@pytest.mark.parametrize("page_size", [16, NATIVE_PAGE_SIZE])
+def test_off_chain_acceptance_equals_plain_greedy(backend, page_size):
     """A constructed head (:func:`polyspec.testing.builders.build_off_chain_models`) whose
     first choice is always wrong: rounds accept second children, also below depth 1, so the
     accepted KV is compacted from scattered tree positions. Greedy output is still plain
@@ -353,13 +348,12 @@ def test_off_chain_acceptance_equals_plain_greedy(
     plain = LLM.from_modules(target, backend=backend, **kw)
     want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
     spy, seen = _off_chain_spy(backend)
-    spec = SpeculativeConfig("eagle", num_steps=num_steps, topk=topk,
-                             num_draft_tokens=num_draft_tokens)  # fmt: skip
+    spec = SpeculativeConfig("eagle", num_steps=5, topk=4, num_draft_tokens=16)
     llm = LLM.from_modules(target, head, spec, backend=spy, **kw)
     free_before = llm.kv_slots_free
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == want
     assert llm.kv_slots_free == free_before, "KV slots leaked"
-    assert seen["off_chain"] >= 10 and seen["deep_off_chain"] >= 2, (
+    assert seen["off_chain"] >= 10 and seen["deep_off_chain"] >= 5, (
         f"case too weak: {seen} (rounds accepting a child that is not the first)"
     )

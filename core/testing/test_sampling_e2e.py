@@ -230,7 +230,7 @@ def test_sampling_transforms_follow_the_documented_order(
     by enumeration; the cases are chosen so that the wrong order gives another law."""
     require(backend.capabilities.sampling_verify, "sampling_verify")
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
-    positions, n = 2, 400
+    positions, n = 2, 256
     llm = _llm(backend, backend_name, tiny_models, algorithm, topk=2, num_steps=2)
     exact, wrong = _transformed_marginals(llm, temperature, top_k, top_p, positions)
     apart = sum(abs(exact[0].get(t, 0.0) - wrong.get(t, 0.0)) for t in set(exact[0]) | set(wrong))

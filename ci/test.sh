@@ -6,7 +6,9 @@
 #   ci/test.sh            # from the repository root (or anywhere: it cds there)
 #
 # Environment: PYTHON (interpreter for the venv, default python3.11 or python3),
-#              POLYSPEC_CI_VENV (venv folder, default .venv-ci; removed and recreated).
+#              POLYSPEC_CI_VENV (venv folder, default .venv-ci; removed and recreated),
+#              POLYSPEC_TEST_TIMEOUT (seconds one test may run, default 300: pytest-timeout
+#              then fails it with a traceback of where it hung, and the run goes on).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -30,6 +32,7 @@ pip install --no-deps --no-build-isolation \
   tests/plugins/polyspec-ascend-like
 
 export TRITON_INTERPRET=1
+TIMEOUT="--timeout=${POLYSPEC_TEST_TIMEOUT:-300}"
 
 step "core/ names no vendor code"
 python ci/check_vendor_imports.py
@@ -47,15 +50,15 @@ ruff format --check .
 step "tests"
 # Every Triton launch the tests make (in the interpreter) is recorded for the compile check.
 rm -f .triton-launches.json*
-POLYSPEC_TRITON_RECORD="$PWD/.triton-launches.json" pytest tests -q -n 2
+POLYSPEC_TRITON_RECORD="$PWD/.triton-launches.json" pytest tests -q -n 2 "$TIMEOUT"
 
 step "the recorded Triton launches compile for the GPU (cuda sm_90, no GPU needed)"
 python ci/check_triton_compile.py .triton-launches.json*
 
 step "conformance suite on the cpu backend"
-pytest --pyargs polyspec.testing --polyspec-backend cpu -q
+pytest --pyargs polyspec.testing --polyspec-backend cpu -q "$TIMEOUT"
 
 step "conformance suite on the Ascend-shaped test backend (int32, host lengths, page 128)"
-pytest --pyargs polyspec.testing --polyspec-backend ascend-like -q
+pytest --pyargs polyspec.testing --polyspec-backend ascend-like -q "$TIMEOUT"
 
 step "all checks passed"

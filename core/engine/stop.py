@@ -1,7 +1,8 @@
 """Stop conditions: EOS, stop token ids, stop strings and max_new_tokens.
 
 Tokens are appended one at a time, so a stop met in the middle of an accepted run of draft
-tokens ends the request there: nothing after the stop is emitted.
+tokens ends the request there: nothing after the stop is emitted. The text ends just before
+the stop (a stop string, or the text of a stop token), as OpenAI's API and vLLM return it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ class StopChecker:
         self.eos = frozenset(eos_token_ids)
 
     def append(self, req: Request, tokens: Iterable[int]) -> None:
-        """Append ``tokens`` to ``req`` until one of them finishes it."""
+        """Append ``tokens`` to ``req`` until one of them finishes it. A stop token (EOS or
+        one of ``stop_token_ids``) stays in ``output_ids`` but not in the text; a stop string
+        ends the text just before it (the tokens that completed it stay in ``output_ids``)."""
         p = req.params
         for t in tokens:
             req.output_ids.append(t)
@@ -31,18 +34,36 @@ class StopChecker:
                 return
 
     def _match_stop_string(self, req: Request) -> bool:
-        # Only the tail can contain a new match: decode a window covering the longest stop
-        # string (a token decodes to at least one character or to nothing).
-        longest = max(len(s) for s in req.params.stop)
-        window = req.output_ids[-(longest + 8) :]
-        tail = self.tokenizer.decode(window)
-        if not any(s in tail for s in req.params.stop):
+        # Only the tail can hold a new match (one ending in the newest token's text): decode a
+        # window of the newest tokens, widened until its text covers the longest stop string
+        # before the newest token's own text, plus one character that may be a multi-byte
+        # character cut by the window's start. Tokens may decode to nothing (special tokens)
+        # or to a fraction of a character (byte tokens), so a fixed number of tokens is not
+        # enough: a stop string of 10 CJK characters can span 30 byte tokens.
+        stops = req.params.stop
+        ids = req.output_ids
+        need = max(len(s) for s in stops) + len(self.tokenizer.decode(ids[-1:])) + 1
+        width = need + 8
+        while True:
+            tail = self.tokenizer.decode(ids[-width:])
+            if width >= len(ids) or len(tail) > need:
+                break
+            width *= 2
+        if not any(s in tail for s in stops):
             return False
-        text = self.tokenizer.decode(req.output_ids)
-        hits = [text.find(s) for s in req.params.stop if s in text]
+        text = self.tokenizer.decode(ids)
+        hits = [text.find(s) for s in stops if s in text]
+        if not hits:  # only the window's cut first character made it (a stop holding U+FFFD)
+            return False
         req.stop_text_end = min(hits)
         return True
 
     def text(self, req: Request) -> str:
-        text = self.tokenizer.decode(req.output_ids)
+        """The output text, ended before the stop string or stop token that finished it."""
+        ids = req.output_ids
+        if req.finish_reason == "stop" and req.stop_text_end is None:
+            # a stop token: the text of the tokens before it (decoded alone, so a multi-byte
+            # character the stop token would have completed stays incomplete)
+            return self.tokenizer.decode(ids[:-1])
+        text = self.tokenizer.decode(ids)
         return text if req.stop_text_end is None else text[: req.stop_text_end]

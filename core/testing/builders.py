@@ -8,6 +8,8 @@
 - :func:`build_tiny_standalone`: a smaller LM sharing the target's tokenizer.
 - :func:`build_bigram_models`: in memory, no checkpoint: a target and an EAGLE-1 head that
   drafts it well, so speculative rounds accept several tokens without a trained head.
+- :func:`build_off_chain_models`: the same with a head whose first choice is always a decoy,
+  so greedy verification accepts second children (off the first-child chain).
 
 Weights are Gaussian with scales chosen so that activations stay O(1) and the next-token
 distribution is peaked (logit std about 3): greedy decoding in fp32 does not hit ties.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -313,3 +316,32 @@ def build_bigram_models(
     head.layer.o_proj.zero_()
     head.layer.down_proj.zero_()
     return target.eval(), head.eval()
+
+
+@torch.no_grad()
+def build_off_chain_models(
+    backend: Any, seed: int = 5, decoy: int = 63, margin: float = 0.3
+) -> tuple[Any, Any]:
+    """:func:`build_bigram_models` (layer scale 0.1) with a head that ranks a decoy token
+    first and the target's likely next token second, so greedy verification accepts second
+    children ("off-chain" branches) round after round, and the accepted path's KV must be
+    compacted from scattered tree positions.
+
+    The target's lm_head row of ``decoy`` is zeroed, so the target practically never emits it.
+    The head gets its own lm_head: the target's, except the decoy's row ``w``, solved from
+    ``embed @ w = best + margin`` where ``best[t]`` is the largest other logit the head gives
+    after token t (the head's logit hidden is exactly ``embed[t]``, and a random square
+    embedding is invertible), so the decoy leads every draft step by ``margin``."""
+    from torch import nn
+
+    target, head = build_bigram_models(backend, seed=seed, layer_scale=0.1)
+    lm_head = target.lm_head_weight
+    lm_head[decoy] = 0.0
+    embed = target.embed_tokens.double()
+    logits = embed @ lm_head.double().T  # [t, x]: the head's logits after token t
+    logits[:, decoy] = -math.inf
+    w = torch.linalg.solve(embed, logits.max(dim=1).values + margin)
+    own = lm_head.detach().clone()
+    own[decoy] = w.to(own.dtype)
+    head.lm_head = nn.Parameter(own, requires_grad=False)
+    return target, head

@@ -3,7 +3,8 @@
 Runs on tiny random checkpoints built in-process (no downloads), fp32, over a grid of
 algorithm x topk x num_steps x page_size x batch. ``self`` uses the target itself as a
 standalone draft, so that long accepted runs (and the KV compaction of topk > 1 trees) are
-exercised; random heads exercise rejection.
+exercised; random heads exercise rejection; a constructed head whose first choice is always
+wrong makes rounds accept second children, deep in the tree (off the first-child chain).
 """
 
 from __future__ import annotations
@@ -293,3 +294,66 @@ def test_round_state_survives_prefill_replays(backend, backend_name, tiny_models
         done = llm.generate(prompt_token_ids=long, sampling_params=params)
         outs[graphs] = [o.token_ids for o in done]
     assert outs["on"] == outs["off"]
+
+
+def _off_chain_spy(backend):
+    """``backend`` with a verify_tree_greedy that also counts, per round and request, the
+    accepted paths leaving the first-child chain (at any depth, and at depth 2 or more)."""
+    import copy
+    import dataclasses
+
+    seen = {"rounds": 0, "off_chain": 0, "deep_off_chain": 0}
+    verify = backend.kernels.verify_tree_greedy
+
+    def counting_verify(
+        candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_predict,
+        predicts, accept_index, accept_length,
+    ):  # fmt: skip
+        verify(
+            candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_predict,
+            predicts, accept_index, accept_length,
+        )  # fmt: skip
+        bs, n = candidates.shape
+        for b in range(bs):
+            length = int(accept_length[b])
+            nodes = [int(g) - b * n for g in accept_index[b, : length + 1].tolist()]
+            first = retrive_next_token[b].tolist()
+            off = [d for d, (u, c) in enumerate(zip(nodes, nodes[1:]), 1) if first[u] != c]
+            seen["rounds"] += 1
+            seen["off_chain"] += bool(off)
+            seen["deep_off_chain"] += any(d >= 2 for d in off)
+
+    spy = copy.copy(backend)
+    spy.kernels = dataclasses.replace(backend.kernels, verify_tree_greedy=counting_verify)
+    return spy, seen
+
+
+@pytest.mark.parametrize("page_size", [16, NATIVE_PAGE_SIZE])
+def test_off_chain_acceptance_equals_plain_greedy(backend, page_size):
+    """A constructed head (:func:`polyspec.testing.builders.build_off_chain_models`) whose
+    first choice is always wrong: rounds accept second children, also below depth 1, so the
+    accepted KV is compacted from scattered tree positions. Greedy output is still plain
+    greedy decoding's, no KV slot leaks, and such rounds did happen."""
+    from polyspec.engine.llm import LLM
+    from polyspec.testing.builders import build_off_chain_models
+
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    page_size = resolve_page_size(backend, page_size)
+    target, head = build_off_chain_models(backend)
+    kw = dict(max_batch_size=4, max_context=128, page_size=page_size, graphs="off",
+              overlap_rounds=False)  # fmt: skip
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 63) for _ in range(n)] for n in (3, 9, 17, 5)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = LLM.from_modules(target, backend=backend, **kw)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    spy, seen = _off_chain_spy(backend)
+    spec = SpeculativeConfig("eagle", num_steps=5, topk=4, num_draft_tokens=16)
+    llm = LLM.from_modules(target, head, spec, backend=spy, **kw)
+    free_before = llm.kv_slots_free
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    assert seen["off_chain"] >= 10 and seen["deep_off_chain"] >= 5, (
+        f"case too weak: {seen} (rounds accepting a child that is not the first)"
+    )

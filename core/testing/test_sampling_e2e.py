@@ -183,3 +183,68 @@ def test_sampling_determinism_and_greedy_limits(backend, backend_name, tiny_mode
               SamplingParams(max_new_tokens=10, ignore_eos=True)]  # fmt: skip
     mixed = [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert mixed[0] == greedy[0] and mixed[2] == greedy[2]
+
+
+def _transformed_marginals(llm, temperature: float, top_k: int, top_p: float, positions: int):
+    """P(token at generated position i = t) under the documented law (temperature, then
+    top-k, then top-p; :func:`polyspec.testing.oracles.transformed_probs`), by enumerating
+    every path; and the law of the first token under the mask taken before the temperature
+    (a classic bug), to show that the case tells the two apart."""
+    from polyspec.testing import oracles
+    from polyspec.testing.forward import run_prefill
+
+    marg: list[Counter] = [Counter() for _ in range(positions)]
+    wrong: Counter = Counter()
+    frontier = [([], 1.0)]
+    dev = llm.backend.device()
+    for i in range(positions):
+        nxt = []
+        for path, pr in frontier:
+            ids = torch.tensor(PROMPT + path, device=dev)
+            row = run_prefill(llm.target, llm.backend, ids)[1][-1].double().cpu().tolist()
+            law = oracles.transformed_probs(row, temperature, top_k, top_p)
+            for t in range(len(row)):
+                if law[t] > 0:
+                    marg[i][t] += pr * law[t]
+                    nxt.append((path + [t], pr * law[t]))
+            if i == 0:
+                mask = oracles.transformed_probs(row, 1.0, top_k, top_p)
+                plain = oracles.transformed_probs(row, temperature, 0, 1.0)
+                kept = [x if m > 0 else 0.0 for x, m in zip(plain, mask)]
+                wrong.update({t: x / sum(kept) for t, x in enumerate(kept) if x > 0})
+        frontier = nxt
+    return marg, wrong
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,algorithm",
+    [(0.6, 0, 0.8, "self"), (1.5, 8, 0.7, "eagle3")],
+)
+def test_sampling_transforms_follow_the_documented_order(
+    backend, backend_name, tiny_models, temperature, top_k, top_p, algorithm
+):
+    """Temperature with top-p, and top-k with top-p, through the engine (the first token from
+    the prefill's sampler, the next ones from speculative rounds): the tokens at generated
+    positions 1 and 2 follow the law of temperature, then top-k, then top-p, computed exactly
+    by enumeration; the cases are chosen so that the wrong order gives another law."""
+    require(backend.capabilities.sampling_verify, "sampling_verify")
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    positions, n = 2, 256
+    llm = _llm(backend, backend_name, tiny_models, algorithm, topk=2, num_steps=2)
+    exact, wrong = _transformed_marginals(llm, temperature, top_k, top_p, positions)
+    apart = sum(abs(exact[0].get(t, 0.0) - wrong.get(t, 0.0)) for t in set(exact[0]) | set(wrong))
+    assert apart > 0.1, f"case too weak: the wrong order changes the law by only {apart:.3f}"
+    params = [
+        SamplingParams(max_new_tokens=positions, temperature=temperature, top_k=top_k,
+                       top_p=top_p, seed=100 + i, ignore_eos=True)
+        for i in range(n)
+    ]  # fmt: skip
+    outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=params)
+    counts = [Counter() for _ in range(positions)]
+    for o in outs:
+        assert len(o.token_ids) == positions
+        for i, t in enumerate(o.token_ids):
+            counts[i][t] += 1
+    for i in range(positions):
+        rejected, msg = chi_square_rejects(counts[i], exact[i], n)
+        assert not rejected, f"generated position {i + 1}: {msg}"

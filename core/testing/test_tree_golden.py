@@ -287,3 +287,83 @@ def test_verify_sampling_golden(backend):
         "accept_index": [[0, -1, -1]],
         "accept_length": [0],
     }
+
+
+def _sample_verify(backend, candidates, next_token, next_sibling, target, draft, coins, final):
+    n = len(candidates)
+    num_steps = 2
+    dev = backend.device()
+    outs = {
+        "predicts": torch.full((n,), -7, dtype=torch.int64, device=dev),
+        "accept_index": torch.full((1, num_steps + 1), -7, dtype=backend.index_dtype, device=dev),
+        "accept_length": torch.full((1,), -7, dtype=backend.index_dtype, device=dev),
+    }
+    backend.kernels.verify_tree_sampling(
+        torch.tensor([candidates], device=dev),
+        _idx(backend, [list(range(n))]),
+        _idx(backend, [next_token]),
+        _idx(backend, [next_sibling]),
+        torch.tensor([target], device=dev),
+        None if draft is None else torch.tensor([draft], device=dev),
+        torch.tensor([coins], device=dev),
+        torch.tensor([final], device=dev),
+        **outs,
+    )
+    return {k: _cpu_long(v).tolist() for k, v in outs.items()}
+
+
+def test_verify_sampling_golden_siblings(backend):
+    """A rejected sibling, then a later sibling accepted only because the residual is
+    renormalised, then an acceptance one level deeper (S = 2)."""
+    if not backend.capabilities.sampling_verify:
+        pytest.skip("backend lacks capability: sampling_verify")
+    # Tree: root -> 1 (token 2), 2 (token 1), 3 (token 0); node 2 -> 4 (token 0). V = 3.
+    # Root: r = [.2, .3, .5]; node 1 (token 2): coin .6 >= .5 -> reject; r = [.2, .3, 0] / .5
+    # = [.4, .6, 0]; node 2 (token 1): coin .45 < .6 -> accept (an un-normalised residual,
+    # .3, would reject it). Node 2: r = [.7, .2, .1]; node 4 (token 0): coin .5 < .7 -> accept.
+    # Depth S reached: the bonus after node 4 from [.1, .1, .8], final coin .5 -> token 2.
+    candidates = [9, 2, 1, 0, 0]
+    next_token = [1, -1, 4, -1, -1]
+    next_sibling = [-1, 2, 3, -1, -1]
+    uniform = [1 / 3] * 3
+    target = [[0.2, 0.3, 0.5], uniform, [0.7, 0.2, 0.1], uniform, [0.1, 0.1, 0.8]]
+    got = _sample_verify(
+        backend, candidates, next_token, next_sibling, target, None,
+        [0.0, 0.6, 0.45, 0.9, 0.5], 0.5,
+    )  # fmt: skip
+    assert got == {
+        "predicts": [1, 0, 0, 0, 2],
+        "accept_index": [[0, 2, 4]],
+        "accept_length": [2],
+    }
+    # Node 2 rejected too (coin .7 >= .6): r = [.4, 0, 0] / .4 = [1, 0, 0]; node 3 (token 0):
+    # coin .99 < 1 -> accept (un-normalised, .2, would reject); it has no child: the bonus
+    # after node 3 comes from its target (uniform), final coin .5 -> token 1.
+    got = _sample_verify(
+        backend, candidates, next_token, next_sibling, target, None,
+        [0.0, 0.6, 0.7, 0.99, 0.5], 0.5,
+    )  # fmt: skip
+    assert got == {
+        "predicts": [0, 0, 0, 1, 0],
+        "accept_index": [[0, 3, -1]],
+        "accept_length": [1],
+    }
+
+
+def test_verify_sampling_golden_siblings_with_draft_probs(backend):
+    """Children drawn from q: a rejection leaves r = max(p - q, 0) renormalised, under which
+    the next sibling is certain (an un-normalised residual would accept it with .2)."""
+    if not backend.capabilities.sampling_verify:
+        pytest.skip("backend lacks capability: sampling_verify")
+    # Root: p = [.6, .3, .1], q = [.5, .4, .1]. Node 1 (token 1): a = .3 / .4 = .75, coin .8
+    # -> reject; r = [.1, 0, 0] / .1 = [1, 0, 0]. Node 2 (token 0): a = min(1, 1 / .5) = 1,
+    # coin .5 -> accept. Node 2 has no child: bonus from its target [.2, .5, .3], .75 -> 2.
+    candidates = [7, 1, 0]
+    next_token = [1, -1, -1]
+    next_sibling = [-1, 2, -1]
+    target = [[0.6, 0.3, 0.1], [1 / 3] * 3, [0.2, 0.5, 0.3]]
+    draft = [[0.5, 0.4, 0.1]] * 3
+    got = _sample_verify(
+        backend, candidates, next_token, next_sibling, target, draft, [0.0, 0.8, 0.5], 0.75
+    )
+    assert got == {"predicts": [0, 0, 2], "accept_index": [[0, 2, -1]], "accept_length": [1]}

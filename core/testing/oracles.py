@@ -149,27 +149,11 @@ def build_tree(
 
 
 def tree_mask_layout(rows: list[list[set[int]]], seq_lens: Sequence[int], mode) -> torch.Tensor:
-    """Per-request mask rows in the layout ``mode`` (a TreeMaskMode) asks for."""
-    from polyspec.backend import TreeMaskMode
-
+    """Per-request mask rows in the TREE_ONLY layout (the one ``TreeMaskMode``):
+    ``[bs, N, N]``, True where node j is node i or its ancestor. ``seq_lens`` and ``mode`` are
+    taken so that a later layout needs no change at the call sites."""
     n = len(rows[0])
-    if mode is TreeMaskMode.TREE_ONLY:
-        return torch.tensor([[[j in r for j in range(n)] for r in req] for req in rows])
-    if mode is TreeMaskMode.BITPACKED:
-        words = (n + 31) // 32
-        out = []
-        for req in rows:
-            req_words = []
-            for r in req:
-                vals = [sum(1 << (j % 32) for j in r if j // 32 == w) for w in range(words)]
-                req_words.append([v - (1 << 32) if v >= 1 << 31 else v for v in vals])
-            out.append(req_words)
-        return torch.tensor(out, dtype=torch.int32)
-    flat: list[bool] = []
-    for req, seq in zip(rows, seq_lens):
-        for r in req:
-            flat += [True] * int(seq) + [j in r for j in range(n)]
-    return torch.tensor(flat)
+    return torch.tensor([[[j in r for j in range(n)] for r in req] for req in rows])
 
 
 # --------------------------------------------------------------------------------- verification

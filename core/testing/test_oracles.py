@@ -15,7 +15,8 @@ import random
 import pytest
 import torch
 
-from polyspec.backend import KernelSet, TreeMaskMode
+from polyspec.backend import TreeMaskMode
+from polyspec.kernels.reference import reference_kernels
 from polyspec.testing import oracles
 
 CASES = 40
@@ -25,7 +26,7 @@ class _Reference:
     """The reference kernels on the CPU with int64 indices, in the place of a backend."""
 
     index_dtype = torch.int64
-    kernels = KernelSet.reference()
+    kernels = reference_kernels()
 
     @staticmethod
     def device() -> torch.device:
@@ -121,12 +122,7 @@ def _corrupt(rng: random.Random, kind: str, parent_list, selected, topk: int, nu
 
 def _build_outs(be, mode, bs: int, n: int, seq_lens: list[int]) -> dict:
     dev, idt = be.device(), be.index_dtype
-    if mode is TreeMaskMode.FULL:
-        mask = torch.full((sum(n * (s + n) for s in seq_lens),), True, device=dev)
-    elif mode is TreeMaskMode.BITPACKED:
-        mask = torch.full((bs, n, (n + 31) // 32), -1, dtype=torch.int32, device=dev)
-    else:
-        mask = torch.full((bs, n, n), True, device=dev)
+    mask = torch.full((bs, n, n), True, device=dev)  # TREE_ONLY, the one layout
     outs = {"tree_mask": mask, "positions": torch.full((bs * n,), -7, dtype=idt, device=dev)}
     for name in ("retrive_index", "retrive_next_token", "retrive_next_sibling"):
         outs[name] = torch.full((bs, n), -7, dtype=idt, device=dev)
@@ -282,8 +278,6 @@ def _peaked_probs(rng: random.Random, rows: int, vocab: int, favour: list[int]) 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
 def test_verify_tree_sampling_matches_oracle(backend, with_draft_probs):
-    if not backend.capabilities.sampling_verify:
-        pytest.skip("backend lacks capability: sampling_verify")
     rng = random.Random(404 + with_draft_probs)
     cases = skipped = 0
     stats = {"deciding_renorm": 0, "later_acceptances": 0, "long_paths": 0}

@@ -227,7 +227,6 @@ def test_sampling_transforms_follow_the_documented_order(
     the prefill's sampler, the next ones from speculative rounds): the tokens at generated
     positions 1 and 2 follow the law of temperature, then top-k, then top-p, computed exactly
     by enumeration; the cases are chosen so that the wrong order gives another law."""
-    require(backend.capabilities.sampling_verify, "sampling_verify")
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     positions, n = 2, 256
     llm = _llm(backend, backend_name, tiny_models, algorithm, topk=2, num_steps=2)

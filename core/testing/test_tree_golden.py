@@ -315,8 +315,6 @@ def _sample_verify(backend, candidates, next_token, next_sibling, target, draft,
 def test_verify_sampling_golden_siblings(backend):
     """A rejected sibling, then a later sibling accepted only because the residual is
     renormalised, then an acceptance one level deeper (S = 2)."""
-    if not backend.capabilities.sampling_verify:
-        pytest.skip("backend lacks capability: sampling_verify")
     # Tree: root -> 1 (token 2), 2 (token 1), 3 (token 0); node 2 -> 4 (token 0). V = 3.
     # Root: r = [.2, .3, .5]; node 1 (token 2): coin .6 >= .5 -> reject; r = [.2, .3, 0] / .5
     # = [.4, .6, 0]; node 2 (token 1): coin .45 < .6 -> accept (an un-normalised residual,
@@ -353,8 +351,6 @@ def test_verify_sampling_golden_siblings(backend):
 def test_verify_sampling_golden_siblings_with_draft_probs(backend):
     """Children drawn from q: a rejection leaves r = max(p - q, 0) renormalised, under which
     the next sibling is certain (an un-normalised residual would accept it with .2)."""
-    if not backend.capabilities.sampling_verify:
-        pytest.skip("backend lacks capability: sampling_verify")
     # Root: p = [.6, .3, .1], q = [.5, .4, .1]. Node 1 (token 1): a = .3 / .4 = .75, coin .8
     # -> reject; r = [.1, 0, 0] / .1 = [1, 0, 0]. Node 2 (token 0): a = min(1, 1 / .5) = 1,
     # coin .5 -> accept. Node 2 has no child: bonus from its target [.2, .5, .3], .75 -> 2.

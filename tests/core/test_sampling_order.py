@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from polyspec.backend import KernelSet
+from polyspec.kernels.reference import reference_kernels
 from polyspec.runtime.sampling import RequestSampler, SamplingBatch
 from polyspec.testing import oracles
 
@@ -20,7 +20,7 @@ def test_sampling_batch_probs_follow_the_documented_order():
         for i, (t, k, p) in enumerate(SETTINGS)
     ]
     logits = 2.5 * torch.randn(len(SETTINGS) * rows, vocab, generator=g)
-    got = SamplingBatch(samplers, rows, torch.device("cpu")).probs(logits, KernelSet.reference())
+    got = SamplingBatch(samplers, rows, torch.device("cpu")).probs(logits, reference_kernels())
     for i, row in enumerate(logits.double().tolist()):
         t, k, p = SETTINGS[i // rows]
         if t == 0.0:  # greedy: one-hot at the argmax

@@ -81,11 +81,11 @@ class ServerState:
         self._ids = itertools.count()
 
     def attach(self, llm: LLM, default_sampling: SamplingParams | None = None) -> None:
-        """Serve ``llm``: start an engine loop over it. ``default_sampling``: the values of the
-        sampling fields a request leaves out (None: ``SamplingParams()``)."""
-        from polyspec.engine.loop import EngineLoop
-
-        engine = EngineLoop(llm, max_queued_requests=self.settings.max_queued_requests)
+        """Serve ``llm`` through its engine loop (``llm.engine``, which ``LLM.generate`` uses
+        too, so both may run at once). ``default_sampling``: the values of the sampling fields
+        a request leaves out (None: ``SamplingParams()``)."""
+        engine = llm.engine
+        engine.max_queued_requests = self.settings.max_queued_requests
         engine.start()
         tok = llm.tokenizer
         if tok is None:
@@ -121,8 +121,8 @@ class ServerState:
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop the engine loop (blocking: call it off the event loop)."""
         self.stopping = True
-        if self.engine is not None:
-            self.engine.shutdown(grace_s)
+        if self.llm is not None:
+            self.llm.shutdown(grace_s)
 
     def next_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{secrets.token_hex(4)}"

@@ -123,7 +123,8 @@ def run_server(
 
 
 class BackgroundServer:
-    """Serve an :class:`~polyspec.LLM` from a thread of this process (tests, notebooks)::
+    """Serve an :class:`~polyspec.LLM` from a thread of this process (tests, notebooks);
+    ``llm`` None starts the server without a model (503s) until ``server.state.attach(llm)``::
 
     with BackgroundServer(llm) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
@@ -131,14 +132,15 @@ class BackgroundServer:
 
     def __init__(
         self,
-        llm: LLM,
+        llm: LLM | None,
         settings: ServeSettings | None = None,
         default_sampling: SamplingParams | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ):
         self.state = ServerState(settings or ServeSettings())
-        self.state.attach(llm, default_sampling)
+        if llm is not None:  # else every /v1 request answers 503 until attach()
+            self.state.attach(llm, default_sampling)
         self._server = _Server(_config(self.state, host, port), self.state)
         self._host = host
         self._thread: threading.Thread | None = None

@@ -53,6 +53,8 @@ OVERLAP_MODES = ("auto", "on", "off")
 """When greedy decode rounds are queued behind the last one (:class:`EngineConfig`,
 ``overlap_rounds``)."""
 
+MAX_SEED = 2**63 - 1
+"""Seeds are 64-bit signed on every device generator."""
 MAX_NUM_STEPS = 8
 MAX_TOPK = 8
 DEFAULT_CONFIG_FILE = "polyspec.toml"
@@ -370,7 +372,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise _invalid("sampling.ignore_eos", self.ignore_eos, "must be true or false")
         if self.seed is not None:
-            _check_int("sampling.seed", self.seed, 0)
+            _check_int("sampling.seed", self.seed, 0, MAX_SEED)
 
     @property
     def greedy(self) -> bool:
@@ -472,7 +474,7 @@ class EngineConfig:
                 )
         budget = _check_int("max_tokens_per_step", self.max_tokens_per_step, 1)
         _check_int("prefill_chunk_size", self.prefill_chunk_size, 1, budget)
-        _check_int("seed", self.seed, 0)
+        _check_int("seed", self.seed, 0, MAX_SEED)
         _check_choice("graphs", self.graphs, GRAPH_MODES)
         _check_int("max_graph_batch_size", self.max_graph_batch_size, 1)
         _check_int("prefill_wait_steps", self.prefill_wait_steps, 0)

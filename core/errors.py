@@ -25,3 +25,17 @@ class BackendSelectionError(PolyspecError, RuntimeError):
 
 class ModelLoadError(PolyspecError, RuntimeError):
     """A checkpoint (target or draft) could not be found or does not match the expected layout."""
+
+
+class RequestError(PolyspecError, ValueError):
+    """One generation request is invalid (checked before it is admitted, so nothing else is
+    affected). ``field`` names what was wrong (``"prompt_token_ids"``, ``"sampling.seed"``,
+    ...), ``value`` is the offending value and ``message`` the whole one-line explanation.
+    ``index``: the request's position in a batch call (``LLM.generate``), else None."""
+
+    def __init__(self, field: str, value: object, message: str, index: int | None = None):
+        self.field = field
+        self.value = value
+        self.index = index
+        self.message = message if index is None else f"request {index}: {message}"
+        super().__init__(self.message)

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyspec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from polyspec.engine.defaults import default_target_path, shipped_head_path
-from polyspec.engine.request import Request, RequestOutput, RequestStats
+from polyspec.engine.request import RequestOutput
 from polyspec.engine.scheduler import Scheduler
 from polyspec.engine.stop import StopChecker
-from polyspec.errors import ConfigError
+from polyspec.errors import ConfigError, RequestError
 from polyspec.kernels.reference import draft_lane_width
 
 if TYPE_CHECKING:
     import torch
 
     from polyspec.backend import Backend
+    from polyspec.engine.loop import EngineLoop, RequestHandle
     from polyspec.model.tokenizer import Tokenizer
 
 
@@ -244,6 +246,8 @@ class LLM:
             eos = tuple(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos))
+        self._engine: EngineLoop | None = None
+        self._engine_lock = threading.Lock()
 
     def _choose_tree(self) -> None:
         """Settle ``speculative.tree_candidates`` into one tree for this machine
@@ -316,7 +320,14 @@ class LLM:
         progress: Callable[[int, int], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (raw text, no chat template; see :meth:`chat`) or each list
-        of prompt token ids. Returns one output per request, in input order."""
+        of prompt token ids. Returns one output per request, in input order.
+
+        Every request is checked before any runs: a bad one raises :class:`RequestError`
+        naming its index (``exc.index``) and what was wrong, and nothing is run. A request
+        that fails while running (a device error) gets ``finish_reason == "error"`` with the
+        cause in ``error``; the others finish. Several threads may call this (and
+        :meth:`chat`) on one LLM at once: the requests of all calls share the engine loop's
+        batches (:attr:`engine`), each call waits for its own."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ConfigError("pass exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
@@ -326,7 +337,7 @@ class LLM:
             texts: list[str | None] = list(prompts)
             ids = [self.tokenizer.encode(p) for p in prompts]
         else:
-            ids = [list(map(int, p)) for p in prompt_token_ids]
+            ids = list(prompt_token_ids)
             texts = [None] * len(ids)
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):
@@ -335,10 +346,23 @@ class LLM:
             raise ConfigError(
                 f"{len(params)} sampling_params for {len(ids)} prompts: give one, or one per prompt"
             )
-        if any(p.stop for p in params):
+        if any(isinstance(p, SamplingParams) and p.stop for p in params):
             self._need_tokenizer("stop strings")
-        reqs = [Request(next(self._ids), t, i, p) for t, i, p in zip(texts, ids, params)]
-        return self._run(reqs, progress)
+        engine = self.engine
+        for i, (p_ids, p) in enumerate(zip(ids, params)):  # all checked before any runs
+            try:
+                ids[i] = engine.check(p_ids, p)
+            except RequestError as exc:
+                raise RequestError(exc.field, exc.value, str(exc), index=i) from None
+        handles = []
+        try:
+            for t, p_ids, p in zip(texts, ids, params):
+                handles.append(engine.submit(p_ids, p, prompt=t))
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
+        return self._wait(handles, progress)
 
     def chat(
         self,
@@ -374,52 +398,38 @@ class LLM:
                 "one (pass tokenizer=)"
             )
 
-    def _run(self, reqs: list[Request], progress) -> list[RequestOutput]:
-        sched = self.scheduler
-        for r in reqs:
-            sched.add(r)
-        done = 0
+    def _wait(self, handles: list[RequestHandle], progress) -> list[RequestOutput]:
+        """Wait for this call's own requests; abort them if the wait is cut short (Ctrl-C)."""
+        done: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         try:
-            while sched.has_work:
-                finished = sched.step()
-                done += len(finished)
-                if progress is not None and finished:
-                    progress(done, len(reqs))
+            for h in handles:
+                h.add_done_callback(done.put)
+            for n in range(1, len(handles) + 1):
+                done.get()
+                if progress is not None:
+                    progress(n, len(handles))
         except BaseException:
-            self._abort()
+            for h in handles:
+                h.abort()
             raise
-        return [self._output(r) for r in reqs]
+        return [h.result() for h in handles]
 
-    def _abort(self) -> None:
-        """Drop every request and give back their slots (after an error or Ctrl-C)."""
-        sched = self.scheduler
-        for req in list(sched.prefilling) + list(sched.decoding):
-            if req.rid in self.worker.states:
-                self.worker.remove_request(req.rid)
-        sched.waiting.clear()
-        sched.prefilling.clear()
-        sched.decoding.clear()
-        sched.reserved.clear()
+    @property
+    def engine(self) -> EngineLoop:
+        """The engine loop every call of this LLM goes through (started on first use)."""
+        with self._engine_lock:
+            if self._engine is None:
+                from polyspec.engine.loop import EngineLoop
 
-    def _output(self, r: Request) -> RequestOutput:
-        rounds = r.accepted_per_round
-        mean = sum(rounds) / len(rounds) if rounds else 0.0
-        stats = RequestStats(
-            accepted_per_round=list(rounds),
-            num_rounds=len(rounds),
-            mean_acceptance_length=mean,
-            time_s=(r.finish_time or time.perf_counter()) - r.arrival,
-            time_to_first_token_s=(r.first_token_time or r.arrival) - r.arrival,
-        )
-        return RequestOutput(
-            request_id=r.rid,
-            prompt=r.prompt,
-            prompt_token_ids=r.prompt_ids,
-            text="" if self.tokenizer is None else self.scheduler.stop.text(r),
-            token_ids=list(r.output_ids),
-            finish_reason=r.finish_reason or "abort",
-            stats=stats,
-        )
+                self._engine = EngineLoop(self)
+            return self._engine
+
+    def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop the engine loop (:meth:`EngineLoop.shutdown`); the next call starts a new one."""
+        with self._engine_lock:
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown(grace_s)
 
     @property
     def kv_slots_free(self) -> int:

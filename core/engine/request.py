@@ -28,8 +28,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]  # generated ids only
-    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    # "stop" (EOS, stop token or stop string), "length" (max_new_tokens), "abort" (aborted or
+    # the engine shut down first) or "error" (the cause in ``error``; the other requests ran on)
+    finish_reason: str
     stats: RequestStats
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -42,6 +45,7 @@ class Request:
     accepted_per_round: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where a matched stop string begins in the text
+    error: str | None = None  # the cause, when finish_reason == "error"
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -6,19 +6,28 @@ step's token budget in chunks of at most ``prefill_chunk_size`` tokens per reque
 one decode round for every request whose prompt is done. With ``prefill_wait_steps`` > 0,
 admission into a running batch waits (at most that many steps) until every waiting request
 fits, so that joining requests share a prefill forward.
+
+Requests fail alone: an exception raised while admitting a request, in a prefill forward or in
+a decode round finishes the requests it concerned (``finish_reason == "error"``, the cause in
+``Request.error``), gives back their KV slots and rows, and leaves the others running. The
+scheduler is driven by one thread (:class:`polyspec.engine.loop.EngineLoop`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from polyspec.config import EngineConfig
 from polyspec.engine.request import Request
 from polyspec.engine.stop import StopChecker
-from polyspec.errors import ConfigError
+from polyspec.errors import RequestError
 from polyspec.runtime.sampling import RequestSampler
 from polyspec.spec.base import uses_overlap
+
+_log = logging.getLogger("polyspec.engine")
 
 
 class Scheduler:
@@ -37,24 +46,84 @@ class Scheduler:
         # overlap_rounds resolved for this backend (EngineConfig.overlap_rounds = "auto")
         self.overlap = uses_overlap(worker.backend.capabilities, config.overlap_rounds)
         self.held_steps = 0  # steps admission has waited for more rows (prefill_wait_steps)
+        self._failed: list[Request] = []  # failed on admission this step
+        self._chunked: list[Request] = []  # the requests of this step's prefill forward
+        self.rounds = 0  # decode rounds run
+
+    def check(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise :class:`RequestError` when a request of this size can never run here."""
+        total = prompt_len + max_new_tokens + self.decode_width
+        if total > self.config.max_context:
+            raise RequestError(
+                "max_new_tokens",
+                max_new_tokens,
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + verify "
+                f"width ({self.decode_width}) = {total} exceeds max_context = "
+                f"{self.config.max_context}; lower max_new_tokens, shorten the prompt or raise "
+                "max_context",
+            )
+        need = self.worker.kv_need(prompt_len, max_new_tokens)
+        if need > self.kv_capacity:
+            raise RequestError(
+                "max_new_tokens",
+                max_new_tokens,
+                f"the request needs {need} KV slots but the pool has {self.kv_capacity} usable; "
+                "lower max_new_tokens or raise num_kv_slots",
+            )
 
     def add(self, req: Request) -> None:
-        need = self.worker.kv_need(len(req.prompt_ids), req.params.max_new_tokens)
-        total = len(req.prompt_ids) + req.params.max_new_tokens + self.decode_width
-        if total > self.config.max_context:
-            raise ConfigError(
-                f"request {req.rid}: prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
-                f"({req.params.max_new_tokens}) + verify width ({self.decode_width}) exceeds "
-                f"max_context = {self.config.max_context}; raise max_context or shorten it"
-            )
-        if need > self.kv_capacity:
-            raise ConfigError(
-                f"request {req.rid} needs {need} KV slots but the pool has {self.kv_capacity} "
-                "usable; raise num_kv_slots"
-            )
         if not req.prompt_ids:
-            raise ConfigError(f"request {req.rid} has an empty prompt")
+            raise RequestError("prompt_token_ids", [], "the prompt is empty")
+        self.check(len(req.prompt_ids), req.params.max_new_tokens)
         self.waiting.append(req)
+
+    def abort(self, rid: int) -> Request | None:
+        """Finish request ``rid`` with ``finish_reason == "abort"`` and give back its slots;
+        None when it is not here (finished already, or unknown)."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish_reason = "abort"
+                req.finish_time = time.perf_counter()
+                return req
+        for group in (self.prefilling, self.decoding):
+            for req in group:
+                if req.rid == rid:
+                    group.remove(req)
+                    req.finish_reason = "abort"
+                    self._release(req)
+                    return req
+        return None
+
+    def fail(self, reqs: Sequence[Request], exc: BaseException) -> list[Request]:
+        """Finish ``reqs`` with ``finish_reason == "error"`` and the cause; give back their
+        slots. -> those of them that were not finished already."""
+        cause = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        failed = []
+        for req in reqs:
+            if req.finished and req.finish_reason != "error":
+                continue
+            for group in (self.prefilling, self.decoding):
+                if req in group:
+                    group.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            req.finish_reason, req.error = "error", cause
+            self._release(req)
+            failed.append(req)
+        _log.error("requests %s failed: %s", [r.rid for r in failed], cause)
+        _log.debug("cause of the failure", exc_info=exc)
+        return failed
+
+    def _release(self, req: Request) -> None:
+        """Give back a request's worker state and reservation, whatever state it is in."""
+        req.finish_time = req.finish_time or time.perf_counter()
+        if req.rid in self.worker.states:
+            try:
+                self.worker.remove_request(req.rid)
+            except Exception as exc:  # a half-built state: its row is lost, say so
+                _log.error("request %d: could not give back its KV slots: %s", req.rid, exc)
+        self.reserved.pop(req.rid, None)
 
     @property
     def has_work(self) -> bool:
@@ -87,10 +156,14 @@ class Scheduler:
             self.waiting.popleft()
             p = req.params
             seed = p.seed if p.seed is not None else self.config.seed * 1_000_003 + req.rid
-            sampler = RequestSampler.create(
-                p.temperature, p.top_k, p.top_p, seed, self.worker.device
-            )
-            self.worker.add_request(req.rid, req.prompt_ids, sampler, kv_reserved=need)
+            try:
+                sampler = RequestSampler.create(
+                    p.temperature, p.top_k, p.top_p, seed % 2**63, self.worker.device
+                )
+                self.worker.add_request(req.rid, req.prompt_ids, sampler, kv_reserved=need)
+            except Exception as exc:
+                self._failed += self.fail([req], exc)
+                continue
             self.reserved[req.rid] = need
             self.prefilling.append(req)
 
@@ -109,44 +182,57 @@ class Scheduler:
         del self.reserved[req.rid]
 
     def step(self) -> list[Request]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that finished in it (failed ones included)."""
+        self._failed = []
         self._admit()
-        finished: list[Request] = []
+        finished: list[Request] = self._failed
         if self.prefilling:
-            budget = self.config.max_tokens_per_step - len(self.decoding) * self.decode_width
-            budget = max(budget, 1)  # always make progress
-            rids, ends, chunked = [], [], []
-            for req in self.prefilling:
-                if budget <= 0:
-                    break
-                done = self.worker.states[req.rid].prefilled
-                n = min(len(req.prompt_ids) - done, self.config.prefill_chunk_size, budget)
-                budget -= n
-                rids.append(req.rid)
-                ends.append(done + n)
-                chunked.append(req)
-            first = self.worker.prefill(rids, ends)
-            now = time.perf_counter()
-            for req in chunked:
-                if req.rid in first:
-                    req.first_token_time = now
-                    self.prefilling.remove(req)
-                    self.stop.append(req, [first[req.rid]])
-                    if req.finished:
-                        self._finish(req)
-                        finished.append(req)
-                    else:
-                        self.decoding.append(req)
+            try:
+                self._prefill(finished)
+            except Exception as exc:  # the prefill forward's requests fail, nobody else
+                finished += self.fail([r for r in self._chunked if r not in finished], exc)
         if self.decoding:
             batch = list(self.decoding)
-            new_tokens = self.worker.decode(
-                [r.rid for r in batch], lookahead=self._lookahead(batch)
-            )
-            for req, toks in zip(batch, new_tokens):
-                req.accepted_per_round.append(len(toks))
-                self.stop.append(req, toks)
+            try:
+                self._decode(batch, finished)
+            except Exception as exc:  # the round's requests fail, nobody else
+                finished += self.fail([r for r in batch if r not in finished], exc)
+        return finished
+
+    def _prefill(self, finished: list[Request]) -> None:
+        budget = self.config.max_tokens_per_step - len(self.decoding) * self.decode_width
+        budget = max(budget, 1)  # always make progress
+        rids, ends, chunked = [], [], self._chunked
+        chunked.clear()
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            done = self.worker.states[req.rid].prefilled
+            n = min(len(req.prompt_ids) - done, self.config.prefill_chunk_size, budget)
+            budget -= n
+            rids.append(req.rid)
+            ends.append(done + n)
+            chunked.append(req)
+        first = self.worker.prefill(rids, ends)
+        now = time.perf_counter()
+        for req in chunked:
+            if req.rid in first:
+                req.first_token_time = now
+                self.prefilling.remove(req)
+                self.stop.append(req, [first[req.rid]])
                 if req.finished:
-                    self.decoding.remove(req)
                     self._finish(req)
                     finished.append(req)
-        return finished
+                else:
+                    self.decoding.append(req)
+
+    def _decode(self, batch: list[Request], finished: list[Request]) -> None:
+        self.rounds += 1
+        new_tokens = self.worker.decode([r.rid for r in batch], lookahead=self._lookahead(batch))
+        for req, toks in zip(batch, new_tokens):
+            req.accepted_per_round.append(len(toks))
+            self.stop.append(req, toks)
+            if req.finished:
+                self.decoding.remove(req)
+                self._finish(req)
+                finished.append(req)

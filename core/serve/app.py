@@ -71,22 +71,19 @@ class ServerState:
     def __init__(self, settings: ServeSettings):
         self.settings = settings
         self.llm: LLM | None = None
-        self.engine: EngineLoop | None = None
         self.model: protocol.ServedModel | None = None
         self.stopping = False
         self.load_error: str | None = None  # why the model failed to load (CLI)
         self.load_exception: Exception | None = None
         self.created = protocol.now()
-        self.metrics = ServerMetrics(self._stats, self._num_steps)
+        self.metrics = ServerMetrics(self._stats, self._num_steps, self._reserved_kv)
         self._ids = itertools.count()
 
     def attach(self, llm: LLM, default_sampling: SamplingParams | None = None) -> None:
         """Serve ``llm`` through its engine loop (``llm.engine``, which ``LLM.generate`` uses
         too, so both may run at once). ``default_sampling``: the values of the sampling fields
         a request leaves out (None: ``SamplingParams()``)."""
-        engine = llm.engine
-        engine.max_queued_requests = self.settings.max_queued_requests
-        engine.start()
+        llm.engine.start()
         tok = llm.tokenizer
         if tok is None:
 
@@ -116,7 +113,15 @@ class ServerState:
             apply_chat_template=chat,
         )
         self.llm = llm
-        self.engine = engine
+
+    @property
+    def engine(self) -> EngineLoop | None:
+        """The LLM's engine loop (None before :meth:`attach`), with this server's queue limit."""
+        if self.llm is None:
+            return None
+        engine = self.llm.engine
+        engine.max_queued_requests = self.settings.max_queued_requests
+        return engine
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop the engine loop (blocking: call it off the event loop)."""
@@ -128,7 +133,10 @@ class ServerState:
         return f"{prefix}-{next(self._ids)}-{secrets.token_hex(4)}"
 
     def _stats(self):
-        return None if self.engine is None else self.engine.stats()
+        return None if self.llm is None else self.engine.stats()
+
+    def _reserved_kv(self) -> int:
+        return 0 if self.llm is None else int(getattr(self.llm.worker, "scratch_kv", 0))
 
     def _num_steps(self) -> int:
         spec = None if self.llm is None else self.llm.config.speculative
@@ -233,7 +241,14 @@ def create_app(state: ServerState) -> FastAPI:
                 503, f"the model failed to load: {state.load_error}", type="server_error"
             )
         ready()
-        if not state.engine.alive:
+        engine = state.engine
+        try:
+            engine.start()  # idempotent: a loop that was never used starts here
+        except RuntimeError as exc:
+            raise ApiError(
+                503, f"the engine loop is not running: {exc}", type="server_error"
+            ) from None
+        if not engine.alive:
             raise ApiError(503, "the engine loop is not running", type="server_error")
         return JSONResponse({"status": "ok"})
 
@@ -271,7 +286,7 @@ def create_app(state: ServerState) -> FastAPI:
         def abort_unfinished() -> None:
             for c in choices:
                 if c.finish_reason is None:
-                    state.engine.abort(c.handle.request_id)
+                    c.handle.abort()
 
         if parsed.stream:
             chunks = stream_chunks(parsed, choices, rid, created)
@@ -304,7 +319,7 @@ def create_app(state: ServerState) -> FastAPI:
                     choices.append(_Choice(i * parsed.n + j, i, handle, arrival))
         except BaseException as exc:
             for c in choices:
-                engine.abort(c.handle.request_id)
+                c.handle.abort()
             raise _submit_error(exc, parsed.kind) from None
         return choices
 

@@ -38,9 +38,15 @@ class EngineCollector(Collector):
     """Reads ``stats()`` (an :class:`~polyspec.engine.loop.EngineStats`) at scrape time;
     ``stats`` returns None while the model is loading (nothing is exported then)."""
 
-    def __init__(self, stats: Callable[[], object | None], num_steps: Callable[[], int]):
+    def __init__(
+        self,
+        stats: Callable[[], object | None],
+        num_steps: Callable[[], int],
+        reserved_kv: Callable[[], int],
+    ):
         self._stats = stats
         self._num_steps = num_steps
+        self._reserved_kv = reserved_kv
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -49,7 +55,12 @@ class EngineCollector(Collector):
         yield _gauge("polyspec_requests_running", "Requests admitted (prefilling or decoding).",
                      s.running)  # fmt: skip
         yield _gauge("polyspec_requests_waiting", "Requests waiting for admission.", s.waiting)
-        yield _gauge("polyspec_kv_slots_used", "KV cache slots in use.", s.kv_slots_used)
+        reserved = self._reserved_kv()
+        yield _gauge("polyspec_kv_slots_used", "KV cache slots held by requests.",
+                     s.kv_slots_used - reserved)  # fmt: skip
+        yield _gauge("polyspec_kv_slots_reserved",
+                     "KV cache slots the worker holds for its own scratch (the draft lanes).",
+                     reserved)  # fmt: skip
         yield _gauge("polyspec_kv_slots_free", "KV cache slots free.", s.kv_slots_free)
         yield _counter("polyspec_prompt_tokens", "Prompt tokens of finished requests.",
                        s.prompt_tokens_total)  # fmt: skip
@@ -130,7 +141,12 @@ class ServerMetrics:
     """The registry of one server: the per-request latencies it measures and the engine's
     collector."""
 
-    def __init__(self, engine_stats: Callable[[], object | None], num_steps: Callable[[], int]):
+    def __init__(
+        self,
+        engine_stats: Callable[[], object | None],
+        num_steps: Callable[[], int],
+        reserved_kv: Callable[[], int],
+    ):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -163,7 +179,7 @@ class ServerMetrics:
             ["status"],
             registry=r,
         )
-        r.register(EngineCollector(engine_stats, num_steps))
+        r.register(EngineCollector(engine_stats, num_steps, reserved_kv))
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -161,11 +161,12 @@ class BackgroundServer:
         return self
 
     def stop(self) -> None:
-        """Stop serving and shut the engine loop down."""
+        """Stop serving (requests still running are aborted as their connections close). The
+        LLM stays usable; ``llm.shutdown()`` stops its engine loop."""
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=30.0)
-        self.state.shutdown(0.0)
+        self.state.stopping = True
 
     def __enter__(self) -> BackgroundServer:
         return self.start()

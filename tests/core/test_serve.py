@@ -160,6 +160,17 @@ def test_endpoints_with_the_openai_client(server, client, llm):
             texts[c.index] += c.text
     assert texts == [ref[1], ref[1]]  # greedy: both choices alike
 
+    # a stop string from the middle of the greedy text: cut before it, streamed or not
+    stop = next(ref[1][i : i + 2] for i in range(4, len(ref[1]) - 2)
+                if ref[1][i : i + 2].isascii() and ref[1][i : i + 2].isalnum())  # fmt: skip
+    cut = ref[1][: ref[1].index(stop)]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, stop=stop)
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=24, stop=[stop], stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+
     m = _metrics(server)
     for name in (
         "polyspec_requests_running", "polyspec_requests_waiting", "polyspec_kv_slots_used",
@@ -411,7 +422,7 @@ def test_ascend_like_backend_serves_the_same_greedy_texts(tiny_models, llm):
 def test_cli_serves_and_exits_0_on_sigterm(tiny_models, tmp_path):
     cmd = [sys.executable, "-m", "polyspec", "serve", "--port", "0", "--target",
            str(tiny_models["target"]), "--algorithm", "none", "--backend", "cpu", "--dtype",
-           "float32", "--served-model-name", MODEL, "--shutdown-grace", "20"]  # fmt: skip
+           "float32", "--served-model-name", MODEL, "--shutdown-grace", "30"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=env)  # fmt: skip

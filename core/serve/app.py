@@ -103,7 +103,12 @@ class ServerState:
                     raise api_errors.bad_request(
                         "this model has no chat template: use /v1/completions", "messages"
                     )
-                return list(tok.apply_chat_template(messages, tokenize=True))
+                try:
+                    return list(tok.apply_chat_template(messages, tokenize=True))
+                except Exception as exc:  # the template's own checks (role order, ...)
+                    raise api_errors.bad_request(
+                        f"messages: the model's chat template refused them: {exc}", "messages"
+                    ) from None
 
         self.model = protocol.ServedModel(
             name=self.settings.served_model_name or default_model_name(llm),
@@ -226,7 +231,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise api_errors.too_large(len(body), limit)
         try:
             data = json.loads(body)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise api_errors.bad_request(
                 f"the body is not valid JSON ({exc}); send a JSON object", code="invalid_json"
             ) from None

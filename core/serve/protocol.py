@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from polyspec.config import SamplingParams
+from polyspec.config import MAX_SEED, SamplingParams
+from polyspec.errors import ConfigError
 from polyspec.serve.api_errors import bad_request, wrong_type
 
 MAX_N = 16
@@ -249,14 +250,15 @@ def _sampling(
         top_k = 0
     else:
         top_k = _int(body, "top_k", 0)
-    seed = _int(body, "seed", 0)
+    seed = _int(body, "seed", 0, MAX_SEED - (MAX_N - 1))
     stop = _stop(body)
     stop_token_ids = body.get("stop_token_ids")
     if stop_token_ids is not None:
         stop_token_ids = tuple(_token_ids(stop_token_ids, "stop_token_ids", model.vocab_size))
     ignore_eos = _bool(body, "ignore_eos")
     n = _int(body, "n", 1, MAX_N) or 1
-    base = SamplingParams(
+    return _choices(
+        n,
         max_new_tokens=max_tokens,
         temperature=d.temperature if temperature is None else temperature,
         top_k=d.top_k if top_k is None else top_k,
@@ -266,6 +268,18 @@ def _sampling(
         ignore_eos=d.ignore_eos if ignore_eos is None else ignore_eos,
         seed=d.seed if seed is None else seed,
     )
+
+
+def _choices(n: int, **fields: Any) -> list[SamplingParams]:
+    """n SamplingParams, choice j seeded ``seed + j``; a value SamplingParams refuses is a
+    400 naming the field."""
+    try:
+        base = SamplingParams(**fields)
+    except ConfigError as exc:
+        text = str(exc)
+        param = next((f for f in fields if f"sampling.{f}" in text), None)
+        wire = {"max_new_tokens": "max_tokens"}.get(param, param)
+        raise bad_request(text.replace(f"sampling.{param}", str(wire)), wire) from None
     if base.seed is None:
         return [base] * n
     return [dataclasses.replace(base, seed=base.seed + j) for j in range(n)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -56,6 +57,12 @@ async def _race(work: Awaitable[None], receive: Receive) -> bool:
     return False
 
 
+def _internal(exc: Exception) -> ApiError:
+    cause = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    logging.getLogger("polyspec.serve").error("internal error", exc_info=exc)
+    return ApiError(500, f"internal error: {cause}", type="server_error")
+
+
 class EventStream(Response):
     """``text/event-stream`` of the JSON chunks ``chunks`` yields, then ``data: [DONE]``."""
 
@@ -78,8 +85,16 @@ class EventStream(Response):
         )
 
         async def pump() -> None:
-            async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": sse(chunk), "more_body": True})
+            try:
+                async for chunk in self.chunks:
+                    body = sse(chunk)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            except (OSError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # a bug: say so in the stream, never a traceback
+                err = _internal(exc)
+                await send({"type": "http.response.body", "body": sse(err.body()),
+                            "more_body": True})  # fmt: skip
             await send({"type": "http.response.body", "body": sse("[DONE]"), "more_body": False})
 
         try:
@@ -104,6 +119,9 @@ class DeferredJSON(Response):
             try:
                 body = await self.compute()
             except ApiError as err:
+                status, headers, body = err.status, err.headers, err.body()
+            except Exception as exc:  # a bug: an OpenAI-style 500, never a traceback
+                err = _internal(exc)
                 status, headers, body = err.status, err.headers, err.body()
             payload = json.dumps(body, separators=(",", ":")).encode()
             raw = [(b"content-type", b"application/json")]

@@ -299,6 +299,8 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "word " * 300}, 400, "max_context = 256", "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 255}, 400, "max_context", "max_tokens"),
     ("completions", '{"model": "tiny", "prompt": ', 400, "not valid JSON", None),
+    ("completions", "[" * 100_000, 400, "not valid JSON", None),
+    ("completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed = 18446744073709551616", "seed"),
     ("completions", [1, 2], 422, "JSON object", None),
     ("completions", {"model": MODEL}, 422, "prompt is required", "prompt"),
     ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "outside the vocabulary", "prompt"),

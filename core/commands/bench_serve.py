@@ -309,8 +309,11 @@ def run(args: argparse.Namespace) -> int:
             "server", args.base_url, args.api_key, model, prompts, concurrencies, args, max_tokens
         )
     else:
-        systems = [("plain", True)] if args.algorithm == "none" else [("spec", False),
-                                                                      ("plain", True)]  # fmt: skip
+        systems = [("spec", False), ("plain", True)]
+        if args.algorithm == "none" or (args.target and not args.draft):
+            why = "--algorithm none" if args.algorithm == "none" else "--target without --draft"
+            print(f"note: plain serving only ({why})", file=sys.stderr)
+            systems = [("plain", True)]
         for name, plain in systems:
             server = ServerProcess(engine_argv(args, plain))
             print(server.ready_line, file=sys.stderr)

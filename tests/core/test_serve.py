@@ -483,3 +483,21 @@ def test_wire_parsing_without_a_server():
     c = protocol.parse_chat({"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}]}], "max_completion_tokens": 3, "top_k": -1}, model)  # fmt: skip
     assert c.prompts == [[2]] and c.params[0].max_new_tokens == 3 and c.params[0].top_k == 0
+
+
+def test_bench_serve_flags():
+    from polyspec.cli import build_parser
+    from polyspec.commands.bench_serve import engine_argv, parse_concurrency
+
+    assert parse_concurrency("1,4,16") == [1, 4, 16]
+    with pytest.raises(Exception, match="'0' is not a positive integer"):
+        parse_concurrency("1,0")
+    args = build_parser().parse_args(
+        ["bench-serve", "--draft", "h", "--algorithm", "eagle3", "--topk", "2", "--dtype",
+         "float32", "--max-batch-size", "4"]
+    )  # fmt: skip
+    spec = engine_argv(args, plain=False)
+    assert spec[spec.index("--draft") + 1] == "h" and "--topk" in spec
+    plain = engine_argv(args, plain=True)
+    assert "--draft" not in plain and "--topk" not in plain
+    assert plain[-2:] == ["--algorithm", "none"] and "--max-batch-size" in plain

@@ -296,7 +296,7 @@ def _stream(body: Mapping) -> tuple[bool, bool]:
         )
     if not stream:
         raise bad_request('stream_options is only allowed with "stream": true', "stream_options")
-    unknown = sorted(set(opts) - {"include_usage", "continuous_usage_stats"})
+    unknown = sorted(set(opts) - {"include_usage"})
     if unknown:
         raise bad_request(
             f"stream_options has unknown key {unknown[0]!r}; allowed: include_usage",

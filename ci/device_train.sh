@@ -61,6 +61,10 @@ bench_head() {  # bench_head S-K-N ...: batch 1 and 16 for each setting, JSON in
   done
 }
 quiet() { tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tail -n "$1"; }
+# train-draft writes in .NAME.partial beside --out and renames it into place when it finishes:
+# a run cut short by its timeout leaves its answers there (a --resume continues from them).
+WORK_DIR="$(dirname "$HEAD_DIR")/.$(basename "$HEAD_DIR").partial"
+run_dir() { if [ -d "$WORK_DIR" ]; then echo "$WORK_DIR"; else echo "$HEAD_DIR"; fi; }
 case "${1:-}" in
   gen)
     start=$SECONDS
@@ -71,19 +75,20 @@ case "${1:-}" in
       echo "gen failed (rc $rc); resuming at batch 128 for the ${left} s left"
       timeout "$left" polyspec train-draft "${COMMON[@]}" --gen-batch-size 128 --generate-only --resume 2>&1 | quiet 20
     fi
-    echo "self prompts: $(wc -l < "$HEAD_DIR/self_prompts.jsonl"), answers: $(wc -l < "$HEAD_DIR/answers.jsonl")"
+    RUN_DIR="$(run_dir)"
+    echo "self prompts: $(wc -l < "$RUN_DIR/self_prompts.jsonl"), answers: $(wc -l < "$RUN_DIR/answers.jsonl")"
     # The machine is handed back ~30 s after a call: bring the answers home too, so a lost
     # machine costs a carry (ANSWERS_FROM=dir-of-parts on the train call), not a regeneration.
     if command -v xz >/dev/null; then
-      xz -T0 -c "$HEAD_DIR/answers.jsonl" > "$OUT/answers.jsonl.xz"
-      xz -T0 -c "$HEAD_DIR/self_prompts.jsonl" > "$OUT/self_prompts.jsonl.xz" 2>/dev/null
+      xz -T0 -c "$RUN_DIR/answers.jsonl" > "$OUT/answers.jsonl.xz"
+      xz -T0 -c "$RUN_DIR/self_prompts.jsonl" > "$OUT/self_prompts.jsonl.xz" 2>/dev/null
     else
-      split -b 12000000 "$HEAD_DIR/answers.jsonl" "$OUT/answers.jsonl.part_"
-      cp "$HEAD_DIR/self_prompts.jsonl" "$OUT/" 2>/dev/null
+      split -b 12000000 "$RUN_DIR/answers.jsonl" "$OUT/answers.jsonl.part_"
+      cp "$RUN_DIR/self_prompts.jsonl" "$OUT/" 2>/dev/null
     fi
     ;;
   train)
-    if [ ! -f "$HEAD_DIR/answers.jsonl" ] && [ -n "${ANSWERS_FROM:-}" ]; then
+    if [ ! -f "$(run_dir)/answers.jsonl" ] && [ -n "${ANSWERS_FROM:-}" ]; then
       if [ -f "$ANSWERS_FROM/answers.jsonl.xz" ]; then  # what gen brings home
         xz -dc "$ANSWERS_FROM/answers.jsonl.xz" > "$HEAD_DIR/answers.jsonl"
         xz -dc "$ANSWERS_FROM/self_prompts.jsonl.xz" > "$HEAD_DIR/self_prompts.jsonl" 2>/dev/null
@@ -93,7 +98,7 @@ case "${1:-}" in
       fi
     fi
     VOCAB="${DRAFT_VOCAB:-$([ -n "${INIT_FROM:-}" ] || echo 8192)}"
-    answers=$(wc -l < "$HEAD_DIR/answers.jsonl")
+    answers=$(wc -l < "$(run_dir)/answers.jsonl")
     echo "training on $answers answers"
     timeout "${TRAIN_TIMEOUT:-480}" polyspec train-draft "${COMMON[@]}" --max-answers "$answers" \
       --steps "${STEPS:-6000}" --time-budget "${TIME_BUDGET:-280}" --batch-tokens 16384 \

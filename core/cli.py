@@ -60,9 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings() -> None:
+    """Print polyspec's configuration warnings as ``polyspec: warning: <message>``."""
+    import warnings
+
+    from polyspec.config import ConfigWarning
+
+    plain = warnings.formatwarning
+
+    def fmt(message, category, filename, lineno, line=None):
+        if issubclass(category, ConfigWarning):
+            return f"polyspec: warning: {message}\n"
+        return plain(message, category, filename, lineno, line)
+
+    warnings.formatwarning = fmt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
+    _one_line_warnings()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and usage errors

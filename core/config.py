@@ -28,9 +28,11 @@ docs/configuration.md for every key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,26 @@ OVERLAP_MODES = ("auto", "on", "off")
 """When greedy decode rounds are queued behind the last one (:class:`EngineConfig`,
 ``overlap_rounds``)."""
 
+ENV_VARIABLES = (
+    "POLYSPEC_CONFIG", "POLYSPEC_PLUGINS", "POLYSPEC_DISABLE_PLUGIN_AUTOLOAD",
+    "POLYSPEC_STRICT_PLUGINS", "POLYSPEC_CPU_KERNELS", "POLYSPEC_ROWINV_ISA",
+    "POLYSPEC_CUDA_KERNELS", "POLYSPEC_CUDA_TRITON_ATTENTION", "POLYSPEC_DATA_DIR",
+    "POLYSPEC_WEIGHT_PREFETCH", "POLYSPEC_TRITON_DEVICE", "POLYSPEC_TRITON_RECORD",
+)  # fmt: skip
+"""``POLYSPEC_*`` variables other components read (docs/configuration.md); with the
+configuration keys' own, what a misspelled variable is compared with."""
+
+
+class ConfigWarning(UserWarning):
+    """A configuration that runs but is probably not what was meant (a misspelled variable)."""
+
+
+# Upper bounds of the sizes an engine allocates from (what memory allows is checked when the
+# engine starts, polyspec.engine.limits): beyond these a value is a typo, not a machine.
+MAX_PAGE_SIZE = 1024
+MAX_BATCH_SIZE = 4096
+MAX_CONTEXT = 1 << 21
+MAX_KV_SLOTS = 2**31 - 1  # slot indices are int32 on some backends
 MAX_SEED = 2**63 - 1
 """Seeds are 64-bit signed on every device generator."""
 MAX_NUM_STEPS = 8
@@ -454,8 +476,20 @@ class EngineConfig:
         object.__setattr__(self, "draft", _check_opt_str("draft", self.draft))
         if isinstance(self.speculative, Mapping):  # keys left out: the head's, then defaults
             spec = dict(self.speculative)
-            _fill_from_head(spec, {"draft": self.draft, "target": self.target})
-            object.__setattr__(self, "speculative", SpeculativeConfig(**spec))
+            given = {k for k, v in spec.items() if v is not None}
+            head = _fill_from_head(spec, {"draft": self.draft, "target": self.target})
+            try:
+                object.__setattr__(self, "speculative", SpeculativeConfig(**spec))
+            except ConfigError as exc:  # a value from the head's polyspec.json: name the file
+                field = getattr(exc, "key", "").removeprefix("speculative.").split(" ")[0]
+                filled = {k for k, v in spec.items() if v is not None} - given
+                if head is not None and (field in filled or "tree_candidates" in filled):
+                    settings = Path(head) / "polyspec.json"
+                    raise ConfigError(
+                        f"{exc} (from the head's settings file {settings}; fix or delete it, or "
+                        "give the tree with --num-steps/--topk/--num-draft-tokens)"
+                    ) from None
+                raise
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise _invalid("speculative", self.speculative, "must be a SpeculativeConfig or None")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
@@ -463,11 +497,11 @@ class EngineConfig:
                 "backend", self.backend, "must be a backend name (see `polyspec backends`)"
             )
         _check_choice("dtype", self.dtype, DTYPES)
-        page = _check_int("page_size", self.page_size, 1)
-        _check_int("max_batch_size", self.max_batch_size, 1)
-        _check_int("max_context", self.max_context, 2)
+        page = _check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        _check_int("max_batch_size", self.max_batch_size, 1, MAX_BATCH_SIZE)
+        _check_int("max_context", self.max_context, 2, MAX_CONTEXT)
         if self.num_kv_slots is not None:
-            _check_int("num_kv_slots", self.num_kv_slots, 2 * page)
+            _check_int("num_kv_slots", self.num_kv_slots, 2 * page, MAX_KV_SLOTS)
             if self.num_kv_slots % page:
                 raise _invalid(
                     "num_kv_slots", self.num_kv_slots, f"must be a multiple of page_size = {page}"
@@ -476,7 +510,7 @@ class EngineConfig:
         _check_int("prefill_chunk_size", self.prefill_chunk_size, 1, budget)
         _check_int("seed", self.seed, 0, MAX_SEED)
         _check_choice("graphs", self.graphs, GRAPH_MODES)
-        _check_int("max_graph_batch_size", self.max_graph_batch_size, 1)
+        _check_int("max_graph_batch_size", self.max_graph_batch_size, 1, MAX_BATCH_SIZE)
         _check_int("prefill_wait_steps", self.prefill_wait_steps, 0)
         if isinstance(self.overlap_rounds, bool):  # true / false read as on / off
             object.__setattr__(self, "overlap_rounds", "on" if self.overlap_rounds else "off")
@@ -702,7 +736,27 @@ def _env_layer(env: Mapping[str, str]) -> _Layers:
             # other POLYSPEC_* variables (POLYSPEC_PLUGINS, ...) belong to other components
             if rest in _ENGINE_FIELDS:
                 layers.put("engine", rest, _parse_text(name, rest, text), f"environment {name}")
+            elif name not in ENV_VARIABLES:
+                _warn_unknown_env(name)
     return layers
+
+
+def _known_env_names() -> list[str]:
+    names = [f"POLYSPEC_{f.upper()}" for f in _ENGINE_FIELDS]
+    names += [f"POLYSPEC_SPECULATIVE_{f.upper()}" for f in _SPEC_FIELDS]
+    names += [f"POLYSPEC_SAMPLING_{f.upper()}" for f in _SAMPLING_FIELDS]
+    return names + list(ENV_VARIABLES)
+
+
+def _warn_unknown_env(name: str) -> None:
+    """Warn about a ``POLYSPEC_*`` variable nobody reads that looks like one somebody does."""
+    close = difflib.get_close_matches(name, _known_env_names(), n=1, cutoff=0.8)
+    if close:
+        warnings.warn(
+            f"environment variable {name} is not used by polyspec; did you mean {close[0]}?",
+            ConfigWarning,
+            stacklevel=4,
+        )
 
 
 def _cli_layer(cli: Mapping[str, Any]) -> _Layers:
@@ -749,6 +803,22 @@ def load_config(
     :raises ConfigError: unknown keys or invalid values, naming the key, the value, what is
         allowed and where the value came from.
     """
+    merged, origin = _merge(cli, config_file, env)
+    try:
+        return _build(merged)
+    except ConfigError as exc:
+        key = getattr(exc, "key", None)
+        if key in origin:
+            raise ConfigError(f"{exc} (set by {origin[key]})") from None
+        raise
+
+
+def _merge(
+    cli: Mapping[str, Any] | None,
+    config_file: str | Path | None,
+    env: Mapping[str, str] | None,
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The four layers merged per section, and where each value came from."""
     env = os.environ if env is None else env
     path = _config_path(config_file, env)
     file_layer = _file_layer(path) if path is not None else _Layers()
@@ -764,13 +834,25 @@ def load_config(
         for section, values in layer.values.items():
             merged[section].update(values)
         origin.update(layer.origin)
-    try:
-        return _build(merged)
-    except ConfigError as exc:
-        key = getattr(exc, "key", None)
-        if key in origin:
-            raise ConfigError(f"{exc} (set by {origin[key]})") from None
-        raise
+    return merged, origin
+
+
+def _is_off(algorithm: Any) -> bool:
+    return isinstance(algorithm, str) and algorithm.lower() in _NONE_WORDS + ("off",)
+
+
+def speculation_off(
+    cli: Mapping[str, Any] | None = None,
+    config_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> bool:
+    """Whether the layers ask for plain decoding explicitly (``algorithm = "none"`` in the
+    file, ``POLYSPEC_SPECULATIVE_ALGORITHM=none`` or ``--algorithm none``, whichever layer
+    wins), as opposed to leaving the algorithm unset. Same arguments as :func:`load_config`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)  # load_config warns once
+        merged, _ = _merge(cli, config_file, env)
+    return _is_off(merged["speculative"].get("algorithm"))
 
 
 def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingParams]:
@@ -785,7 +867,7 @@ def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingPar
                 f"speculative options {', '.join(sorted(spec_values))} were given without an "
                 f"algorithm; set it to one of {', '.join(repr(a) for a in ALGORITHMS)}",
             )
-        if isinstance(algorithm, str) and algorithm.lower() in _NONE_WORDS + ("off",):
+        if _is_off(algorithm):
             # plain decoding asked for explicitly: a draft from a lower layer is unused
             merged["engine"].pop("draft", None)
         else:
@@ -794,23 +876,24 @@ def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingPar
     return engine, SamplingParams(**merged["sampling"])
 
 
-def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
+def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> str | os.PathLike | None:
     """Tree settings no layer set come from the EAGLE head's own ``polyspec.json`` (the head
     in ``draft``, or the shipped one where the engine will use it), as SGLang picks settings
     for a known draft when none are given. ``num_draft_tokens``, ``dynamic_depth`` and
     ``batch_trees`` are taken only with the head's own ``num_steps`` and ``topk``: they are
-    chosen for that tree (and ``num_draft_tokens`` may not fit another)."""
+    chosen for that tree (and ``num_draft_tokens`` may not fit another). -> the head whose
+    settings were read, or None."""
     if spec.get("algorithm") not in ("eagle", "eagle3"):
-        return
+        return None
     if all(spec.get(k) is not None for k in ("num_steps", "topk", "num_draft_tokens")):
-        return  # a tree given in full is the user's own: none of the head's settings apply
+        return None  # a tree given in full is the user's own: none of the head's settings apply
     from polyspec.engine.defaults import head_settings, shipped_head_path
 
     head = engine.get("draft")
     if head is None and engine.get("target") is None and spec["algorithm"] == "eagle3":
         head = shipped_head_path()
     if head is None or not isinstance(head, (str, os.PathLike)):
-        return  # EngineConfig reports a bad draft value, or the missing draft
+        return None  # EngineConfig reports a bad draft value, or the missing draft
     recommended = head_settings(head)
     if spec.get("batch_trees") is not None:
         spec["batch_trees"] = _as_batch_trees(spec["batch_trees"])
@@ -826,3 +909,4 @@ def _fill_from_head(spec: dict[str, Any], engine: dict[str, Any]) -> None:
     for key in ("num_draft_tokens", "dynamic_depth", "batch_trees"):  # for the head's own tree
         if spec.get(key) is None and own_tree and key in recommended:
             spec[key] = recommended[key]
+    return head

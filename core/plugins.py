@@ -18,6 +18,9 @@ Environment variables read here:
 - ``POLYSPEC_PLUGINS``: comma-separated allow-list of entry-point names; others are skipped.
 - ``POLYSPEC_DISABLE_PLUGIN_AUTOLOAD=1``: load only polyspec's own backends plus the ones named in
   ``POLYSPEC_PLUGINS`` or requested by name.
+
+A third-party plugin that uses the name of a built-in backend (cpu, cuda, npu) never replaces
+or disables it: the built-in one is loaded and the other is reported as ignored.
 - ``POLYSPEC_STRICT_PLUGINS=1``: a plugin that fails to load or probe is fatal instead of being
   reported and skipped (it is always fatal when it is the requested backend).
 
@@ -28,6 +31,7 @@ vendor runtime), so changes to the environment or installed packages are always 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -199,16 +203,20 @@ class PluginRegistry:
         pm.add_hookspecs(hookspecs)
         out: list[_Loaded | _Skipped] = []
         for group in self._grouped():
+            shadows = []
+            if len(group) > 1 and any(_is_builtin(e) for e in group):
+                # polyspec's own backend wins over a namesake (reported after it)
+                shadows = [_Skipped(self._shadowing(e)) for e in group if not _is_builtin(e)]
+                group = [e for e in group if _is_builtin(e)]
             ep = group[0]
             fatal = strict or ep.name == requested
             if len(group) > 1:
                 out.append(self._conflict(group, fatal))
-                continue
-            skip_reason = self._skip_reason(ep, requested)
-            if skip_reason is not None:
+            elif (skip_reason := self._skip_reason(ep, requested)) is not None:
                 out.append(_Skipped(self._bare_report(ep, skip_reason, skipped=True)))
-                continue
-            out.append(self._load(pm, ep, fatal))
+            else:
+                out.append(self._load(pm, ep, fatal))
+            out += shadows
         return out
 
     def _grouped(self) -> list[list[importlib.metadata.EntryPoint]]:
@@ -269,6 +277,29 @@ class PluginRegistry:
         if fatal:
             raise PluginError(msg)
         return _Skipped(self._bare_report(ep, "plugin error: name conflict", error=msg))
+
+    def _shadowing(self, ep: importlib.metadata.EntryPoint) -> BackendReport:
+        msg = (
+            f"{self._where(ep)} uses the name of polyspec's built-in backend '{ep.name}', which "
+            "takes precedence: this plugin is ignored; rename its entry point and backend"
+        )
+        return self._bare_report(ep, "ignored: shadows a built-in backend", error=msg)
+
+    def _unknown_allowed(self) -> str:
+        """A sentence about names in POLYSPEC_PLUGINS no installed plugin has ("" if none)."""
+        allow = _env_list(self._env, "POLYSPEC_PLUGINS")
+        names = sorted({ep.name for ep in self._entry_points})
+        unknown = [a for a in allow or () if a not in names]
+        if not unknown:
+            return ""
+        parts = []
+        for a in unknown:
+            close = difflib.get_close_matches(a, names, n=1)
+            parts.append(f"'{a}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        return (
+            f"\nPOLYSPEC_PLUGINS names {', '.join(parts)}, which no installed plugin provides "
+            f"(installed: {', '.join(names) or 'none'})."
+        )
 
     def _broken(
         self, ep: importlib.metadata.EntryPoint, what: str, exc: BaseException | None, fatal: bool
@@ -383,12 +414,12 @@ class PluginRegistry:
             report = entry.report
             raise BackendSelectionError(
                 f"backend '{name}' ({source}) is {report.status}: {report.error or report.reason}."
-                f"{_fix_hint(entries, source)}"
+                f"{_fix_hint(entries, source)}{self._unknown_allowed()}"
             )
         raise BackendSelectionError(
             f"backend '{name}' ({source}) is not installed: no plugin declares it in the "
             f"entry-point group '{ENTRY_POINT_GROUP}'. Install the package that provides it."
-            f"{_fix_hint(entries, source)}"
+            f"{_fix_hint(entries, source)}{self._unknown_allowed()}"
         )
 
     def _auto_detect(self, entries: list[_Loaded | _Skipped]) -> tuple[_Loaded, str]:
@@ -402,6 +433,7 @@ class PluginRegistry:
                 "no backend is available on this machine (auto-detect):\n"
                 + _listing(entries)
                 + "\nInstall a backend plugin whose probe succeeds here, or fix the reasons above."
+                + self._unknown_allowed()
             )
         best = max(e.spec.priority for e in candidates)
         top = [e for e in candidates if e.spec.priority == best]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from polyspec.commands.generate import _ENGINE_KEYS, add_engine_arguments, tune_shipped_head
+from polyspec.commands.paths import check_output_file
 from polyspec.engine.tree_choice import tree_note
 from polyspec.errors import ConfigError
 
@@ -145,15 +146,16 @@ def command_line(args: argparse.Namespace) -> str:
 def bench_configs(args: argparse.Namespace):
     """(plain EngineConfig, speculative EngineConfig or None, SamplingParams, why spec is
     skipped or None) from the flags > env > config file > defaults, as ``generate`` reads them."""
-    from polyspec.config import load_config
+    from polyspec.config import load_config, speculation_off
     from polyspec.engine.defaults import shipped_head_path
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size = {args.batch_size} is invalid: must be >= 1")
     cli["max_batch_size"] = args.batch_size or args.max_batch_size or 1
-    plain_only = cli.get("algorithm") == "none"
-    tune_shipped_head(cli)
+    plain_only = speculation_off(cli, args.config_file)  # from any layer
+    if not plain_only:
+        tune_shipped_head(cli)
     if plain_only:
         cli["algorithm"] = None
         cli["draft"] = None
@@ -161,7 +163,7 @@ def bench_configs(args: argparse.Namespace):
     skip = None
     if plain_only:
         cfg = dataclasses.replace(cfg, speculative=None, draft=None)
-        skip = "--algorithm none"
+        skip = "algorithm none"
     elif cfg.speculative is None:
         head = shipped_head_path() if cfg.target is None and cfg.draft is None else None
         if head is not None:
@@ -225,6 +227,9 @@ def run(args: argparse.Namespace) -> int:
     temperatures = parse_temperatures(args.temperatures)
     if args.plot:
         require_matplotlib()
+    for flag in ("json", "markdown", "plot"):  # before the benchmark, not after it
+        if getattr(args, flag, None):
+            check_output_file(f"--{flag}", getattr(args, flag))
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads = {args.threads} is invalid: must be >= 1")
     if args.repeats < 1:

@@ -100,13 +100,15 @@ _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_s
 
 def engine_from_args(args: argparse.Namespace):
     """(LLM, SamplingParams, notes) from CLI flags > env > config file > defaults."""
-    from polyspec.config import load_config
+    from polyspec.config import load_config, speculation_off
     from polyspec.engine.defaults import shipped_head_path
     from polyspec.engine.llm import LLM
 
     cli = {k: getattr(args, k, None) for k in _ENGINE_KEYS}
-    plain = cli.get("algorithm") == "none"
-    tune_shipped_head(cli)
+    # algorithm "none" from any layer (flag, POLYSPEC_SPECULATIVE_ALGORITHM, config file)
+    plain = speculation_off(cli, args.config_file)
+    if not plain:
+        tune_shipped_head(cli)
     cfg, sampling = load_config(cli=cli, config_file=args.config_file)
     notes = []
     if not plain and cfg.speculative is None and cfg.target is None and cfg.draft is None:
@@ -117,6 +119,7 @@ def engine_from_args(args: argparse.Namespace):
         else:
             cfg = _replace(cfg, draft=str(head), speculative={"algorithm": "eagle3"})
     llm = LLM(config=cfg)
+    notes += llm.notes
     if llm.tree_choice is not None:
         from polyspec.engine.tree_choice import tree_note
 
@@ -176,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
         out = llm.generate([args.prompt], sampling)[0]
     else:
         out = llm.chat(args.prompt, sampling)[0]
+    if out.finish_reason == "error":
+        print(f"polyspec: error: generation failed: {out.error}", file=sys.stderr)
+        return 1
     print(out.text)
     s = out.stats
     spec = llm.config.speculative

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -67,7 +70,17 @@ def add_parser(subparsers) -> None:
         dest="content_prompts",
         help="how many content prompts to build from --content-prompts-from (default 4096)",
     )
-    p.add_argument("--out", required=True, help="output directory (head, log, checkpoint)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory (head, log, checkpoint); written beside it first (.OUT.partial) "
+        "and renamed into place when done",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an --out that already holds a head or a run (the whole folder)",
+    )
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument(
         "--time-budget",
@@ -193,27 +206,13 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.train.vocab import choose_draft_vocab, grow_draft_vocab, vocab_coverage
     from polyspec.train.warm_start import grow_lm_head, load_trained_head
 
+    _check_args(args)
+    out, work = _prepare_out(args)  # nothing is written yet
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    if args.samples_per_prompt < 1:
-        raise ConfigError(f"--samples-per-prompt must be >= 1, got {args.samples_per_prompt}")
-    if (out / "checkpoint.pt").exists() and not args.resume:
-        raise ConfigError(
-            f"{out} already holds a training checkpoint: pass --resume to continue it, or "
-            "choose another --out"
-        )
-    out.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, ttt_steps=args.ttt_steps,
                       batch_tokens=args.batch_tokens, compute_dtype=args.train_dtype)  # fmt: skip
     t_start = time.perf_counter()
-    if args.prompts is None and args.self_prompts <= 0 and args.content_prompts_from is None:
-        raise ConfigError(
-            "no training prompts: pass --prompts FILE.jsonl, --self-prompts N, "
-            "--content-prompts-from ANSWERS.jsonl, or several of them"
-        )
-    if args.max_answers is not None and args.max_answers < 1:
-        raise ConfigError(f"--max-answers must be >= 1, got {args.max_answers}")
     openers = load_openers(args.self_prompt_openers)  # checked before loading the model
     prompts = read_prompts(args.prompts, args.num_prompts) if args.prompts else []
     llm = LLM(target=args.target, backend=args.backend, dtype=args.dtype,
@@ -231,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
                 f"vocabulary of --init-from {args.init_from} ({draft_ids.numel()} tokens): a "
                 "warm start can keep or grow it, not shrink it"
             )
-    if args.draft_vocab_size is not None and not 0 < args.draft_vocab_size <= vocab_size:
+    if args.draft_vocab_size is not None and args.draft_vocab_size > vocab_size:
         raise ConfigError(
             f"--draft-vocab-size must be in 1..{vocab_size} (the target's vocabulary), got "
             f"{args.draft_vocab_size}"
@@ -239,15 +238,16 @@ def run(args: argparse.Namespace) -> int:
     # Read (and checked) before the long generation too.
     extra = [s for path in args.extra_answers for s in read_answers(path, target.config.vocab_size)]
     num_content = 0
-    if args.content_prompts is not None and not args.content_prompts_from:
-        raise ConfigError("--content-prompts needs --content-prompts-from ANSWERS.jsonl")
     if args.content_prompts_from:
         texts = read_answers(args.content_prompts_from, vocab_size, "--content-prompts-from")
         num = 4096 if args.content_prompts is None else args.content_prompts
         made = content_prompts(texts, llm.tokenizer.decode, num, args.seed)
         prompts += made
         num_content = len(made)
-    (out / "train_args.json").write_text(json.dumps(
+    work.mkdir(parents=True, exist_ok=True)  # every input is checked: from here on, write
+    if args.resume and not any(work.iterdir()) and out.is_dir():
+        shutil.copytree(out, work, dirs_exist_ok=True)  # continue the run published in --out
+    (work / "train_args.json").write_text(json.dumps(
         {"argv": sys.argv, **{k: v for k, v in vars(args).items() if k != "func"},
          "target_path": str(llm.target_path), "backend_used": llm.backend.name,
          "train_config": cfg.__dict__}, indent=2, default=str))  # fmt: skip
@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     if args.self_prompts > 0:
         with tqdm(total=args.self_prompts, desc="self prompts", unit="prompt") as bar:
             prompts += generate_self_prompts(
-                llm, args.self_prompts, out / "self_prompts.jsonl", args.gen_batch_size,
+                llm, args.self_prompts, work / "self_prompts.jsonl", args.gen_batch_size,
                 temperature=args.self_prompt_temperature, seed=args.seed, progress=bar.update,
                 openers=openers,
             )  # fmt: skip
@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_answers is not None:
         total = min(total, args.max_answers)
     with tqdm(total=total, desc="answers", unit="answer") as bar:
-        seqs = generate_answers(llm, prompts, out / "answers.jsonl", args.max_new_tokens,
+        seqs = generate_answers(llm, prompts, work / "answers.jsonl", args.max_new_tokens,
                                 args.gen_batch_size, progress=bar.update,
                                 samples_per_prompt=args.samples_per_prompt,
                                 temperature=args.sample_temperature, seed=args.seed,
@@ -279,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
     num_generated = len(seqs)
     if args.generate_only:
         n_tokens = sum(len(s["answer_ids"]) for s in seqs)
+        _publish(work, out)
         print(f"wrote {len(seqs)} answers ({n_tokens} tokens) to {out / 'answers.jsonl'} in "
               f"{t_gen - t_start:.0f} s; rerun with --resume to train")  # fmt: skip
         return 0
@@ -323,9 +324,9 @@ def run(args: argparse.Namespace) -> int:
             bar.set_postfix(loss=f"{loss:.3f}", accept_est=f"{est:.2f}")
             bar.refresh()
 
-        logs = train_head(head, target, feats, draft_ids, cfg, out, device, args.resume, progress,
+        logs = train_head(head, target, feats, draft_ids, cfg, work, device, args.resume, progress,
                           time_budget_s=args.time_budget)  # fmt: skip
-    export_eagle3(head, draft_ids, aux_layers, out)
+    export_eagle3(head, draft_ids, aux_layers, work)
     summary = {
         "prompts": len(prompts),
         "file_prompts": num_file_prompts - num_content,
@@ -340,13 +341,123 @@ def run(args: argparse.Namespace) -> int:
         "seconds": {"generate": t_gen - t_start, "features": t_feat - t_gen,
                     "train": time.perf_counter() - t_feat},
     }  # fmt: skip
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (work / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (work / "polyspec.json").unlink(missing_ok=True)  # settings measured for another head
+    _publish(work, out)
     print(json.dumps(summary, indent=2))
     print(f"wrote the EAGLE-3 head to {out} (config.json, model.safetensors)")
     return 0
 
 
 _DEFAULT_DRAFT_VOCAB = 8192
+_MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "polyspec.json")
+_RUN_FILES = ("checkpoint.pt", "answers.jsonl", "self_prompts.jsonl", "train_log.jsonl")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every argument checked before any file is read or written."""
+    at_least = {
+        "--steps": (args.steps, 1), "--num-prompts": (args.num_prompts, 1),
+        "--max-new-tokens": (args.max_new_tokens, 1), "--gen-batch-size": (args.gen_batch_size, 1),
+        "--samples-per-prompt": (args.samples_per_prompt, 1), "--ttt-steps": (args.ttt_steps, 1),
+        "--batch-tokens": (args.batch_tokens, 1), "--self-prompts": (args.self_prompts, 0),
+        "--feature-batch-tokens": (args.feature_batch_tokens, 1), "--seed": (args.seed, 0),
+        "--threads": (args.threads, 1), "--content-prompts": (args.content_prompts, 1),
+        "--max-answers": (args.max_answers, 1), "--draft-vocab-size": (args.draft_vocab_size, 1),
+    }  # fmt: skip
+    for flag, (value, lo) in at_least.items():
+        if value is not None and value < lo:
+            raise ConfigError(f"{flag} = {value} is invalid: must be an integer >= {lo}")
+    if args.seed >= 2**63:
+        raise ConfigError(f"--seed = {args.seed} is invalid: must be below 2**63")
+    positive = {"--lr": args.lr, "--time-budget": args.time_budget}
+    for flag, value in positive.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{flag.lstrip('-')} = {value} is invalid: must be a number > 0")
+    temps = {
+        "--sample-temperature": args.sample_temperature,
+        "--self-prompt-temperature": args.self_prompt_temperature,
+    }
+    for flag, value in temps.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{flag} = {value} is invalid: must be a number >= 0")
+    if args.prompts is None and args.self_prompts <= 0 and args.content_prompts_from is None:
+        raise ConfigError(
+            "no training prompts: pass --prompts FILE.jsonl, --self-prompts N, "
+            "--content-prompts-from ANSWERS.jsonl, or several of them"
+        )
+    if args.content_prompts is not None and not args.content_prompts_from:
+        raise ConfigError("--content-prompts needs --content-prompts-from ANSWERS.jsonl")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in --out, --overwrite replaces it: pick one")
+
+
+def _prepare_out(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(--out, the folder the run writes in before it is renamed into --out), after checking
+    that --out may be written, that a head or run in it is only replaced on request, and that a
+    checkpoint to resume from can be read."""
+    from polyspec.commands.paths import check_output_dir
+
+    out = Path(args.out)
+    check_output_dir("--out", out)
+    work = out.parent / f".{out.name}.partial"
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    model = [n for n in held if n in _MODEL_FILES]
+    if (work / "checkpoint.pt").exists() and not args.resume:
+        raise ConfigError(
+            f"{work} holds the checkpoint of an unfinished run for {out}: pass --resume to "
+            f"continue it, or delete {work} to start over"
+        )
+    if held and not (args.resume or args.overwrite):
+        what = "a trained head" if model else "an earlier run"
+        raise ConfigError(
+            f"{out} already holds {what} ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}"
+            "): pass --overwrite to replace the whole folder, --resume to continue that run, or "
+            "choose another --out"
+        )
+    if args.resume:
+        source = work if (work / "checkpoint.pt").exists() else out
+        _check_checkpoint(source / "checkpoint.pt")
+    if args.overwrite and work.exists():
+        shutil.rmtree(work)  # a stale unfinished run: --overwrite starts afresh
+    return out, work
+
+
+def _check_checkpoint(path: Path) -> None:
+    """A checkpoint to resume from must load (before any generation or feature work)."""
+    import torch
+
+    if not path.exists():
+        return
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        missing = {"head", "opt", "sched", "step"} - set(state)
+    except Exception as exc:
+        from polyspec.model.hf import load_error, unsafe_pickle, unsafe_pickle_message
+
+        reason = unsafe_pickle_message(path) if unsafe_pickle(exc) else load_error(exc)
+        raise ConfigError(
+            f"cannot resume: {path} does not load ({reason}); delete it to train from the start "
+            "(the answers are kept)"
+        ) from None
+    if missing:
+        raise ConfigError(
+            f"cannot resume: {path} is not a train-draft checkpoint (no {', '.join(sorted(missing))}"
+            "); delete it to train from the start (the answers are kept)"
+        )
+
+
+def _publish(work: Path, out: Path) -> None:
+    """Put the finished folder ``work`` in place of ``out``: the old folder, if any, is moved
+    aside first and deleted last, so ``out`` never holds a mix of two runs."""
+    old = out.parent / f".{out.name}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(work, out)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def _feature_store(backend, num_tokens: int, config):

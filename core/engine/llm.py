@@ -209,6 +209,14 @@ class LLM:
 
     def _start_engine(self) -> None:
         """The worker and the scheduler over ``self.target`` / ``self.draft``."""
+        from polyspec.engine.limits import cap_max_context, check_kv_memory
+
+        self.notes: list[str] = []  # settings the engine changed, for the user (the CLI prints)
+        self.config, note = cap_max_context(self.config, self.target.config.max_position_embeddings)
+        if note:
+            self.notes.append(note)
+        if self.draft is not None:
+            self._check_topk()
         self.draft_quantization = "none"
         if self.draft is not None:
             from polyspec.model.quantize import quantize_draft
@@ -224,6 +232,14 @@ class LLM:
         num_slots = cfg.num_kv_slots or self._default_num_slots()
         ps = cfg.page_size
         num_slots = (num_slots + ps - 1) // ps * ps
+        models = [self.target.config]
+        if self.draft is not None and getattr(self.draft, "config", None) is not None:
+            models.append(self.draft.config)
+        free, total = self.backend.memory_info()
+        check_kv_memory(
+            cfg, num_slots, models, self.dtype, self.backend.index_dtype, (free, total),
+            f"backend {self.backend.name!r} ({self.backend.device()})",
+        )  # fmt: skip
         kw = dict(
             max_batch_size=cfg.max_batch_size,
             max_context=cfg.max_context,
@@ -247,7 +263,19 @@ class LLM:
         self.eos_token_ids = eos
         self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos))
         self._engine: EngineLoop | None = None
-        self._engine_lock = threading.Lock()
+        self._engine_lock = threading.RLock()
+
+    def _check_topk(self) -> None:
+        """A draft tree cannot keep more children per level than the draft has tokens."""
+        vocab = getattr(self.draft, "draft_vocab_size", None) or self.target.config.vocab_size
+        spec = self.config.speculative
+        widest = max(k for _, _, k, _ in spec.trees)
+        if widest > vocab:
+            raise ConfigError(
+                f"speculative.topk = {widest} is more than the draft can propose: its "
+                f"vocabulary has {vocab} tokens; lower topk (or batch_trees' K) to at most "
+                f"{vocab}"
+            )
 
     def _choose_tree(self) -> None:
         """Settle ``speculative.tree_candidates`` into one tree for this machine
@@ -416,12 +444,14 @@ class LLM:
 
     @property
     def engine(self) -> EngineLoop:
-        """The engine loop every call of this LLM goes through (started on first use)."""
+        """The engine loop every call of this LLM goes through: the one built for it
+        (``EngineLoop(llm, max_queued_requests=...)``), else a default one, made on first use;
+        a new one once the last was shut down."""
         with self._engine_lock:
-            if self._engine is None:
+            if self._engine is None or self._engine._stopping:
                 from polyspec.engine.loop import EngineLoop
 
-                self._engine = EngineLoop(self)
+                EngineLoop(self)  # registers itself as self._engine
             return self._engine
 
     def shutdown(self, grace_s: float = 0.0) -> None:

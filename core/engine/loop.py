@@ -216,8 +216,11 @@ class _Running:
 
 class EngineLoop:
     """A background thread that owns ``llm``'s scheduler; ``submit`` / ``abort`` / ``stats`` are
-    safe from any thread. ``max_queued_requests``: the most requests that may wait for admission
-    (None: no limit); more raise :class:`QueueFull` at once."""
+    safe from any thread and never wait for a step. ``max_queued_requests``: the most requests
+    that may wait for admission (None: no limit); more raise :class:`QueueFull` at once.
+
+    An LLM has one loop at a time: this one becomes ``llm.engine`` (which ``LLM.generate``
+    uses); building a second while the first is not shut down raises ``RuntimeError``."""
 
     def __init__(self, llm: LLM, *, max_queued_requests: int | None = None):
         if max_queued_requests is not None and (
@@ -227,6 +230,14 @@ class EngineLoop:
                 f"max_queued_requests = {max_queued_requests!r} is invalid: a positive integer "
                 "or None"
             )
+        with llm._engine_lock:  # one loop per LLM: two would drive one scheduler
+            other = llm._engine
+            if other is not None and not other._stopping:
+                raise RuntimeError(
+                    "this LLM already has an engine loop (llm.engine); use it, or shut it down "
+                    "first (llm.shutdown())"
+                )
+            llm._engine = self
         self.llm = llm
         self.scheduler = llm.scheduler
         self.max_queued_requests = max_queued_requests
@@ -246,7 +257,8 @@ class EngineLoop:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the loop's thread (again a no-op)."""
+        """Start the loop's thread if it is not running (:meth:`submit` does this). The thread
+        ends whenever no request is left, and the next submit starts another."""
         with self._lock:
             if self._thread is not None:
                 return
@@ -265,12 +277,14 @@ class EngineLoop:
             self._lock.notify_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        elif thread is None:  # never started: abort what was queued
+        elif thread is None:  # not running: abort what was queued
             self._abort_all("abort")
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the loop's thread runs now (it runs while requests are in the engine)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
@@ -329,7 +343,8 @@ class EngineLoop:
             self._lock.notify_all()
 
     def stats(self) -> EngineStats:
-        """A consistent snapshot (taken between steps)."""
+        """A snapshot; taken while a step runs, the running / waiting counts and KV slots may
+        be that step's, the totals the last finished step's."""
         sched = self.scheduler
         worker = self.llm.worker
         with self._lock:
@@ -369,8 +384,11 @@ class EngineLoop:
         """Take new requests and aborts, run one step; False once shut down and drained."""
         sched = self.scheduler
         with self._lock:
-            while not (self._inbox or self._aborts or sched.has_work or self._stopping):
-                self._lock.wait()
+            if not (self._inbox or self._aborts or sched.has_work or self._stopping):
+                # Idle: the thread ends, so that it does not keep the LLM (and its KV pools)
+                # alive once its user drops it; the next submit starts a new one.
+                self._thread = None
+                return False
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
             stopping = self._stopping

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -112,13 +113,42 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
+def unsafe_pickle(exc: BaseException) -> bool:
+    """Whether ``torch.load(weights_only=True)`` refused a file for naming code to run (a
+    class or function beyond tensors). Its message then advises ``weights_only=False``, which
+    would run that code: never pass that advice on (:func:`load_error`)."""
+    return isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc)
+
+
+def load_error(exc: BaseException) -> str:
+    """The cause of a failed ``torch.load`` in one line, without torch's advice to load with
+    ``weights_only=False``."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    line = next((x.strip() for x in text.splitlines() if x.strip()), type(exc).__name__)
+    return line
+
+
+def unsafe_pickle_message(path: Path | str) -> str:
+    return (
+        f"{path} was refused as unsafe: it is a pickle that needs more than tensors to load, "
+        "and loading it would run code it names; convert it to safetensors with a tool you "
+        "trust, or use a checkpoint in safetensors format"
+    )
+
+
 def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ModelLoadError(f"{path} does not exist") from None
     except Exception as e:
-        raise ModelLoadError(f"{path} is truncated or corrupt (torch.load failed: {e})") from None
+        if unsafe_pickle(e):
+            raise ModelLoadError(unsafe_pickle_message(path)) from None
+        raise ModelLoadError(
+            f"{path} is truncated or corrupt (torch.load failed: {load_error(e)})"
+        ) from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ModelLoadError(f"{path} does not hold a state dict of tensors")
     return sd
@@ -128,7 +158,15 @@ def _index_files(root: Path, index: Path) -> list[Path]:
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ModelLoadError(f"{index} has no weight_map")
-    files = [root / f for f in dict.fromkeys(weight_map.values())]
+    names = list(dict.fromkeys(weight_map.values()))
+    top = root.resolve()
+    for name in names:
+        if not isinstance(name, str) or not (root / name).resolve().is_relative_to(top):
+            raise ModelLoadError(
+                f"{index} names shard {name!r}, which is not a file inside {root}; every shard "
+                "must be a relative path inside the model directory"
+            )
+    files = [root / f for f in names]
     absent = [str(f.name) for f in files if not f.is_file()]
     if absent:
         raise ModelLoadError(f"{index} names shard(s) that do not exist: {', '.join(absent)}")

@@ -193,6 +193,13 @@ def load_draft(
         )
     raw = read_json(path / "config.json")
     tensors = _strip_prefix(load_hf_weights(path))
+    kind = _head_kind(tensors, target.config.hidden_size)
+    if kind is not None and kind != algorithm:
+        names = {"eagle": "EAGLE-1/2", "eagle3": "EAGLE-3"}
+        raise ModelLoadError(
+            f"draft head {path} is an {names[kind]} head, but the speculative algorithm is "
+            f"{algorithm!r}; pass --algorithm {kind} (algorithm = {kind!r})"
+        )
     head = _build_head(
         raw,
         tensors,
@@ -206,10 +213,26 @@ def load_draft(
         try:
             m = torch.load(token_map, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise ModelLoadError(f"cannot read token map {token_map}: {e}") from None
+            from polyspec.model.hf import load_error, unsafe_pickle, unsafe_pickle_message
+
+            if unsafe_pickle(e):
+                raise ModelLoadError(unsafe_pickle_message(token_map)) from None
+            raise ModelLoadError(f"cannot read token map {token_map}: {load_error(e)}") from None
         _set_map(head, torch.as_tensor(m, dtype=torch.int64), target, f"token map {token_map}")
     apply_weight_layout(head, backend)
     return head.eval()
+
+
+def _head_kind(tensors: Mapping[str, torch.Tensor], hidden: int) -> str | None:
+    """ "eagle3" or "eagle" from a head's tensors (bare names), None when they do not say."""
+    if "d2t" in tensors or "t2d" in tensors or "layers.0.hidden_norm.weight" in tensors:
+        return "eagle3"
+    fc = tensors.get("fc.weight")
+    if fc is not None and fc.dim() == 2 and fc.shape[1] == 2 * hidden:
+        return "eagle"
+    if fc is not None and fc.dim() == 2 and fc.shape[1] == 3 * hidden:
+        return "eagle3"
+    return None
 
 
 def _strip_prefix(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -166,12 +166,16 @@ class RoundOpCounter:
         w = self.worker
         decode = w.decode
         counter = self
+        modes = _Modes(self)
 
         def counted_decode(rids, **kw):
             counter.active, counter._current = True, {}
             counter._phase = PhaseCounts()
             try:
-                return decode(rids, **kw)
+                # torch modes are per thread: enter them on the thread that runs the round
+                # (the engine loop's), not the one that entered the counter
+                with modes.function(), modes.dispatch():
+                    return decode(rids, **kw)
             finally:
                 counter._lap("other")  # whatever follows the last lap
                 counter.active = False
@@ -190,9 +194,6 @@ class RoundOpCounter:
         self._patch(w, "timer", Laps())
         self._patch_graphs()
         self._stack = contextlib.ExitStack()
-        modes = _Modes(self)
-        self._stack.enter_context(modes.function())
-        self._stack.enter_context(modes.dispatch())
         return self
 
     def _patch_graphs(self) -> None:

@@ -105,6 +105,9 @@ def generate_answers(
                 for j in chunk
             ]
             outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+            failed = next((o for o in outs if o.finish_reason == "error"), None)
+            if failed is not None:  # written answers stay; a rerun continues from them
+                raise RuntimeError(f"generating the answers failed: {failed.error}")
             for j, p, o in zip(chunk, ids, outs):
                 rec = {"index": j, "prompt_ids": p, "answer_ids": o.token_ids}
                 done[j] = rec

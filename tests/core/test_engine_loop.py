@@ -214,6 +214,9 @@ def test_queue_full_and_shutdown(paths):
     llm = _plain(paths, max_batch_size=1)
     idle = llm.kv_slots_free
     engine = EngineLoop(llm, max_queued_requests=2)
+    assert llm.engine is engine  # generate uses the loop built for the LLM
+    with pytest.raises(RuntimeError, match="already has an engine loop"):
+        EngineLoop(llm)
     slow = SamplingParams(max_new_tokens=100, ignore_eos=True)
     running = engine.submit([5], slow)
     next(iter(running))  # admitted: it holds the one batch row
@@ -227,6 +230,8 @@ def test_queue_full_and_shutdown(paths):
     assert llm.kv_slots_free == idle and not engine.alive
     with pytest.raises(RuntimeError, match="shut down"):
         engine.submit([5], slow)
+    assert llm.engine is not engine  # a fresh loop after a shutdown
+    assert llm.generate(prompt_token_ids=[[5]], sampling_params=GREEDY)[0].finish_reason == "length"
 
 
 def test_threads_share_one_llm(plain):

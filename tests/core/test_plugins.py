@@ -390,3 +390,26 @@ def test_errors_are_polyspec_errors_and_reports_serialise():
     data = report.to_dict()
     assert data["status"] == "available"
     assert data == {**dataclasses.asdict(report), "status": "available"}
+
+
+def test_a_namesake_never_shadows_a_builtin_backend(plugin_dir):
+    """A third-party plugin also called 'cpu' is reported as ignored; the built-in cpu backend
+    is still selected, by name, by auto-detection and with third-party autoload off."""
+    from polyspec.backends.cpu.backend import CPUBackend
+
+    shadow = _fake_plugin(plugin_dir, "cpu", priority=-1)
+    for env in (CLEAN_ENV, {"POLYSPEC_DISABLE_PLUGIN_AUTOLOAD": "1"}, {"POLYSPEC_BACKEND": "cpu"}):
+        registry = PluginRegistry(entry_points=[shadow, *builtin_entry_points()], env=env)
+        for name in ("cpu", None):
+            backend = registry.create_backend(name)
+            assert type(backend) is CPUBackend
+        reports = [r for r in registry.discover() if r.name == "cpu"]
+        assert [r.distribution for r in reports] == ["polyspec", "?"]
+        assert reports[0].available and reports[0].error is None
+        assert "built-in backend 'cpu'" in reports[1].error and "ignored" in reports[1].error
+
+
+def test_a_misspelled_plugin_allow_list_is_named():
+    registry = PluginRegistry(entry_points=builtin_entry_points(), env={"POLYSPEC_PLUGINS": "cpux"})
+    with pytest.raises(BackendSelectionError, match=r"POLYSPEC_PLUGINS names 'cpux' \(did you"):
+        registry.create_backend()

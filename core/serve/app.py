@@ -246,15 +246,6 @@ def create_app(state: ServerState) -> FastAPI:
                 503, f"the model failed to load: {state.load_error}", type="server_error"
             )
         ready()
-        engine = state.engine
-        try:
-            engine.start()  # idempotent: a loop that was never used starts here
-        except RuntimeError as exc:
-            raise ApiError(
-                503, f"the engine loop is not running: {exc}", type="server_error"
-            ) from None
-        if not engine.alive:
-            raise ApiError(503, "the engine loop is not running", type="server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -59,6 +59,14 @@ def add_parser(subparsers) -> None:
         dest="max_request_bytes",
         help="larger request bodies get a 413 (default 16 MiB)",
     )
+    p.add_argument(
+        "--phase-times",
+        choices=["auto", "on", "off"],
+        default="auto",
+        dest="phase_times",
+        help="time the draft / verify phases of each round for /metrics; auto = where the "
+        "backend runs kernels synchronously (the timer syncs the device per phase)",
+    )
     add_engine_arguments(p)
 
 
@@ -89,6 +97,7 @@ def settings_from_args(args: argparse.Namespace):
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_grace,
+        phase_times=args.phase_times,
     )
 
 

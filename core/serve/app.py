@@ -46,13 +46,16 @@ class ServeSettings:
     ``max_queued_requests``: requests (choices) that may wait for admission before new ones
     get a 429 (None: no limit). ``max_request_bytes``: larger bodies get a 413.
     ``shutdown_grace_s``: on SIGTERM, how long running requests may go on before they are
-    aborted."""
+    aborted. ``phase_times``: time the worker's phases (draft, verify, ...) for ``/metrics``:
+    "on", "off", or "auto" = where the backend runs kernels synchronously (the timer
+    synchronises the device at each phase boundary, which would slow an asynchronous one)."""
 
     served_model_name: str | None = None
     api_key: str | None = None
     max_queued_requests: int | None = None
     max_request_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 30.0
+    phase_times: str = "auto"
 
 
 def default_model_name(llm: LLM) -> str:
@@ -83,7 +86,10 @@ class ServerState:
         """Serve ``llm`` through its engine loop (``llm.engine``, which ``LLM.generate`` uses
         too, so both may run at once). ``default_sampling``: the values of the sampling fields
         a request leaves out (None: ``SamplingParams()``)."""
-        llm.engine.start()
+        mode = self.settings.phase_times
+        llm.worker.timer.enabled = mode == "on" or (
+            mode == "auto" and not llm.backend.capabilities.async_execution
+        )
         tok = llm.tokenizer
         if tok is None:
 

@@ -182,6 +182,8 @@ def test_endpoints_with_the_openai_client(server, client, llm):
     ):  # fmt: skip
         assert name in m, name
     assert m["polyspec_e2e_request_latency_seconds_count"] >= 6
+    assert m["polyspec_phase_seconds_per_round{phase=draft}"] > 0  # cpu: timed by default
+    assert m["polyspec_phase_seconds_per_round{phase=verify}"] > 0
     assert m["polyspec_acceptance_length_count"] > 0
 
 

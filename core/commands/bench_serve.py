@@ -226,8 +226,10 @@ def _run_system(name, base_url, api_key, model, prompts, concurrencies, args, ma
     return runs
 
 
-def _offline(args, plain: bool, prompts: list[str], max_tokens: int) -> float:
-    """LLM.generate's output tokens/s over ``prompts`` one at a time (first one untimed)."""
+def _offline(args, plain: bool, prompts: list[str], max_tokens: int) -> tuple[float, list[str]]:
+    """LLM.generate's output tokens/s over ``prompts`` one at a time (first one untimed), and
+    the flags that pin the server to the draft tree this engine settled on (where the head
+    lets the engine time candidate trees at start-up, two engines may pick differently)."""
     from polyspec.commands.generate import engine_from_args
     from polyspec.config import SamplingParams
 
@@ -258,7 +260,15 @@ def _offline(args, plain: bool, prompts: list[str], max_tokens: int) -> float:
         bar.update()
     bar.close()
     wall = time.perf_counter() - t0
-    return tokens / wall if wall > 0 else 0.0
+    spec = llm.config.speculative if llm.draft is not None else None
+    pin = []
+    if spec is not None:
+        pin = ["--num-steps", str(spec.num_steps), "--topk", str(spec.topk),
+               "--num-draft-tokens", str(spec.num_draft_tokens),
+               "--batch-trees", ",".join(t.text for t in spec.batch_trees) or "none",
+               "--dynamic-depth", str(spec.dynamic_depth or 0)]  # fmt: skip
+    llm.shutdown()
+    return (tokens / wall if wall > 0 else 0.0), pin
 
 
 def run(args: argparse.Namespace) -> int:
@@ -315,7 +325,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: plain serving only ({why})", file=sys.stderr)
             systems = [("plain", True)]
         for name, plain in systems:
-            server = ServerProcess(engine_argv(args, plain))
+            argv = engine_argv(args, plain)
+            if args.offline_baseline:  # first, so that the server gets the same tree
+                gen_tps, pin = _offline(args, plain, prompts, max_tokens)
+                gc.collect()  # that engine's memory back before the server starts
+                argv += pin
+            server = ServerProcess(argv)
             print(server.ready_line, file=sys.stderr)
             try:
                 base_url = server.url + "/v1"
@@ -329,8 +344,6 @@ def run(args: argparse.Namespace) -> int:
                 server.stop()
             if args.offline_baseline:
                 server_tps = report["systems"][name][1]["output_tokens_per_s"]
-                gen_tps = _offline(args, plain, prompts, max_tokens)
-                gc.collect()  # that engine's memory back before the next server starts
                 report.setdefault("offline", {})[name] = {
                     "server_tokens_per_s": server_tps,
                     "generate_tokens_per_s": gen_tps,

@@ -363,13 +363,29 @@ class LLM:
         if prompts is not None:
             self._need_tokenizer("text prompts (pass prompt_token_ids=)")
             texts: list[str | None] = list(prompts)
-            ids = [self.tokenizer.encode(p) for p in prompts]
+            for i, p in enumerate(texts):
+                if not isinstance(p, str):
+                    raise RequestError(
+                        "prompts", p, f"prompts[{i}] is a {type(p).__name__}, not a string", i
+                    )
+            ids = [self.tokenizer.encode(p) for p in texts]
         else:
+            if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(
+                prompt_token_ids, "__len__"
+            ):
+                raise ConfigError(
+                    "prompt_token_ids must be a list of prompts, each a list of token ids"
+                )
             ids = list(prompt_token_ids)
             texts = [None] * len(ids)
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(ids)
+        if not isinstance(params, Sequence) or isinstance(params, str):
+            raise ConfigError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(params).__name__}"
+            )
         if len(params) != len(ids):
             raise ConfigError(
                 f"{len(params)} sampling_params for {len(ids)} prompts: give one, or one per prompt"
@@ -385,7 +401,7 @@ class LLM:
         handles = []
         try:
             for t, p_ids, p in zip(texts, ids, params):
-                handles.append(engine.submit(p_ids, p, prompt=t))
+                handles.append(engine.submit(p_ids, p, prompt=t, stream=False))
         except BaseException:
             for h in handles:
                 h.abort()

@@ -211,7 +211,9 @@ class _Running:
     req: Request
     handle: RequestHandle
     text: TextStream
-    sent_tokens: int = 0
+    stream: bool = True
+    sent_tokens: int = 0  # handed out in events
+    counted: int = 0  # counted in the totals
 
 
 class EngineLoop:
@@ -238,8 +240,12 @@ class EngineLoop:
                     "first (llm.shutdown())"
                 )
             llm._engine = self
-        self.llm = llm
+        # What the loop uses of the LLM, not the LLM itself: no reference cycle, so a dropped
+        # LLM is freed at once (its KV pools with it), not at the next garbage collection.
         self.scheduler = llm.scheduler
+        self.worker = llm.worker
+        self._has_tokenizer = llm.tokenizer is not None
+        self._ids = llm._ids
         self.max_queued_requests = max_queued_requests
         self._lock = threading.Condition()
         self._inbox: list[_Running] = []
@@ -293,16 +299,18 @@ class EngineLoop:
         params: SamplingParams | None = None,
         *,
         prompt: str | None = None,
+        stream: bool = True,
     ) -> RequestHandle:
         """Queue one request; -> its handle. ``params`` None: ``SamplingParams()``; ``prompt``:
-        the text the ids came from (kept in the output).
+        the text the ids came from (kept in the output). ``stream=False``: one event, the
+        final one, with every token and the whole text (no per-round detokenization: what a
+        caller that only wants the result should ask for).
 
         :raises RequestError: the request is invalid (nothing was queued).
         :raises QueueFull: ``max_queued_requests`` requests wait already.
         :raises RuntimeError: the loop was shut down or stopped on an error."""
         params = SamplingParams() if params is None else params
         ids = self.check(prompt_token_ids, params)
-        llm = self.llm
         with self._lock:
             if self._dead is not None:
                 raise RuntimeError(f"the engine loop stopped on an error: {self._dead}")
@@ -315,10 +323,10 @@ class EngineLoop:
                         f"{waiting} requests wait for admission (max_queued_requests = "
                         f"{self.max_queued_requests}); retry later"
                     )
-            rid = next(llm._ids)
+            rid = next(self._ids)
             handle = RequestHandle(rid, self)
             req = Request(rid, prompt, ids, params)
-            self._inbox.append(_Running(req, handle, TextStream(self.scheduler.stop)))
+            self._inbox.append(_Running(req, handle, TextStream(self.scheduler.stop), stream))
             self._lock.notify_all()
         self.start()
         return handle
@@ -331,7 +339,7 @@ class EngineLoop:
             prompt_token_ids,
             params,
             vocab_size=self._vocab_size,
-            has_tokenizer=self.llm.tokenizer is not None,
+            has_tokenizer=self._has_tokenizer,
             scheduler=self.scheduler,
         )
 
@@ -346,7 +354,7 @@ class EngineLoop:
         """A snapshot; taken while a step runs, the running / waiting counts and KV slots may
         be that step's, the totals the last finished step's."""
         sched = self.scheduler
-        worker = self.llm.worker
+        worker = self.worker
         with self._lock:
             hist = dict(sorted(self._hist.items()))
             depth = max(hist, default=1) - 1
@@ -430,19 +438,24 @@ class EngineLoop:
             self._emit(run)
 
     def _emit(self, run: _Running) -> None:
-        """Hand ``run`` its new tokens and stable text, if any; finish its handle if done."""
+        """Hand ``run`` its new tokens and stable text, if any (a request submitted with
+        ``stream=False`` only its final event); finish its handle if done."""
         req = run.req
-        new_ids = req.output_ids[run.sent_tokens :]
-        if not new_ids and not req.finished:
+        n = len(req.output_ids)
+        if n == run.counted and not req.finished:
             return
-        run.sent_tokens = len(req.output_ids)
-        text = run.text.advance(req)
         with self._lock:
-            self._totals["generation"] += len(new_ids)
+            self._totals["generation"] += n - run.counted
             if req.finished:
                 self._finished[req.finish_reason] += 1
                 self._hist.update(req.accepted_per_round)
                 self._totals["prompt"] += len(req.prompt_ids)
+        run.counted = n
+        if not req.finished and not run.stream:
+            return
+        new_ids = req.output_ids[run.sent_tokens :]
+        run.sent_tokens = n
+        text = run.text.advance(req)
         event = RequestEvent(
             token_ids=list(new_ids),
             text=text,
@@ -451,7 +464,7 @@ class EngineLoop:
             error=req.error,
         )
         if req.finished:
-            del self._running[req.rid]
+            self._running.pop(req.rid, None)
             run.handle._push(event, self._output(run))
         else:
             run.handle._push(event)
@@ -487,7 +500,8 @@ class EngineLoop:
         for run in pending:
             if not run.req.finished:
                 run.req.finish_reason, run.req.error = reason, cause
-            run.handle._push(
-                RequestEvent([], "", True, run.req.finish_reason, run.req.error),
-                self._output(run),
-            )
+            try:
+                self._emit(run)
+            except Exception:  # the failure may be the tokenizer's: end the wait regardless
+                event = RequestEvent([], "", True, run.req.finish_reason, run.req.error)
+                run.handle._push(event, self._output(run))

@@ -94,6 +94,28 @@ def test_stop_string_is_never_streamed(plain):
     assert full.startswith(out.text)
 
 
+def test_text_stream_never_splits_a_character(plain):
+    """Byte-level tokens split multi-byte characters: the pieces handed out hold whole
+    characters only, and joined they are the final text (the stop string cut)."""
+    from polyspec.engine.request import Request
+    from polyspec.engine.stream import TextStream
+
+    stop = plain.scheduler.stop
+    text = "héllo wörld, ça va? 😀 naïve café — the end of it"
+    ids = plain.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.encode()) // 2  # the non-ASCII bytes are tokens of their own
+    params = SamplingParams(max_new_tokens=len(ids), ignore_eos=True, stop=("end of",))
+    req, stream, pieces = Request(0, None, [1], params), TextStream(stop), []
+    for t in ids:
+        stop.append(req, [t])
+        pieces.append(stream.advance(req))
+        if req.finished:
+            break
+    assert req.finish_reason == "stop"
+    assert not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == stop.text(req) == text[: text.index("end of")]
+
+
 def test_held_back():
     assert held_back("abc\ufffd", ()) == 1
     assert held_back("xx ST", ("STOP",)) == 2
@@ -142,6 +164,11 @@ def test_generate_names_the_bad_request_and_runs_none(plain):
     _idle(plain)
     out = plain.generate(prompt_token_ids=[[5]], sampling_params=GREEDY)[0]  # still serving
     assert out.finish_reason == "length"
+    with pytest.raises(RequestError, match=r"^request 1: prompts\[1\] is a int, not a string"):
+        plain.generate(["fine", 5])
+    with pytest.raises(RequestError, match=r"^request 0: sampling params must be"):
+        plain.generate(["fine"], sampling_params=[{"max_new_tokens": 3}])
+    _idle(plain)
 
 
 def test_seed_out_of_range_is_a_config_error():

@@ -66,6 +66,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", help="with --base-url: the model name (default: the first listed)")
     p.add_argument("--api-key", dest="api_key", default="none", help="with --base-url: its key")
     p.add_argument(
+        "--systems",
+        default="spec,plain",
+        help="which servers to start, in order: spec, plain or both (default spec,plain)",
+    )
+    p.add_argument(
         "--ignore-eos",
         action="store_true",
         dest="ignore_eos",
@@ -109,6 +114,17 @@ def parse_concurrency(text: str) -> list[int]:
     return out
 
 
+def parse_systems(text: str) -> list[tuple[str, bool]]:
+    """``"spec,plain"`` -> [("spec", False), ("plain", True)] (name, plain decoding)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ("spec", "plain")]
+    if bad or not names or len(set(names)) != len(names):
+        raise ConfigError(
+            f"--systems {text!r} is invalid: give spec, plain or spec,plain (each at most once)"
+        )
+    return [(n, n == "plain") for n in names]
+
+
 def engine_argv(args: argparse.Namespace, plain: bool) -> list[str]:
     """The engine flags of ``args`` for ``polyspec serve``; ``plain``: without the draft's
     flags and with ``--algorithm none``."""
@@ -128,7 +144,7 @@ def engine_argv(args: argparse.Namespace, plain: bool) -> list[str]:
 _BENCH_FLAGS = (
     ("dataset", "--dataset"), ("num_prompts", "--num-prompts"), ("concurrency", "--concurrency"),
     ("request_rate", "--request-rate"), ("base_url", "--base-url"), ("model", "--model"),
-    ("json", "--json"), ("plot", "--plot"),
+    ("systems", "--systems"), ("json", "--json"), ("plot", "--plot"),
 )  # fmt: skip
 _SWITCHES = (
     ("ignore_eos", "--ignore-eos"), ("no_chat_template", "--no-chat-template"),
@@ -319,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
             "server", args.base_url, args.api_key, model, prompts, concurrencies, args, max_tokens
         )
     else:
-        systems = [("spec", False), ("plain", True)]
+        systems = parse_systems(args.systems)
         if args.algorithm == "none" or (args.target and not args.draft):
             why = "--algorithm none" if args.algorithm == "none" else "--target without --draft"
             print(f"note: plain serving only ({why})", file=sys.stderr)
@@ -349,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
                     "generate_tokens_per_s": gen_tps,
                     "ratio": server_tps / gen_tps if gen_tps else None,
                 }
-        if "spec" in report["systems"]:
+        if {"spec", "plain"} <= set(report["systems"]):
             spec, plain_runs = report["systems"]["spec"], report["systems"]["plain"]
             report["ratios"] = {c: bench.ratios(spec[c], plain_runs[c]) for c in concurrencies}
     print(bench.format_table(report))

@@ -489,9 +489,12 @@ def test_wire_parsing_without_a_server():
 
 def test_bench_serve_flags():
     from polyspec.cli import build_parser
-    from polyspec.commands.bench_serve import engine_argv, parse_concurrency
+    from polyspec.commands.bench_serve import engine_argv, parse_concurrency, parse_systems
 
     assert parse_concurrency("1,4,16") == [1, 4, 16]
+    assert parse_systems("spec") == [("spec", False)]
+    with pytest.raises(Exception, match="--systems 'spec,spec' is invalid"):
+        parse_systems("spec,spec")
     with pytest.raises(Exception, match="'0' is not a positive integer"):
         parse_concurrency("1,0")
     args = build_parser().parse_args(

@@ -7,7 +7,8 @@ concurrency as a streamed chat request. Reports per system and concurrency the r
 throughput, output tokens/s, TTFT / inter-token / end-to-end latency (p50 / p90 / p99) and the
 mean acceptance length, and the spec / plain ratio of each; ``--json`` and ``--plot`` write them.
 ``--offline-baseline`` also times ``LLM.generate`` on the same prompts one at a time, in this
-process, and reports the server's output tokens/s at concurrency 1 over it.
+process, alternating prompt by prompt with single streamed requests to the server, and reports
+the server's output tokens/s over ``LLM.generate``'s.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def add_parser(subparsers) -> None:
         "--offline-baseline",
         action="store_true",
         dest="offline_baseline",
-        help="also time LLM.generate on the same prompts one at a time in this process; "
-        "report the server at concurrency 1 over it",
+        help="also time LLM.generate on the same prompts one at a time in this process, "
+        "alternating prompt by prompt with single streamed requests to the server; report the "
+        "server's output tokens/s over LLM.generate's",
     )
     p.add_argument("--json", metavar="OUT.json", help="write the report as JSON")
     p.add_argument(
@@ -242,49 +244,81 @@ def _run_system(name, base_url, api_key, model, prompts, concurrencies, args, ma
     return runs
 
 
-def _offline(args, plain: bool, prompts: list[str], max_tokens: int) -> tuple[float, list[str]]:
-    """LLM.generate's output tokens/s over ``prompts`` one at a time (first one untimed), and
-    the flags that pin the server to the draft tree this engine settled on (where the head
-    lets the engine time candidate trees at start-up, two engines may pick differently)."""
-    from polyspec.commands.generate import engine_from_args
-    from polyspec.config import SamplingParams
+class OfflineBaseline:
+    """``LLM.generate`` in this process with the same flags, to time against the server at
+    concurrency 1 (``--offline-baseline``). Built before the server so that the server can be
+    pinned to the draft tree this engine settled on (:attr:`pin`): where the head lets the
+    engine time candidate trees at start-up, two engines may pick differently."""
 
-    ns = argparse.Namespace(**vars(args))
-    if plain:
-        for key in ("draft", *_SPEC_KEYS):
-            setattr(ns, key, None)
-        ns.algorithm = "none"
-    llm, sampling, _ = engine_from_args(ns)
-    params = SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        ignore_eos=args.ignore_eos,
-        seed=sampling.seed,
-    )
+    def __init__(self, args: argparse.Namespace, plain: bool, max_tokens: int):
+        from polyspec.commands.generate import engine_from_args
+        from polyspec.config import SamplingParams
+
+        ns = argparse.Namespace(**vars(args))
+        if plain:
+            for key in ("draft", *_SPEC_KEYS):
+                setattr(ns, key, None)
+            ns.algorithm = "none"
+        self.llm, sampling, _ = engine_from_args(ns)
+        self.params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            ignore_eos=args.ignore_eos,
+            seed=sampling.seed,
+        )
+        self.chat = not args.no_chat_template
+        spec = self.llm.config.speculative if self.llm.draft is not None else None
+        self.pin: list[str] = []
+        if spec is not None:
+            self.pin = ["--num-steps", str(spec.num_steps), "--topk", str(spec.topk),
+                        "--num-draft-tokens", str(spec.num_draft_tokens),
+                        "--batch-trees", ",".join(t.text for t in spec.batch_trees) or "none",
+                        "--dynamic-depth", str(spec.dynamic_depth or 0)]  # fmt: skip
+
+    def time_one(self, prompt: str) -> tuple[int, float]:
+        """(output tokens, seconds) of one prompt alone."""
+        llm, params = self.llm, self.params
+        t0 = time.perf_counter()
+        out = (llm.chat(prompt, params) if self.chat else llm.generate([prompt], params))[0]
+        return len(out.token_ids), time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        self.llm = None
+        gc.collect()
+
+
+def interleaved(offline: OfflineBaseline, base_url: str, model: str, prompts, args, max_tokens,
+                progress: bool) -> dict:  # fmt: skip
+    """Each prompt alone through ``LLM.generate``, then alone through the server (streamed),
+    alternating prompt by prompt, so that a shared machine's changing load hits both alike;
+    -> tokens/s of each over all prompts and their ratio."""
+    from polyspec.serve import bench
+
+    temperature = args.temperature if args.temperature is not None else 0.0
     chat = not args.no_chat_template
-
-    def one(p: str):
-        return (llm.chat(p, params) if chat else llm.generate([p], params))[0]
-
-    one(prompts[0])
-    tokens, t0 = 0, time.perf_counter()
-    bar = _bar(f"{'plain' if plain else 'spec'} LLM.generate", len(prompts), not args.no_progress)
-    for p in prompts:
-        tokens += len(one(p).token_ids)
+    offline.time_one(prompts[0])  # warm-up, untimed (the server was warmed up already)
+    gen_tokens = gen_s = srv_tokens = srv_s = 0.0
+    bar = _bar("generate | server", len(prompts), progress)
+    for prompt in prompts:
+        n, sec = offline.time_one(prompt)
+        gen_tokens, gen_s = gen_tokens + n, gen_s + sec
+        load = bench.Load(model, [prompt], max_tokens, temperature, args.ignore_eos, chat)
+        run = bench.run_load(base_url, load, 1)
+        srv_tokens, srv_s = srv_tokens + run["output_tokens"], srv_s + run["wall_s"]
         bar.update()
     bar.close()
-    wall = time.perf_counter() - t0
-    spec = llm.config.speculative if llm.draft is not None else None
-    pin = []
-    if spec is not None:
-        pin = ["--num-steps", str(spec.num_steps), "--topk", str(spec.topk),
-               "--num-draft-tokens", str(spec.num_draft_tokens),
-               "--batch-trees", ",".join(t.text for t in spec.batch_trees) or "none",
-               "--dynamic-depth", str(spec.dynamic_depth or 0)]  # fmt: skip
-    llm.shutdown()
-    return (tokens / wall if wall > 0 else 0.0), pin
+    gen_tps = gen_tokens / gen_s if gen_s else 0.0
+    srv_tps = srv_tokens / srv_s if srv_s else 0.0
+    return {
+        "generate_tokens_per_s": gen_tps,
+        "server_tokens_per_s": srv_tps,
+        "generate_tokens": int(gen_tokens),
+        "server_tokens": int(srv_tokens),
+        "ratio": srv_tps / gen_tps if gen_tps else None,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -298,11 +332,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--request-rate = {args.request_rate} is invalid: must be > 0")
     if args.plot:
         require_matplotlib()
-    if args.offline_baseline and (args.base_url or 1 not in concurrencies):
-        raise ConfigError(
-            "--offline-baseline compares with the server at concurrency 1: include 1 in "
-            "--concurrency and leave out --base-url"
-        )
+    if args.offline_baseline and args.base_url:
+        raise ConfigError("--offline-baseline starts the servers itself: leave out --base-url")
     dataset_file, prompts = load_dataset(args.dataset, args.num_prompts)
     max_tokens = args.max_new_tokens or DEFAULT_MAX_TOKENS
     if args.max_batch_size is None and not args.base_url:
@@ -342,10 +373,10 @@ def run(args: argparse.Namespace) -> int:
             systems = [("plain", True)]
         for name, plain in systems:
             argv = engine_argv(args, plain)
+            offline = None
             if args.offline_baseline:  # first, so that the server gets the same tree
-                gen_tps, pin = _offline(args, plain, prompts, max_tokens)
-                gc.collect()  # that engine's memory back before the server starts
-                argv += pin
+                offline = OfflineBaseline(args, plain, max_tokens)
+                argv += offline.pin
             server = ServerProcess(argv)
             print(server.ready_line, file=sys.stderr)
             try:
@@ -356,15 +387,14 @@ def run(args: argparse.Namespace) -> int:
                 report["systems"][name] = _run_system(
                     name, base_url, "none", model, prompts, concurrencies, args, max_tokens
                 )
+                if offline is not None:
+                    report.setdefault("offline", {})[name] = interleaved(
+                        offline, base_url, model, prompts, args, max_tokens, not args.no_progress
+                    )
             finally:
                 server.stop()
-            if args.offline_baseline:
-                server_tps = report["systems"][name][1]["output_tokens_per_s"]
-                report.setdefault("offline", {})[name] = {
-                    "server_tokens_per_s": server_tps,
-                    "generate_tokens_per_s": gen_tps,
-                    "ratio": server_tps / gen_tps if gen_tps else None,
-                }
+                if offline is not None:
+                    offline.close()
         if {"spec", "plain"} <= set(report["systems"]):
             spec, plain_runs = report["systems"]["spec"], report["systems"]["plain"]
             report["ratios"] = {c: bench.ratios(spec[c], plain_runs[c]) for c in concurrencies}

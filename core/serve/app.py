@@ -76,8 +76,6 @@ class ServerState:
         self.llm: LLM | None = None
         self.model: protocol.ServedModel | None = None
         self.stopping = False
-        self.load_error: str | None = None  # why the model failed to load (CLI)
-        self.load_exception: Exception | None = None
         self.created = protocol.now()
         self.metrics = ServerMetrics(self._stats, self._num_steps, self._reserved_kv)
         self._ids = itertools.count()
@@ -247,10 +245,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.load_error is not None:
-            raise ApiError(
-                503, f"the model failed to load: {state.load_error}", type="server_error"
-            )
         ready()
         return JSONResponse({"status": "ok"})
 

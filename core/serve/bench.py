@@ -246,8 +246,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines[-1] += f", median ITL {itl:.2f}x better" if itl else ""
     for system, off in (report.get("offline") or {}).items():
         lines.append(
-            f"{system}: server at concurrency 1 {off['server_tokens_per_s']:.1f} tok/s vs "
-            f"LLM.generate {off['generate_tokens_per_s']:.1f} tok/s = {off['ratio']:.3f}"
+            f"{system}: one request at a time, server {off['server_tokens_per_s']:.2f} tok/s vs "
+            f"LLM.generate {off['generate_tokens_per_s']:.2f} tok/s = {off['ratio']:.3f} "
+            "(interleaved prompt by prompt)"
         )
     return "\n".join(lines)
 

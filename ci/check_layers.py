@@ -18,8 +18,9 @@ rank  modules (``polyspec.`` omitted)                              column
 8     runtime                                                     core
 9     spec                                                        core
 10    engine                                                      core
-11    the package root, __main__, cli, commands, bench, train     core
-12    testing (the conformance suite; imports any layer)          testing
+11    serve (the HTTP server on the engine loop)                  core
+12    the package root, __main__, cli, commands, bench, train     core
+13    testing (the conformance suite; imports any layer)          testing
 ====  ==========================================================  ========
 
 A module may import a module of its own layer (a backend only its own package), or of a
@@ -60,9 +61,10 @@ LAYERS: tuple[tuple[int, str, str, tuple[str, ...]], ...] = (
     (8, "runtime", "core", ("polyspec.runtime",)),
     (9, "spec", "core", ("polyspec.spec",)),
     (10, "engine", "core", ("polyspec.engine",)),
-    (11, "app", "core", ("polyspec", "polyspec.__main__", "polyspec.cli", "polyspec.commands",
+    (11, "serve", "core", ("polyspec.serve",)),
+    (12, "app", "core", ("polyspec", "polyspec.__main__", "polyspec.cli", "polyspec.commands",
                          "polyspec.bench", "polyspec.train")),
-    (12, "testing", "testing", ("polyspec.testing",)),
+    (13, "testing", "testing", ("polyspec.testing",)),
 )  # fmt: skip
 """(rank, layer name, column, module prefixes). A module belongs to the layer of its longest
 matching prefix (``polyspec.backends.cpu.rowinv`` -> ``backends``)."""

@@ -1,4 +1,5 @@
-"""``polyspec`` command line: ``polyspec generate | bench | backends | build-kernels | train-draft``.
+"""``polyspec`` command line: ``polyspec generate | bench | serve | bench-serve | backends | build-kernels |
+train-draft``.
 
 Each subcommand lives in its own module under :mod:`polyspec.commands` (see there for the
 protocol). A :class:`~polyspec.errors.PolyspecError` is printed as ``polyspec: error: <message>``
@@ -17,7 +18,15 @@ from types import ModuleType
 
 from polyspec.errors import PolyspecError
 
-COMMAND_MODULES = ("generate", "bench", "backends", "build_kernels", "train_draft")
+COMMAND_MODULES = (
+    "generate",
+    "bench",
+    "serve",
+    "bench_serve",
+    "backends",
+    "build_kernels",
+    "train_draft",
+)
 """Modules of :mod:`polyspec.commands`, in help order; ones not present yet are skipped."""
 
 EXIT_USER_ERROR = 2

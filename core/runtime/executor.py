@@ -70,16 +70,18 @@ class RoundExecutor:
         copy: bool = False,
     ) -> Launched:
         """Run ``fn`` over ``inputs`` (``bs`` rows each): replayed when the batch fits a graph
-        bucket, else eagerly with ``host``. ``copy``: another round will be queued behind
-        this one before its result is read, so the outputs are copied out of the graph's
-        buffers (the next replay overwrites them) and the host vector starts towards the
-        host now."""
+        bucket, else eagerly with ``host``. ``copy``: another round may be queued behind
+        this one before its result is read, so a replay's outputs are copied out of the
+        graph's buffers (the next replay overwrites them) and the host vector starts towards
+        the host now."""
         bs = next(iter(inputs.values())).shape[0]
         launched = self._replay(key, name, fn, inputs, max_prefix, copy)
         if launched is not None:
             return launched
-        # no bucket, or the backend's graph budget is spent: the exact batch, eagerly
-        return self._launched(key, name, fn, inputs, fn(inputs, bs, None, host), bs, False, copy)
+        # No bucket, or the backend's graph budget is spent: the exact batch, eagerly. Its
+        # outputs are its own (no graph buffer to copy them from), and no round is queued
+        # behind it (that one would need its lengths on the host).
+        return self._launched(key, name, fn, inputs, fn(inputs, bs, None, host), bs, False, False)
 
     def queue_next(
         self, launched: Launched, inputs: Mapping[str, torch.Tensor], max_prefix: int

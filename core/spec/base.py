@@ -1,4 +1,5 @@
-"""What the plain and the EAGLE worker share: request state, KV bookkeeping, target prefill."""
+"""What the plain and the EAGLE worker share: request state, KV bookkeeping, target prefill,
+and the driving of a decode round (inputs, executor, result)."""
 
 from __future__ import annotations
 
@@ -137,12 +138,6 @@ class WorkerBase:
         self.dynamic_depth = 0.0
         self.drafted_levels: list[int] = []
 
-    def graphed(self, bs: int, max_prefix: int) -> CapturedForwards | None:
-        """The captured forwards when this batch fits a bucket, else None (run eagerly)."""
-        if self.graphs is not None and self.graphs.fits(bs, max_prefix):
-            return self.graphs
-        return None
-
     # -- one decode round -----------------------------------------------------------------------
     round_phase = "verify"  # the timer's phase of a round (draft to draft extend, one program)
 
@@ -186,9 +181,9 @@ class WorkerBase:
             seq_lens = [s.seq_len for s in sts]
             width = _round_width(tree)
             self.kv.ensure([s.row for s in sts], [n + width for n in seq_lens], self.kv_lookahead)
+            fn, inputs = self.round_fn(tree, greedy), self._round_inputs(tree, rids, sts, greedy)
             launched = self.executor.launch(
-                rids, self.round_fn(tree, greedy).__name__, self.round_fn(tree, greedy),
-                self._round_inputs(tree, rids, sts, greedy), max(seq_lens), HostLens(seq_lens),
+                rids, fn.__name__, fn, inputs, max(seq_lens), HostLens(seq_lens),
                 copy=lookahead and greedy,
             )  # fmt: skip
         if lookahead and greedy:

@@ -94,10 +94,9 @@ class SpecRound:
         self.standalone = parts.draft is not None and parts.draft.algorithm == "standalone"
         # dynamic depth: deeper levels of a round whose best path is below it get probability 0
         self.stop_below = stop_below
-        base = "decode" if parts.draft is None else "round"
-        self.__name__ = f"{base}_{'greedy' if greedy else 'sampled'}{tree.suffix}"
-        if parts.draft is None and greedy:
-            self.__name__ = "decode"
+        # its graphs' name: round_greedy, round_sampled@3-3-8, decode_greedy, ...
+        kind = "decode" if parts.draft is None else "round"
+        self.__name__ = f"{kind}_{'greedy' if greedy else 'sampled'}{tree.suffix}"
 
     def __call__(
         self, inputs: Mapping[str, torch.Tensor], b: int, max_prefix: int | None, host: Any
@@ -188,9 +187,9 @@ class SpecRound:
 
     def draft(self, rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host):
         """S levels of top-K expansion (``select_top_k``) with a DRAFT_DECODE forward between
-        levels; each of a request's K lanes writes its own scratch slots. -> the levels
-        ``organize_draft_results`` keeps (parents, scores index, tokens) and the number of
-        levels drafted [1] (fewer than S where dynamic depth stopped)."""
+        levels; each of a request's K lanes writes its own scratch slots. -> each level's
+        (parents, scores, tokens), for ``organize_draft_results``, and the number of levels
+        drafted [1] (fewer than S where dynamic depth stopped)."""
         p, tree = self.p, self.tree
         K, S = tree.topk, tree.num_steps
         if topk_p.shape[1] != K:  # the state kept for a wider tree: this tree's top-K first

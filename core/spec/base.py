@@ -19,7 +19,7 @@ from polyspec.runtime.kv_cache import KVCacheManager
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.req_pool import ReqToTokenPool
 from polyspec.runtime.sampling import RequestSampler, SamplingBatch
-from polyspec.spec.round import PLAIN, HostLens, RoundParts, SpecRound, Tree, next_round_inputs
+from polyspec.spec.round import PLAIN, HostView, RoundParts, SpecRound, Tree, next_round_inputs
 
 
 @dataclasses.dataclass
@@ -139,7 +139,13 @@ class WorkerBase:
         self.drafted_levels: list[int] = []
 
     # -- one decode round -----------------------------------------------------------------------
-    round_phase = "verify"  # the timer's phase of a round (draft to draft extend, one program)
+    # The timer's phases: the host's preparation of a round, and a replayed round (draft to
+    # draft extend in one program; an eager round laps its own phases as it goes).
+    prepare_phase = "draft"
+    round_phase = "verify"
+
+    def _lap(self, phase: str) -> None:
+        self.timer.lap(phase)
 
     def tree_for(self, bs: int) -> Tree:  # noqa: ARG002
         """The draft tree of a round of ``bs`` requests."""
@@ -182,10 +188,11 @@ class WorkerBase:
             width = _round_width(tree)
             self.kv.ensure([s.row for s in sts], [n + width for n in seq_lens], self.kv_lookahead)
             fn, inputs = self.round_fn(tree, greedy), self._round_inputs(tree, rids, sts, greedy)
+            self.timer.lap(self.prepare_phase)
+            host = HostView(seq_lens, self._lap)
             launched = self.executor.launch(
-                rids, fn.__name__, fn, inputs, max(seq_lens), HostLens(seq_lens),
-                copy=lookahead and greedy,
-            )  # fmt: skip
+                rids, fn.__name__, fn, inputs, max(seq_lens), host, copy=lookahead and greedy
+            )
         if lookahead and greedy:
             self._keep_queued(self._queue_next(tree, launched, sts))
         return self._finish(tree, launched, sts)

@@ -13,7 +13,7 @@ class PlainWorker(WorkerBase):
     """One target DECODE forward per round, one token per request."""
 
     max_round_tokens = 1  # tokens a step commits for a request
-    round_phase = "target"
+    prepare_phase = round_phase = "target"
 
     def round_parts(self) -> RoundParts:
         return RoundParts(

@@ -60,10 +60,12 @@ PLAIN = Tree(0, 1, 1, 0, "")
 """Plain decoding's tree: the root only."""
 
 
-class HostLens(NamedTuple):
-    """The batch's lengths on the host, for eager forwards (exact batch, no padding)."""
+class HostView(NamedTuple):
+    """The host's side of an eager round (exact batch, no padding): the lengths its forwards
+    hand to the backend, and where its phases end (the worker's phase timer)."""
 
     seq_lens: list[int]  # [bs] committed lengths
+    lap: Callable[[str], None]  # lap(phase): the phase that ends here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +126,12 @@ class SpecRound:
         candidates, tree_mask, positions, next_token, next_sibling = self.build_tree(
             levels, roots, seq_lens
         )
+        _lap(host, "draft")
         # 4. the target's forward over the tree
         logits, feats = self.verify(
             rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
         )
+        _lap(host, "verify")
         # 5. accept: the longest path the target agrees with, and its bonus token
         predicts, accept_index, accept_length = self.accept(
             candidates, next_token, next_sibling, logits, inputs
@@ -136,14 +140,18 @@ class SpecRound:
         locs = self.accept_locs(rows, seq_lens, inputs["host"], accept_index, accept_length)
         if tree.topk > 1:
             p.target_runner.kv_pool.move(locs[1], locs[0])
+        _lap(host, "accept")
         # 7. draft extend over the accepted tokens: the next round's draft state
         packed = torch.cat([accept_length.long(), accept_index.long().flatten(), predicts, drafted])
         if self.standalone:
             self.standalone_extend(rows, seq_lens, live, predicts, locs, max_prefix, host)
-            return (packed,)
-        return packed, *self.draft_extend(
-            rows, seq_lens, live, predicts, feats, locs, max_prefix, host
-        )
+            next_state = ()
+        else:
+            next_state = self.draft_extend(
+                rows, seq_lens, live, predicts, feats, locs, max_prefix, host
+            )
+        _lap(host, "draft_extend")
+        return packed, *next_state
 
     # -- the steps, in the order they run --------------------------------------------------------
     def _columns(self, per_request: torch.Tensor):
@@ -383,6 +391,12 @@ class SpecRound:
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, start, S, live,
             predicts[path_node], positions, slots, max_prefix, host_prefix,
         )  # fmt: skip
+
+
+def _lap(host: HostView | None, phase: str) -> None:
+    """End a phase of the worker's timer where the round has a host side (eager)."""
+    if host is not None:
+        host.lap(phase)
 
 
 def next_round_inputs(

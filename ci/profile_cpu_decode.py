@@ -4,7 +4,7 @@ Plain decoding: wall time per token, then the torch ops by self time (the row-in
 kernels are not torch ops: their time is the wall time minus what the table lists).
 ``--spec``: speculative decoding with the shipped head and the tree the engine picks from its
 ``polyspec.json`` candidates on this machine: wall time per round, then a cProfile of the
-rounds by cumulative time (the worker's verify / draft / draft extend, the model forward, the
+rounds by cumulative time (the round's draft / verify / draft extend, the model forward, the
 C++ kernels); ``--sort
 tottime`` lists them by self time instead (where the Python between the kernels goes).
 

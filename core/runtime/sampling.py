@@ -54,6 +54,24 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n] int64
     return logits.max(dim=-1).indices
 
 
+def target_probs(
+    logits: torch.Tensor,  # [n, V]
+    params: torch.Tensor,  # [n, 4] fp32: temperature, top_k, top_p, 1 if sampled
+    kernels: KernelSet,
+) -> torch.Tensor:  # [n, V] fp32
+    """Target distribution after temperature, top-k and top-p, from device tensors only. Rows
+    not sampled (greedy requests, a graph's zeroed padding rows) become one-hot at the argmax,
+    which makes sampling verification reproduce greedy verification exactly."""
+    sampled = params[:, 3] > 0
+    temperature = torch.where(sampled, params[:, 0], 1.0)
+    top_p = torch.where(sampled, params[:, 2], 1.0)
+    logits = logits.float()
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    probs = kernels.top_k_top_p_renorm(probs, params[:, 1].long(), top_p)
+    onehot = torch.zeros_like(probs).scatter_(1, greedy_ids(logits)[:, None], 1.0)
+    return torch.where(sampled[:, None], probs, onehot)
+
+
 class SamplingBatch:
     """Tensors of the sampling settings of a batch, each request repeated ``rows_per_request``
     times (N tree nodes per request when verifying)."""
@@ -65,28 +83,22 @@ class SamplingBatch:
         self.rows = rows_per_request
         self.device = device
         self.all_greedy = all(s.greedy for s in samplers)
-        if not self.all_greedy:
-            r = rows_per_request
-            temps = [s.temperature if not s.greedy else 1.0 for s in samplers]
-            self.temperature = torch.tensor(temps, device=device).repeat_interleave(r)
-            self.greedy_mask = torch.tensor([s.greedy for s in samplers], device=device)
-            self.greedy_mask = self.greedy_mask.repeat_interleave(r)
-            self.top_k = torch.tensor([s.top_k for s in samplers], device=device).repeat_interleave(
-                r
-            )
-            self.top_p = torch.tensor([s.top_p for s in samplers], device=device).repeat_interleave(
-                r
-            )
+
+    def params(self) -> torch.Tensor:  # [bs, 4] fp32
+        """Each request's (temperature, top_k, top_p, 1 if sampled else 0), for
+        :func:`target_probs` (one row per request, not repeated)."""
+        values = [
+            (s.temperature, float(s.top_k), s.top_p, 0.0 if s.greedy else 1.0)
+            for s in self.samplers
+        ]
+        return torch.tensor(values, dtype=torch.float32, device=self.device)
 
     def probs(self, logits: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
         """Target distribution after temperature, top-k and top-p: [n, V] fp32. Greedy rows
         become one-hot at the argmax, which makes sampling verification reproduce greedy
         verification exactly."""
-        logits = logits.float()
-        probs = torch.softmax(logits / self.temperature[:, None], dim=-1)
-        probs = kernels.top_k_top_p_renorm(probs, self.top_k, self.top_p)
-        onehot = torch.zeros_like(probs).scatter_(1, greedy_ids(logits)[:, None], 1.0)
-        return torch.where(self.greedy_mask[:, None], onehot, probs)
+        params = self.params().repeat_interleave(self.rows, dim=0)
+        return target_probs(logits, params, kernels)
 
     def exponential(self, vocab: int) -> torch.Tensor:
         """Exp(1) noise [bs * rows, V], each request's rows from its own stream."""

@@ -1,4 +1,5 @@
-"""What the plain and the EAGLE worker share: request state, KV bookkeeping, target prefill."""
+"""What the plain and the EAGLE worker share: request state, KV bookkeeping, target prefill,
+and the driving of a decode round (inputs, executor, result)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,18 @@ import functools
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from polyspec.backend import Backend, ForwardMode
 from polyspec.runtime.batch_builder import BatchBuilder
+from polyspec.runtime.executor import Launched, RoundExecutor
 from polyspec.runtime.graphs import CapturedForwards, GraphBuckets, block_slots, static_batch
 from polyspec.runtime.kv_cache import KVCacheManager
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.req_pool import ReqToTokenPool
 from polyspec.runtime.sampling import RequestSampler, SamplingBatch
+from polyspec.spec.round import PLAIN, HostView, RoundParts, SpecRound, Tree, next_round_inputs
 
 
 @dataclasses.dataclass
@@ -73,7 +75,8 @@ def uses_overlap(caps, overlap_rounds: str) -> bool:
 
 
 class WorkerBase:
-    """Owns the target model runner, the slot bookkeeping and each request's state."""
+    """Owns the target model runner, the slot bookkeeping and each request's state, and runs
+    decode rounds (:class:`polyspec.spec.round.SpecRound`) through the round executor."""
 
     extra_kv_per_request = 0  # slots a request may hold beyond its tokens (verify width)
     scratch_kv = 0  # transient slots for the whole batch (draft lanes)
@@ -123,28 +126,145 @@ class WorkerBase:
             width = self.req_pool.req_to_token.shape[1]
             buckets = GraphBuckets.default(max_batch_size, max_graph_batch_size, width)
             self.graphs = CapturedForwards(backend, buckets)
+        self.executor = RoundExecutor(backend, self.graphs)
         # A greedy round queued on the device behind the last one (overlap_rounds), and the
         # rounds queued so far and how many of them the next call could use (the others were
         # dropped: the batch had changed).
-        self._queued: Any = None
+        self._queued: Launched | None = None
         self.queued_rounds = {"queued": 0, "used": 0}
+        self._rounds: dict[tuple[Tree, bool], SpecRound] = {}
+        self.rounds_by_tree: dict[str, int] = {}
+        # Dynamic depth's threshold, and rounds by the number of levels drafted (index 1..S).
+        self.dynamic_depth = 0.0
+        self.drafted_levels: list[int] = []
 
-    def graphed(self, bs: int, max_prefix: int) -> CapturedForwards | None:
-        """The captured forwards when this batch fits a bucket, else None (run eagerly)."""
-        if self.graphs is not None and self.graphs.fits(bs, max_prefix):
-            return self.graphs
-        return None
+    # -- one decode round -----------------------------------------------------------------------
+    # The timer's phases: the host's preparation of a round, and a replayed round (draft to
+    # draft extend in one program; an eager round laps its own phases as it goes).
+    prepare_phase = "draft"
+    round_phase = "verify"
 
-    def _take_queued(self, rids: Sequence[int]) -> Any:
+    def _lap(self, phase: str) -> None:
+        self.timer.lap(phase)
+
+    def tree_for(self, bs: int) -> Tree:  # noqa: ARG002
+        """The draft tree of a round of ``bs`` requests."""
+        return PLAIN
+
+    def round_parts(self) -> RoundParts:
+        """What the rounds compute with (the models, their runners, the slot tables)."""
+        raise NotImplementedError
+
+    def round_fn(self, tree: Tree, greedy: bool) -> SpecRound:
+        """The round function of ``tree``, greedy or sampled (one object each, so that the
+        executor records one computation per name)."""
+        key = (tree, greedy)
+        if key not in self._rounds:
+            stop_below = self.dynamic_depth if tree.num_steps > 1 else 0.0
+            self._rounds[key] = SpecRound(self.round_parts(), tree, greedy, stop_below)
+        return self._rounds[key]
+
+    def round_graphs(self, greedy: bool = True, batch_size: int = 1) -> tuple[str, ...]:
+        """The captured computations a round of ``batch_size`` requests replays when it fits a
+        graph bucket (for benchmarks that time the forwards by replaying them)."""
+        return (self.round_fn(self.tree_for(batch_size), greedy).__name__,)
+
+    def decode(self, rids: Sequence[int], lookahead: bool = False) -> list[list[int]]:
+        """One round for ``rids`` -> each request's new tokens. ``lookahead``: the scheduler
+        allows queueing the next round behind this one (no request can reach its token limit
+        in this round, ``EngineConfig.overlap_rounds``); only all-greedy rounds are queued."""
+        sts = [self.states[r] for r in rids]
+        tree = self.tree_for(len(sts))
+        self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
+        greedy = all(s.sampler.greedy for s in sts)
+        self.timer.start()
+        launched = self._take_queued(rids)  # the last call may have queued this very round
+        if launched is None:  # none queued, or for a batch that has changed since
+            # Slots for the tree's nodes (and the draft extend's tokens). The rejected nodes'
+            # slots are not freed after the round (the next round's tree reuses them), and
+            # growth allocates ahead within the request's reservation: most rounds neither
+            # allocate nor free.
+            seq_lens = [s.seq_len for s in sts]
+            width = _round_width(tree)
+            self.kv.ensure([s.row for s in sts], [n + width for n in seq_lens], self.kv_lookahead)
+            fn, inputs = self.round_fn(tree, greedy), self._round_inputs(tree, rids, sts, greedy)
+            self.timer.lap(self.prepare_phase)
+            host = HostView(seq_lens, self._lap)
+            launched = self.executor.launch(
+                rids, fn.__name__, fn, inputs, max(seq_lens), host, copy=lookahead and greedy
+            )
+        if lookahead and greedy:
+            self._keep_queued(self._queue_next(tree, launched, sts))
+        return self._finish(tree, launched, sts)
+
+    def _round_inputs(self, tree: Tree, rids, sts, greedy: bool) -> dict[str, torch.Tensor]:
+        """The round's inputs on the device (see :mod:`polyspec.spec.round`): the requests'
+        table rows, lengths, roots and verify widths in one upload, and a sampled round's
+        settings and random draws (from each request's own stream)."""
+        bs, N = len(sts), tree.num_draft_tokens
+        values = [s.row for s in sts] + [s.seq_len for s in sts]
+        values += [s.last_token for s in sts] + [N] * bs
+        inputs = {"host": self.builder.long(values).view(4, bs).t()}
+        if not greedy:
+            sb = SamplingBatch([s.sampler for s in sts], 1, self.device)
+            inputs["sampling"] = sb.params()
+            if tree.num_steps == 0:
+                inputs["noise"] = sb.exponential(self.target.config.vocab_size)
+            else:
+                inputs["coins"] = sb.uniform(N + 1)
+        return inputs
+
+    def _queue_next(self, tree: Tree, launched: Launched, sts) -> Launched | None:
+        """Queue the round after ``launched`` from its outputs on the device (its accepted
+        lengths and bonus tokens give the next prefixes and roots), before the host has read
+        them. Its writes lie past the prefixes the host commits from ``launched``, so when
+        the batch changes instead (a request stops) the queued round is simply dropped."""
+        depth = tree.num_steps + 1
+        # The next round starts at most ``depth`` past the prefixes the host knows.
+        max_prefix = max(s.seq_len for s in sts) + depth
+        if not launched.captured or not self.executor.captures(len(sts), max_prefix):
+            return None
+        need = [s.seq_len + depth + _round_width(tree) for s in sts]
+        self.kv.ensure([s.row for s in sts], need, self.kv_lookahead)
+        inputs = next_round_inputs(tree, launched.inputs, launched.outputs, launched.rows)
+        return self.executor.queue_next(launched, inputs, max_prefix)
+
+    def _finish(self, tree: Tree, launched: Launched, sts) -> list[list[int]]:
+        """Read a launched round's result (the round's one wait for the device), keep its
+        draft state and commit its tokens."""
+        host = launched.result().tolist()
+        self.timer.lap(self.round_phase)
+        bs, b = len(sts), launched.rows
+        S, N = tree.num_steps, tree.num_draft_tokens
+        accepted = host[:bs]
+        paths = [host[b + r * (S + 1) : b + (r + 1) * (S + 1)] for r in range(bs)]
+        predicted = host[b + b * (S + 1) : b + b * (S + 1) + bs * N]  # [bs * N]
+        path_nodes = [p[: a + 1] for p, a in zip(paths, accepted)]  # global node ids
+        if self.dynamic_depth > 0 and S > 1:
+            self.drafted_levels[host[-1]] += 1
+        self.timer.lap("accept")
+        self._keep_state(launched)
+        out = []
+        for s, a, path in zip(sts, accepted, path_nodes):
+            toks = [predicted[g] for g in path]  # the accepted drafts and the bonus token
+            s.seq_len, s.last_token = s.seq_len + a + 1, toks[-1]
+            out.append(toks)
+        self.timer.lap("other")
+        return out
+
+    def _keep_state(self, launched: Launched) -> None:
+        """Keep what the next round reads from this one (an EAGLE head's draft state)."""
+
+    def _take_queued(self, rids: Sequence[int]) -> Launched | None:
         """The round the last call queued behind itself when it is for exactly ``rids``, else
         None; either way it is gone (a queued round is used once, or dropped)."""
         queued, self._queued = self._queued, None
-        if queued is None or queued.rids != tuple(rids):
+        if queued is None or queued.key != tuple(rids):
             return None
         self.queued_rounds["used"] += 1
         return queued
 
-    def _keep_queued(self, queued: Any) -> None:
+    def _keep_queued(self, queued: Launched | None) -> None:
         """Hold a round just queued behind this one (None: none could be) for the next call."""
         self._queued = queued
         self.queued_rounds["queued"] += queued is not None
@@ -303,3 +423,9 @@ class WorkerBase:
         for s, t in zip(sts, tokens):
             s.last_token = t
         return tokens
+
+
+def _round_width(tree: Tree) -> int:
+    """Positions past its prefix a round writes for a request: the tree's N nodes, and the
+    draft extend's S + 1 tokens."""
+    return max(tree.num_draft_tokens, tree.num_steps + 1)

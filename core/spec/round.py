@@ -1,0 +1,420 @@
+"""THE decode round, once: draft -> build tree -> verify -> accept -> compact KV -> draft extend.
+
+:class:`SpecRound` is one function over device tensors and fixed-shape batches of ``b``
+requests; :class:`polyspec.runtime.executor.RoundExecutor` decides how it runs (replayed from a
+graph captured per batch bucket, eagerly at the batch's exact size, or queued behind the last
+round) and the round does not know which. What differs between those runs reaches it as
+values: ``max_prefix`` (a graph's prefix bucket, or None for attention metadata built for the
+exact batch) and ``host`` (the batch's lengths on the host, which eager forwards hand to the
+backend; None inside a graph).
+
+Plain decoding is the same program without a draft: a one-node tree (the newest token), its
+forward a DECODE, acceptance the sampling of the next token. A standalone draft LM differs from
+an EAGLE head only in where its draft state comes from: it stores token p at position p, so
+the round starts with its forward over the root; an EAGLE head's state is the last round's
+draft extend.
+
+Inputs (``[b, ...]`` each; a graph's padding requests are zeros: row 0, length 0, width 0):
+
+- ``host`` [b, 4] int64: request table row, committed length, newest token (the tree's root),
+  verify width N (0 marks a padding request);
+- ``topk_p`` / ``topk_index`` [b, K'] and ``hidden`` [b, H]: an EAGLE head's draft state (K' the
+  widest tree's K: a narrower tree reads its first K columns);
+- sampled rounds: ``sampling`` [b, 4] fp32 (temperature, top_k, top_p, 1 for a sampled request)
+  and their draws: ``coins`` [b, N + 1] (speculative) or ``noise`` [b, V] (plain).
+
+Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
+node ids) + [b * N] each node's predicted token + [1] draft levels drafted``, then an EAGLE
+head's next draft state ``(topk_p [b, K'], topk_index [b, K'], feature [b, H])``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from polyspec.backend import ForwardMode, KernelSet, TreeMaskMode
+from polyspec.runtime.graphs import block_slots, static_batch
+from polyspec.runtime.model_runner import ModelRunner
+from polyspec.runtime.sampling import greedy_ids, target_probs
+
+
+class Tree(NamedTuple):
+    """One draft tree a round may use (``SpeculativeConfig.trees``)."""
+
+    num_steps: int  # S
+    topk: int  # K
+    num_draft_tokens: int  # N
+    lane_width: int  # W, the slots each draft lane owns
+    suffix: str  # of its graphs' names: "" for the main tree, "@S-K-N" for a batch tree
+
+    @property
+    def label(self) -> str:
+        return f"S={self.num_steps} K={self.topk} N={self.num_draft_tokens}"
+
+
+PLAIN = Tree(0, 1, 1, 0, "")
+"""Plain decoding's tree: the root only."""
+
+
+class HostView(NamedTuple):
+    """The host's side of an eager round (exact batch, no padding): the lengths its forwards
+    hand to the backend, and where its phases end (the worker's phase timer)."""
+
+    seq_lens: list[int]  # [bs] committed lengths
+    lap: Callable[[str], None]  # lap(phase): the phase that ends here
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundParts:
+    """What a round computes with: the models, their runners and the slot tables."""
+
+    kernels: KernelSet
+    target: torch.nn.Module
+    target_runner: ModelRunner
+    draft: torch.nn.Module | None  # None: plain decoding
+    draft_runner: ModelRunner | None
+    req_to_token: torch.Tensor  # [R, C]
+    lane_scratch: torch.Tensor | None  # [max_bs * K * W] the draft lanes' slots
+    page_size: int
+    index_dtype: torch.dtype
+    use_aux: bool  # the head reads the target's aux features (EAGLE-3)
+    state_topk: int  # K', the top-K kept between rounds (the widest tree's)
+    arange: Callable[[int], torch.Tensor]  # cached arange on the device
+
+
+class SpecRound:
+    """One round of one tree, greedy or sampled (see the module docstring)."""
+
+    def __init__(self, parts: RoundParts, tree: Tree, greedy: bool, stop_below: float = 0.0):
+        self.p = parts
+        self.tree = tree
+        self.greedy = greedy
+        self.standalone = parts.draft is not None and parts.draft.algorithm == "standalone"
+        # dynamic depth: deeper levels of a round whose best path is below it get probability 0
+        self.stop_below = stop_below
+        # its graphs' name: round_greedy, round_sampled@3-3-8, decode_greedy, ...
+        kind = "decode" if parts.draft is None else "round"
+        self.__name__ = f"{kind}_{'greedy' if greedy else 'sampled'}{tree.suffix}"
+
+    def __call__(
+        self, inputs: Mapping[str, torch.Tensor], b: int, max_prefix: int | None, host: Any
+    ) -> tuple[torch.Tensor, ...]:
+        p, tree = self.p, self.tree
+        rows, seq_lens, roots, live = self._columns(inputs["host"])
+        if p.draft is None:  # plain decoding: the root's forward and the next token
+            logits, _ = self.verify(
+                rows, seq_lens, roots[:, None], live, None, None, max_prefix, host
+            )
+            predicts = self.sample_next(logits, inputs)  # [b]
+            none = torch.zeros_like(predicts)
+            return (torch.cat([none, self.p.arange(b), predicts, none[:1]]),)
+
+        # 1. the draft's state: an EAGLE head's from the last round, a standalone LM's from
+        #    its forward over the root (it stores token p at position p)
+        if self.standalone:
+            state = self.root_forward(rows, seq_lens, roots, live, max_prefix, host)
+            draft_lens = seq_lens + 1  # the root is in the draft's prefix
+        else:
+            state = inputs["topk_p"], inputs["topk_index"], inputs["hidden"]
+            draft_lens = seq_lens
+        # 2. S levels of top-K, S - 1 draft forwards; 3. the tree of the N - 1 best
+        levels, drafted = self.draft(rows, draft_lens, live, *state, b, max_prefix, host)
+        candidates, tree_mask, positions, next_token, next_sibling = self.build_tree(
+            levels, roots, seq_lens
+        )
+        _lap(host, "draft")
+        # 4. the target's forward over the tree
+        logits, feats = self.verify(
+            rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
+        )
+        _lap(host, "verify")
+        # 5. accept: the longest path the target agrees with, and its bonus token
+        predicts, accept_index, accept_length = self.accept(
+            candidates, next_token, next_sibling, logits, inputs
+        )
+        # 6. the accepted path's target KV to the front (a chain's path is always in place)
+        locs = self.accept_locs(rows, seq_lens, inputs["host"], accept_index, accept_length)
+        if tree.topk > 1:
+            p.target_runner.kv_pool.move(locs[1], locs[0])
+        _lap(host, "accept")
+        # 7. draft extend over the accepted tokens: the next round's draft state
+        packed = torch.cat([accept_length.long(), accept_index.long().flatten(), predicts, drafted])
+        if self.standalone:
+            self.standalone_extend(rows, seq_lens, live, predicts, locs, max_prefix, host)
+            next_state = ()
+        else:
+            next_state = self.draft_extend(
+                rows, seq_lens, live, predicts, feats, locs, max_prefix, host
+            )
+        _lap(host, "draft_extend")
+        return packed, *next_state
+
+    # -- the steps, in the order they run --------------------------------------------------------
+    def _columns(self, per_request: torch.Tensor):
+        """[b, 4] int64 -> rows, committed lengths (index dtype), roots (int64), and 1 / 0
+        for a live / padding request (index dtype)."""
+        cols = per_request.t().contiguous()
+        lens = cols.to(self.p.index_dtype)
+        return lens[0], lens[1], cols[2], (lens[3] > 0).to(self.p.index_dtype)
+
+    def _forward(
+        self, runner: ModelRunner, mode: ForwardMode, rows, prefix, extend: int, live,
+        input_ids, positions, out_loc, max_prefix, host_prefix, features=None,
+        host_lane_lens=None, **extra,
+    ):  # fmt: skip
+        """One forward of ``extend`` tokens per request (0 for padding requests) after
+        ``prefix`` [b]. ``host_prefix`` (and in DRAFT_DECODE ``host_lane_lens``): the same
+        lengths on the host, for an eager forward; None in a captured one."""
+        batch = static_batch(
+            mode, self.p.req_to_token, rows, prefix, live * extend, input_ids, positions,
+            out_loc, **extra,
+        )  # fmt: skip
+        if host_prefix is not None:
+            batch.prefix_lens_cpu = list(host_prefix)
+            batch.extend_lens_cpu = [extend] * len(host_prefix)
+            batch.lane_lens_cpu = host_lane_lens
+        if runner is self.p.target_runner:
+            return runner.forward_target(batch, static_prefix=max_prefix)
+        return runner.forward_draft(batch, features, static_prefix=max_prefix)
+
+    def root_forward(self, rows, seq_lens, roots, live, max_prefix, host):
+        """A standalone draft's forward over each root (position seq_len) -> its draft state
+        (topk_p [b, K'], topk_index [b, K'], feature [b, H])."""
+        p = self.p
+        slots, positions = block_slots(p.req_to_token, rows, seq_lens, live, 1, p.arange(1))
+        host_prefix = None if host is None else host.seq_lens
+        logit_h, feature = self._forward(
+            p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, roots,
+            positions, slots, max_prefix, host_prefix,
+        )  # fmt: skip
+        return (*p.draft.topk(logit_h, p.state_topk), feature)
+
+    def draft(self, rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host):
+        """S levels of top-K expansion (``select_top_k``) with a DRAFT_DECODE forward between
+        levels; each of a request's K lanes writes its own scratch slots. -> each level's
+        (parents, scores, tokens), for ``organize_draft_results``, and the number of levels
+        drafted [1] (fewer than S where dynamic depth stopped)."""
+        p, tree = self.p, self.tree
+        K, S = tree.topk, tree.num_steps
+        if topk_p.shape[1] != K:  # the state kept for a wider tree: this tree's top-K first
+            topk_p, topk_index = topk_p[:, :K].contiguous(), topk_index[:, :K].contiguous()
+        if S > 1:
+            lane_locs, tails = self._assign_lanes(rows, draft_lens, b)
+            start = draft_lens.to(torch.int64) - tails  # the lane's page-aligned prefix
+            prefix = start.to(rows.dtype)
+            # Every step's lane column, slots, positions and lane lengths at once (a few
+            # launches for the whole loop). Step i writes lane column tail + i at seq_len + i.
+            col = p.arange(S - 1)[:, None] + tails[None, :]  # [S-1, b]
+            out_locs = lane_locs.gather(2, col.t()[:, None, :].expand(b, K, -1))  # [b, K, S-1]
+            out_locs = out_locs.permute(2, 0, 1).contiguous()  # [S-1, b, K]
+            positions = (col + start[None, :])[:, :, None].expand(-1, -1, K).contiguous()
+            lane_lens = (col + 1).to(rows.dtype)  # [S-1, b]
+            host_tails = host_prefix = None
+            if host is not None:  # the same lengths on the host, for eager forwards
+                lens = [n + 1 for n in host.seq_lens] if self.standalone else host.seq_lens
+                host_tails = [n % p.page_size for n in lens]
+                host_prefix = [n - t for n, t in zip(lens, host_tails)]
+        scores = None
+        levels: tuple[list, list, list] = ([], [], [])
+        stopped = drafted = None
+        for i in range(S):
+            input_ids, hidden, scores, level = p.kernels.select_top_k(
+                i, topk_p, topk_index, hidden, scores, K
+            )
+            for acc, t in zip(levels, level):
+                acc.append(t)
+            if i == S - 1:
+                break
+            logit_h, hidden = self._forward(
+                p.draft_runner, ForwardMode.DRAFT_DECODE, rows, prefix, K, live, input_ids,
+                positions[i].view(-1), out_locs[i].view(-1), max_prefix, host_prefix, hidden,
+                None if host is None else [t + i + 1 for t in host_tails],
+                lane_locs=lane_locs, lane_lens=lane_lens[i], topk=K,
+            )  # fmt: skip
+            topk_p, topk_index = p.draft.topk(logit_h, K)
+            if self.stop_below > 0:
+                # Dynamic depth on the device: once no request's best path of this level
+                # reaches the threshold, the deeper levels' candidates (each lane's own token)
+                # get probability 0, so the tree keeps its N nodes and takes them only where
+                # the drafted levels have too few.
+                low = scores.max() < self.stop_below
+                stopped = low if stopped is None else stopped | low
+                drafted = (~stopped).long() if drafted is None else drafted + ~stopped
+                topk_p = torch.where(stopped, 0.0, topk_p)
+                own = input_ids.view(-1, 1).expand(-1, K)
+                topk_index = torch.where(stopped, own, topk_index)
+        if drafted is None:
+            drafted = torch.full((1,), S, dtype=torch.int64, device=rows.device)
+        else:
+            drafted = (drafted + 1).view(1)
+        return levels, drafted
+
+    def _assign_lanes(self, rows, draft_lens, b: int):
+        """The lanes' slots ([b, K, W]) and each request's prefix tail in its last page (int64
+        [b]); with pages, every lane gets a copy of that tail first."""
+        p, tree = self.p, self.tree
+        K, ps, W = tree.topk, p.page_size, tree.lane_width
+        idx, dev = p.index_dtype, rows.device
+        lane_locs = torch.empty(b, K, W, dtype=idx, device=dev)
+        tail = torch.empty(b, dtype=idx, device=dev)
+        copy_src = torch.empty(b * K * (ps - 1), dtype=idx, device=dev)
+        copy_dst = torch.empty(b * K * (ps - 1), dtype=idx, device=dev)
+        scratch = p.lane_scratch[: b * K * W]  # padding requests get lanes too
+        p.kernels.assign_draft_cache_locs(
+            rows, p.req_to_token, draft_lens, scratch, K, tree.num_steps, ps, lane_locs, tail,
+            copy_src, copy_dst,
+        )  # fmt: skip
+        if ps > 1:
+            p.draft_runner.kv_pool.move(copy_dst, copy_src)
+        return lane_locs, tail.to(torch.int64)
+
+    def build_tree(self, levels, roots, seq_lens):
+        """``organize_draft_results`` then ``build_tree`` -> candidates [b, N] (root first),
+        tree_mask [b, N, N], positions [b * N], next_token / next_sibling links [b, N]."""
+        p, tree = self.p, self.tree
+        parents, top_scores_index, draft_tokens = p.kernels.organize_draft_results(
+            *levels, tree.num_draft_tokens
+        )
+        b, N, dev = roots.shape[0], tree.num_draft_tokens, roots.device
+        candidates = torch.cat([roots[:, None], draft_tokens], dim=1)
+        tree_mask = torch.empty(b, N, N, dtype=torch.bool, device=dev)
+        positions = torch.empty(b * N, dtype=torch.int64, device=dev)
+        links = [torch.empty(b, N, dtype=seq_lens.dtype, device=dev) for _ in range(3)]
+        p.kernels.build_tree(
+            parents, top_scores_index, seq_lens, tree.topk, tree.num_steps, N,
+            TreeMaskMode.TREE_ONLY, tree_mask, positions, *links,
+        )  # fmt: skip
+        return candidates, tree_mask, positions, links[1], links[2]
+
+    def verify(self, rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host):
+        """The target's forward over each request's N candidates (TARGET_VERIFY with the tree
+        mask; a one-node tree is a DECODE) -> (logits [b * N, V], draft features [b * N, F])."""
+        p = self.p
+        n = candidates.shape[1]
+        slots, pos = block_slots(p.req_to_token, rows, seq_lens, live * n, n, p.arange(n))
+        mode, extra = ForwardMode.DECODE, {}
+        if tree_mask is not None:
+            mode, pos, extra = ForwardMode.TARGET_VERIFY, positions, {"tree_mask": tree_mask}
+        hidden, aux = self._forward(
+            p.target_runner, mode, rows, seq_lens, n, live, candidates.reshape(-1), pos, slots,
+            max_prefix, None if host is None else host.seq_lens, **extra,
+        )  # fmt: skip
+        return p.target.compute_logits(hidden), (aux if p.use_aux else hidden)
+
+    def sample_next(self, logits, inputs) -> torch.Tensor:  # [b, V] -> [b] int64
+        """Plain decoding's acceptance: the next token (argmax, or a draw with the noise)."""
+        if self.greedy:
+            return greedy_ids(logits)
+        probs = target_probs(logits, inputs["sampling"], self.p.kernels)
+        return self.p.kernels.sample(probs, inputs["noise"])
+
+    def accept(self, candidates, next_token, next_sibling, logits, inputs):
+        """Greedy (``verify_tree_greedy``) or lossless speculative sampling
+        (``verify_tree_sampling``; a greedy request's target is one-hot at the argmax, so
+        mixed batches are exact) -> (predicts [b * N], accept_index [b, S + 1], accept_length
+        [b])."""
+        p, tree = self.p, self.tree
+        b, N = candidates.shape
+        S, idx, dev = tree.num_steps, next_token.dtype, logits.device
+        # build_tree's retrive_index is b * N + j; made here because a graph's padding
+        # requests have zeroed inputs, which would point them at request 0's nodes
+        retrive_index = p.arange(b * N).view(b, N).to(idx)
+        predicts = torch.empty(b * N, dtype=torch.int64, device=dev)
+        accept_index = torch.empty(b, S + 1, dtype=idx, device=dev)
+        accept_length = torch.empty(b, dtype=idx, device=dev)
+        outs = (predicts, accept_index, accept_length)
+        if self.greedy:
+            target_predict = greedy_ids(logits).view(b, N)
+            p.kernels.verify_tree_greedy(
+                candidates, retrive_index, next_token, next_sibling, target_predict, *outs
+            )
+        else:
+            params = inputs["sampling"].repeat_interleave(N, dim=0)  # [b * N, 4]
+            probs = target_probs(logits, params, p.kernels).view(b, N, -1)
+            coins = inputs["coins"]
+            p.kernels.verify_tree_sampling(
+                candidates, retrive_index, next_token, next_sibling, probs, None,
+                coins[:, :N].contiguous(), coins[:, N].contiguous(), *outs,
+            )  # fmt: skip
+        return outs
+
+    def accept_locs(self, rows, seq_lens, per_request, accept_index, accept_length):
+        """``assign_accept_locs`` -> (src_loc, dst_loc, positions, path_node, extend_lens,
+        last_index), ``[b * (S + 1)]`` / ``[b]``: where each accepted node's target KV is and
+        goes, and the draft extend's positions, verify rows and newest-token rows."""
+        p = self.p
+        b, depth = accept_index.shape
+        table, dev = p.req_to_token, accept_index.device
+        locs = (
+            *(torch.empty(b * depth, dtype=table.dtype, device=dev) for _ in range(2)),
+            *(torch.empty(b * depth, dtype=torch.int64, device=dev) for _ in range(2)),
+            torch.empty(b, dtype=rows.dtype, device=dev),
+            torch.empty(b, dtype=torch.int64, device=dev),
+        )
+        widths = per_request[:, 3].to(rows.dtype)
+        p.kernels.assign_accept_locs(
+            rows, table, seq_lens, widths, accept_index, accept_length,
+            self.tree.num_draft_tokens, *locs,
+        )  # fmt: skip
+        return locs
+
+    def draft_extend(self, rows, seq_lens, live, predicts, feats, locs, max_prefix, host):
+        """The EAGLE head reads (feature at node, token predicted after it) for each accepted
+        node, at a fixed width S + 1 per request: past the path its last node again, written
+        to the padding slot and never read by a real token (they come after it) ->
+        (topk_p [b, K'], topk_index [b, K'], next feature [b, H])."""
+        p = self.p
+        _, dst_loc, positions, path_node, _, last_index = locs
+        logit_h, next_feat = self._forward(
+            p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, self.tree.num_steps + 1,
+            live, predicts[path_node], positions, dst_loc, max_prefix,
+            None if host is None else host.seq_lens, feats[path_node],
+        )  # fmt: skip
+        topk_p, topk_index = p.draft.topk(logit_h[last_index], p.state_topk)
+        return topk_p, topk_index, next_feat[last_index]
+
+    def standalone_extend(self, rows, seq_lens, live, predicts, locs, max_prefix, host):
+        """A standalone LM already holds the root; it reads the accepted draft tokens at
+        positions seq_len + 1.. (fixed width S; past the path, the last node again, its KV
+        past the new length). The bonus token is the next round's root forward."""
+        p, S = self.p, self.tree.num_steps
+        # the token at position seq_len + 1 + d is the one node d of the path predicted
+        path_node = locs[3].view(-1, S + 1)[:, :S].reshape(-1)  # depths 0..S-1
+        start = seq_lens + 1
+        slots, positions = block_slots(p.req_to_token, rows, start, live * S, S, p.arange(S))
+        host_prefix = None if host is None else [n + 1 for n in host.seq_lens]
+        self._forward(
+            p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, start, S, live,
+            predicts[path_node], positions, slots, max_prefix, host_prefix,
+        )  # fmt: skip
+
+
+def _lap(host: HostView | None, phase: str) -> None:
+    """End a phase of the worker's timer where the round has a host side (eager)."""
+    if host is not None:
+        host.lap(phase)
+
+
+def next_round_inputs(
+    tree: Tree, inputs: Mapping[str, torch.Tensor], outputs: Sequence[torch.Tensor], b: int
+) -> dict[str, torch.Tensor]:
+    """The inputs of the round after one with ``outputs`` (``b`` rows), on the device: each
+    prefix grown by the accepted tokens and the bonus token, which is the next root; the draft
+    state from the draft extend."""
+    prev = inputs["host"]  # [bs, 4]
+    bs, depth = prev.shape[0], tree.num_steps + 1
+    packed = outputs[0]
+    accepted = packed[:bs]  # [bs]
+    paths = packed[b : b + b * depth].view(b, depth)[:bs]  # [bs, S + 1] global node ids
+    last = paths.gather(1, accepted.view(bs, 1)).view(bs)  # the bonus token's node
+    roots = packed[b + b * depth :].index_select(0, last)  # [bs]
+    host = torch.stack([prev[:, 0], prev[:, 1] + accepted + 1, roots, prev[:, 3]], dim=1)
+    nxt = {"host": host}
+    if len(outputs) > 1:
+        for name, t in zip(("topk_p", "topk_index", "hidden"), outputs[1:]):
+            nxt[name] = t[:bs]
+    return nxt

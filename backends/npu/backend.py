@@ -11,14 +11,13 @@ from __future__ import annotations
 import torch
 
 from polyspec.backend import Backend
-from polyspec.backends.common import PagedAllocator
+from polyspec.backends.common import EagerGraphRunner, PagedAllocator
 
-from .attention import FIA_DTYPES, GraphTaskRecorder, NPUAttention
-from .graph import NPUGraphRunner
+from .attention import FIA_DTYPES, NPUAttention
 from .kernels import build_kernels
 from .kv_pool import NPUKVPool
 from .plugin import CAPABILITIES, PAGE_SIZE
-from .runtime import import_torch_npu
+from .runtime import device_type, import_torch_npu
 
 
 class NPUBackend(Backend):
@@ -35,11 +34,13 @@ class NPUBackend(Backend):
         built = build_kernels(use_triton)
         self.kernels = built.kernels
         self.kernel_sources = built.sources
-        self._recorder = GraphTaskRecorder()
+        self.device_type = device_type()
 
     def device(self, rank: int = 0) -> torch.device:
-        """``npu:rank``."""
-        return torch.device("npu", rank)
+        """``npu:rank`` (``cpu`` under the torch_npu simulator of the test suite)."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, rank)
 
     def synchronize(self) -> None:
         """Wait for the current NPU's queued work."""
@@ -86,10 +87,9 @@ class NPUBackend(Backend):
                 f"{head_dim}) and a pool of whole {PAGE_SIZE}-slot blocks (got "
                 f"{kv_pool.num_slots} slots)"
             )
-        return NPUAttention(
-            kv_pool, num_heads, num_kv_heads, head_dim, scale, PAGE_SIZE, self._recorder
-        )
+        return NPUAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale, PAGE_SIZE)
 
-    def make_graph_runner(self) -> NPUGraphRunner:
-        """An NPU graph runner whose replays need a prepare with host lengths."""
-        return NPUGraphRunner(self._recorder, self.capabilities.max_graph_shapes or 16)
+    def make_graph_runner(self) -> EagerGraphRunner:
+        """The eager runner: this backend does not capture NPU graphs (``graph_capture`` and
+        ``static_metadata`` are False; docs/backends/npu.md says why)."""
+        return EagerGraphRunner()

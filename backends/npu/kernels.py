@@ -118,12 +118,21 @@ def _describe(key: tuple) -> str:
 
 
 def _raised_by_triton(exc: BaseException) -> bool:
-    """True when ``exc`` (or what it wraps) comes from the triton package: a compiler or
-    driver failure, not a contract check of the kernel's Python wrapper."""
+    """True when ``exc`` (or what it wraps) comes from the triton package: an exception class
+    of triton's, or one raised inside triton's code (its driver raises plain ``RuntimeError``
+    s), not a contract check of the kernel's Python wrapper."""
     seen = 0
     while exc is not None and seen < 8:
         if type(exc).__module__.split(".")[0] == "triton":
             return True
+        tb, innermost = exc.__traceback__, None
+        while tb is not None:
+            innermost = tb
+            tb = tb.tb_next
+        if innermost is not None:
+            module = innermost.tb_frame.f_globals.get("__name__", "")
+            if module.split(".")[0] == "triton":
+                return True
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return False

@@ -24,6 +24,7 @@ Tensors live on the CPU: the simulated device type is ``cpu``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
@@ -232,6 +233,7 @@ class SimulatedNPU:
         self.group: TaskGroup | None = None
         self.updating: TaskGroup | None = None
         self.replays = 0
+        self.op_calls: collections.Counter = collections.Counter()  # (op, variant) -> calls
         self._default = SimStream("default")
         self._current = self._default
 
@@ -331,6 +333,8 @@ class SimulatedNPU:
               same: tuple[str, ...]) -> bool:  # fmt: skip
         """Route an updatable operator call: True when it was consumed by an update (do not
         run it); under capture, run it unrecorded and record it as one task."""
+        variant = (params.get("input_layout"), params.get("sparse_mode"))
+        self.op_calls[(name, *variant)] += 1
         if self.updating is not None:
             group = self.updating
             if self._update_index >= len(group.tasks):

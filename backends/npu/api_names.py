@@ -37,5 +37,11 @@ TORCH_DOT_NPU_NAMES: dict[str, str] = {
     "is_available": "[CUDA-MIRROR]",
     "synchronize": "[CUDA-MIRROR]",
     "mem_get_info": "[CUDA-MIRROR] (free, total) bytes",
+    "current_stream": "[CUDA-MIRROR]",
+    "Stream": "[CUDA-MIRROR]",
+    "stream": "[CUDA-MIRROR] stream context manager",
+    "NPUGraph": "[GRAPH][CUDA-MIRROR] torch.cuda.CUDAGraph counterpart (capture_begin, replay, "
+    "pool)",
+    "graph": "[GRAPH][CUDA-MIRROR] capture context manager (graph, pool=, stream=)",
 }
 """``torch.npu.<name>`` -> source and meaning."""

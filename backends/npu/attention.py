@@ -152,6 +152,74 @@ class NPUAttention(AttentionBackend):
             self._causal_mask(out_cache_loc.device), bs, 1,
         )  # fmt: skip
 
+    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> NPUMetadata:
+        """Metadata of a captured forward, from device tensors only (module docstring, "Graph
+        capture"): BSND with an explicit mask over a bucket-sized key range, so the operator's
+        host arguments depend on the shapes alone and stay valid at every replay."""
+        bs, t = batch.batch_size, batch.num_tokens
+        if bs < 1 or t % bs:
+            raise ValueError(
+                f"npu attention: a captured forward needs T = bs * Q tokens, got T = {t} for "
+                f"bs = {bs}"
+            )
+        out_cache_loc = batch.out_cache_loc.to(torch.int32)
+        if not self.use_fused:
+            return NPUMetadata(
+                batch.mode, out_cache_loc, HostLengths([], []), None, TREE, None, bs, 1,
+                portable=self.portable.build_static_metadata(batch, max_prefix_len),
+            )  # fmt: skip
+        if batch.mode is ForwardMode.DRAFT_DECODE:
+            return self._static_lanes(batch, max_prefix_len, out_cache_loc)
+        ps, q = self.page_size, t // bs
+        dev = out_cache_loc.device
+        kv_max = -(-(int(max_prefix_len) + q) // ps) * ps  # keys any row of the bucket may see
+        table = _table_columns(batch, kv_max // ps, ps)  # [bs, kv_max / P]
+        prefix = batch.prefix_lens.to(torch.int64)[:, None, None]  # [bs, 1, 1]
+        extend = batch.extend_lens.to(torch.int64)[:, None, None]
+        col = torch.arange(kv_max, device=dev)[None, None, :]  # [1, 1, KV]
+        row = torch.arange(q, device=dev)[None, :, None]  # [1, Q, 1]
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            tree = batch.tree_mask
+            if tree is None or tuple(tree.shape) != (bs, q, q):
+                raise ValueError(
+                    f"npu attention: TARGET_VERIFY needs tree_mask bool [bs, N, N] = "
+                    f"[{bs}, {q}, {q}]"
+                )
+            rel = col - prefix  # [bs, 1, KV]: tree node of a key column
+            in_tree = (rel >= 0) & (rel < q)
+            node = rel.clamp(0, q - 1).expand(bs, q, kv_max)
+            visible = (col < prefix) | (in_tree & tree.bool().gather(2, node))
+        else:
+            visible = col < prefix + row + 1  # causal with the prefix
+        padding = row >= extend  # [bs, Q, 1]: a padding query sees key 0 only (finite output)
+        visible = torch.where(padding, col == 0, visible)  # [bs, Q, KV]
+        return NPUMetadata(
+            batch.mode, out_cache_loc, HostLengths([q] * bs, [kv_max] * bs), table, TREE,
+            (~visible).unsqueeze(1).contiguous(), bs, q,
+        )  # fmt: skip
+
+    def _static_lanes(
+        self, batch: ForwardBatch, max_prefix_len: int, out_cache_loc: torch.Tensor
+    ) -> NPUMetadata:
+        """DRAFT_DECODE under capture: row (b, l) reads the request's prefix blocks, then lane
+        l's blocks (page-aligned prefixes), and sees ``prefix + lane_lens`` keys."""
+        ps, k = self.page_size, batch.topk
+        if batch.lane_locs is None or batch.lane_lens is None:
+            raise ValueError("npu attention: DRAFT_DECODE needs lane_locs and lane_lens")
+        bs = batch.batch_size
+        prefix_blocks = _table_columns(batch, max(-(-int(max_prefix_len) // ps), 1), ps)
+        n_prefix = batch.prefix_lens.to(torch.int64) // ps  # [bs] (page-aligned prefixes)
+        table = _lane_table(prefix_blocks, n_prefix, batch.lane_locs, ps, k)  # [bs*K, C]
+        kv_max = table.shape[1] * ps
+        col = torch.arange(kv_max, device=table.device)[None, :]  # [1, KV]
+        seen = batch.prefix_lens.to(torch.int64) + batch.lane_lens.to(torch.int64)  # [bs]
+        visible = col < seen[:, None]  # [bs, KV]
+        visible = visible[:, None, :].expand(bs, k, kv_max).reshape(bs * k, 1, 1, kv_max)
+        return NPUMetadata(
+            batch.mode, out_cache_loc, HostLengths([1] * (bs * k), [kv_max] * (bs * k)), table,
+            TREE, (~visible).contiguous(), bs * k, 1,
+        )  # fmt: skip
+
     def _is_chain(self, batch: ForwardBatch, extend: list[int]) -> bool:
         """Whether a verify forward's tree mask is causal (topk 1): one host check per forward."""
         tree = batch.tree_mask
@@ -175,24 +243,15 @@ class NPUAttention(AttentionBackend):
     ) -> torch.Tensor:  # [bs * K, prefix blocks + lane blocks]
         """Row (b, l): request b's prefix blocks (its prefix ends on a page boundary), then the
         blocks of lane l."""
-        ps, k = self.page_size, batch.topk
+        ps = self.page_size
         if any(p % ps for p in prefix):
             raise ValueError(
                 f"npu attention: DRAFT_DECODE needs page-aligned lane prefixes (page size {ps}), "
                 f"got {prefix}; the engine must copy the partial last page into each lane"
             )
         prefix_blocks = self._block_table(batch, max(max(prefix), 1))  # [bs, Pb]
-        lanes = batch.lane_locs  # [bs, K, W]
-        lane_blocks = (lanes[:, :, ::ps] // ps).to(torch.int32)  # [bs, K, Wb]
-        bs, pb, wb = prefix_blocks.shape[0], prefix_blocks.shape[1], lane_blocks.shape[2]
-        n_prefix = torch.tensor([p // ps for p in prefix], device=lanes.device)  # [bs]
-        col = torch.arange(pb + wb, device=lanes.device)  # [C]
-        in_prefix = col[None, :] < n_prefix[:, None]  # [bs, C]
-        from_prefix = prefix_blocks.gather(1, col.clamp(max=pb - 1).expand(bs, -1))  # [bs, C]
-        lane_col = (col[None, :] - n_prefix[:, None]).clamp(0, wb - 1)  # [bs, C]
-        from_lane = lane_blocks.gather(2, lane_col[:, None, :].expand(bs, k, -1))  # [bs, K, C]
-        table = torch.where(in_prefix[:, None, :], from_prefix[:, None, :], from_lane)
-        return table.reshape(bs * k, pb + wb).contiguous()
+        n_prefix = batch.prefix_lens.to(torch.int64) // ps  # [bs]
+        return _lane_table(prefix_blocks, n_prefix, batch.lane_locs, ps, batch.topk)
 
     def _tree_mask(
         self, batch: ForwardBatch, prefix: list[int], n: int, kv_width: int
@@ -265,6 +324,35 @@ class NPUAttention(AttentionBackend):
         else:
             kwargs.update(input_layout="TND", actual_seq_lengths=cumulative(lengths.query_lens))
         return kwargs
+
+
+def _table_columns(batch: ForwardBatch, blocks: int, ps: int) -> torch.Tensor:  # [bs, blocks]
+    """The first ``blocks`` block ids of each request (block 0, the padding page, past the
+    request table's width), from device tensors only."""
+    rows = batch.req_to_token.index_select(0, batch.req_pool_indices.to(torch.int64))
+    table = (rows[:, : blocks * ps : ps] // ps).to(torch.int32)
+    if table.shape[1] < blocks:
+        table = torch.nn.functional.pad(table, (0, blocks - table.shape[1]))
+    return table.contiguous()
+
+
+def _lane_table(
+    prefix_blocks: torch.Tensor,  # [bs, Pb] int32
+    n_prefix: torch.Tensor,  # [bs] prefix blocks of each request
+    lane_locs: torch.Tensor,  # [bs, K, W] slots of each lane
+    ps: int,
+    k: int,
+) -> torch.Tensor:  # [bs * K, Pb + W / P] int32
+    """Block table of the draft lanes: request b's first ``n_prefix[b]`` blocks, then lane l's."""
+    lane_blocks = (lane_locs[:, :, ::ps] // ps).to(torch.int32)  # [bs, K, Wb]
+    bs, pb, wb = prefix_blocks.shape[0], prefix_blocks.shape[1], lane_blocks.shape[2]
+    col = torch.arange(pb + wb, device=lane_locs.device)  # [C]
+    in_prefix = col[None, :] < n_prefix[:, None]  # [bs, C]
+    from_prefix = prefix_blocks.gather(1, col.clamp(max=pb - 1).expand(bs, -1))  # [bs, C]
+    lane_col = (col[None, :] - n_prefix[:, None]).clamp(0, wb - 1)  # [bs, C]
+    from_lane = lane_blocks.gather(2, lane_col[:, None, :].expand(bs, k, -1))  # [bs, K, C]
+    table = torch.where(in_prefix[:, None, :], from_prefix[:, None, :], from_lane)
+    return table.reshape(bs * k, pb + wb).contiguous()
 
 
 def _host(values: list[int] | None, name: str, bs: int) -> list[int]:

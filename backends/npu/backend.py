@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from polyspec.backend import Backend
-from polyspec.backends.common import EagerGraphRunner, PagedAllocator
+from polyspec.backends.common import PagedAllocator
 
 from .attention import FIA_DTYPES, NPUAttention
+from .graph import NPUGraphRunner
 from .kernels import build_kernels
 from .kv_pool import NPUKVPool
 from .plugin import CAPABILITIES, PAGE_SIZE
@@ -89,7 +90,6 @@ class NPUBackend(Backend):
             )
         return NPUAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale, PAGE_SIZE)
 
-    def make_graph_runner(self) -> EagerGraphRunner:
-        """The eager runner: this backend does not capture NPU graphs (``graph_capture`` and
-        ``static_metadata`` are False; docs/backends/npu.md says why)."""
-        return EagerGraphRunner()
+    def make_graph_runner(self) -> NPUGraphRunner:
+        """An NPU graph runner (no prepare: captured attention takes shape-only host values)."""
+        return NPUGraphRunner(self.capabilities.max_graph_shapes or 16)

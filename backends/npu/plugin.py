@@ -19,7 +19,9 @@ PAGE_SIZE = 128
 """KV page (block) size: what Ascend's paged attention and vllm-ascend use."""
 
 CAPABILITIES = BackendCapabilities(
-    graph_capture=False,
+    graph_capture=True,
+    static_metadata=True,
+    max_graph_shapes=16,
     tree_attention=True,
     page_sizes=(PAGE_SIZE,),
     index_dtype="int32",
@@ -28,9 +30,9 @@ CAPABILITIES = BackendCapabilities(
 )
 """Ascend: int32 indices, 128-slot pages. The attention reads the host-side sequence lengths
 every eager ``ForwardBatch`` carries. float32 models run the portable attention path (the fused
-operator takes float16 / bfloat16). No graph capture: the engine's ``GraphRunner.prepare``
-does not yet carry the per-request host lengths an NPU graph update needs
-(docs/backends/npu.md)."""
+operator takes float16 / bfloat16). NPU graphs (at most 16: each holds device memory) replay
+without a prepare: captured attention reads its lengths from device tensors through an
+explicit mask (docs/backends/npu.md)."""
 
 MIN_TORCH_NPU = (2, 10, 0)
 """The torch_npu release the backend is written and simulated against (vllm-ascend's pin:

@@ -41,7 +41,11 @@ class _FusedAttentionOp:
     def __call__(self, query, key, value, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.empty_like(query)
         lse = torch.zeros(1, dtype=torch.float32, device=query.device)
-        self.out(query, key, value, workspace=None, out=[out, lse], **kwargs)
+        workspace = None
+        if self._sim.capturing is not None:
+            # [IFA-HANDLER] under capture torch_npu sizes a workspace and swaps to ``.out``
+            workspace = ops.get_max_workspace(query, key, value, **kwargs)
+        self.out(query, key, value, workspace=workspace, out=[out, lse], **kwargs)
         return out, lse
 
     def out(self, query, key, value, *, workspace=None, out=None, **kwargs: Any) -> list:
@@ -84,7 +88,14 @@ def build_module(sim: SimulatedNPU) -> types.ModuleType:
     module.npu = sim
     module.npu_fused_infer_attention_score = _FusedAttentionOp(sim)
     module._npu_fused_infer_attention_score_get_max_workspace = ops.get_max_workspace
-    module.npu_scatter_pa_kv_cache = ops.npu_scatter_pa_kv_cache
+
+    def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, **kwargs):
+        """[DOC-SPA] one device task: its checks read the slots at every run, replays too."""
+        params = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                      slot_mapping=slot_mapping, **kwargs)  # fmt: skip
+        sim.issue("npu_scatter_pa_kv_cache", ops.npu_scatter_pa_kv_cache, params, ())
+
+    module.npu_scatter_pa_kv_cache = npu_scatter_pa_kv_cache
     return module
 
 

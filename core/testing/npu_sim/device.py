@@ -127,7 +127,7 @@ class Task:
     params: dict[str, Any]
 
     def replay(self) -> None:
-        self.fn(**self.params)
+        self.fn(**self.params)  # no recorder is active during a replay: its checks may read
 
 
 @dataclasses.dataclass
@@ -136,6 +136,12 @@ class TaskGroup:
 
     tasks: list[Task]
     graph: NPUGraph
+
+
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique",
+                           "_unique2", "unique_consecutive", "item", "equal"})  # fmt: skip
+"""aten operators a capture refuses: a host read of device data (``.item()``, ``bool()``,
+``torch.equal``) or a result sized by device data (as on CUDA / NPU streams in capture)."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -148,6 +154,11 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.paused and func.name().split("::")[-1].split(".")[0] in HOST_SYNC_OPS:
+            raise NPUContractError(
+                f"{func.name()} during NPU graph capture: it reads device values on the host "
+                f"(or sizes a result by them), which a captured graph cannot do"
+            )
         result = func(*args, **kwargs)
         if self.paused:
             return result
@@ -159,8 +170,10 @@ class _Recorder(TorchDispatchMode):
             for t in outs
             if isinstance(t, torch.Tensor)
         ]
-        is_view = bool(getattr(func, "is_view", False))
-        self.graph.entries.append(_AtenOp(func, args, kwargs, fresh, not is_view))
+        # A view op's output aliases recorded memory already: nothing to redo. An op that may
+        # alias (``aten.to``, ``reshape``) but copied this time is an ordinary computation.
+        aliases = bool(getattr(func, "is_view", False)) and all(o is None for o in fresh)
+        self.graph.entries.append(_AtenOp(func, args, kwargs, fresh, not aliases))
         return result
 
 

@@ -55,4 +55,12 @@ pytest --pyargs polyspec.testing --polyspec-backend cpu -q
 step "conformance suite on the Ascend-shaped test backend (int32, host lengths, page 128)"
 pytest --pyargs polyspec.testing --polyspec-backend ascend-like -q
 
+step "the npu backend on polyspec's torch_npu simulator (a subset: docs/backends/npu.md)"
+# The fused-operator modes, captured metadata, NPU graphs (captured rounds equal eager, the
+# churn test) and sampling statistics; the float32 lossless grids run the portable attention
+# on npu and are left to the cpu / ascend-like runs above. Reference kernels (no triton-ascend).
+POLYSPEC_NPU_TRITON=0 pytest --pyargs polyspec.testing --polyspec-backend npu --polyspec-npu-sim \
+  -q -W ignore::RuntimeWarning \
+  -k "test_attention or test_kv_pool or test_allocator or test_graph or captured or churn or survives or sampling"
+
 step "all checks passed"

@@ -8,6 +8,8 @@ operators take int32 indices); KV pages are 128 slots; attention, graphs and ker
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from polyspec.backend import Backend
@@ -27,9 +29,12 @@ class NPUBackend(Backend):
     name = "npu"
     device_type = "npu"
 
-    def __init__(self, use_triton: bool = True) -> None:
+    def __init__(self, use_triton: bool | None = None) -> None:
         """Activate the runtime (``PluginError`` with the CANN hint when it is unusable) and
-        build the kernel set (``use_triton=False``: reference kernels only)."""
+        build the kernel set (``use_triton=False``: reference kernels only; None: Triton
+        unless the environment sets ``POLYSPEC_NPU_TRITON=0``)."""
+        if use_triton is None:
+            use_triton = os.environ.get("POLYSPEC_NPU_TRITON", "1") != "0"
         import_torch_npu()
         self.capabilities = CAPABILITIES
         built = build_kernels(use_triton)

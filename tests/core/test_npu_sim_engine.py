@@ -23,7 +23,10 @@ from polyspec.testing.npu_sim import simulated
 
 @pytest.fixture(scope="module")
 def sim():
-    with simulated() as s:
+    # Reference kernels: Triton here is CUDA Triton (interpreted in CI), not triton-ascend;
+    # the per-signature fallback is tested in test_npu_static.py.
+    with pytest.MonkeyPatch.context() as mp, simulated() as s:
+        mp.setenv("POLYSPEC_NPU_TRITON", "0")
         yield s
 
 

@@ -1,7 +1,7 @@
 """Attention of the npu backend for the five forward modes, on one fused operator.
 
 Every mode runs ``torch_npu.npu_fused_infer_attention_score`` over the paged KV cache (block
-size P = 128), so eager and captured forwards, draft and target, compute alike:
+size P = 128), draft and target alike. Eager forwards:
 
 | mode | layout | queries per row | what a query sees |
 |---|---|---|---|
@@ -17,6 +17,14 @@ reach the operator as host lists (``actual_seq_lengths``: cumulative query ends 
 ``actual_seq_lengths_kv``: per row), taken from ``ForwardBatch.*_cpu``: no device-to-host
 sync per layer. A verify forward is a chain when its tree mask is the causal one; that is
 checked once per forward on the host (``ForwardBatch`` carries no topk for TARGET_VERIFY).
+
+Graph capture (:meth:`NPUAttention.build_static_metadata`): the engine captures whole decode
+rounds whose lengths are computed on the device, and ``GraphRunner.prepare`` carries no
+per-request host lengths, so a captured forward passes host arguments fixed by its shapes
+(``actual_seq_lengths`` = Q, ``actual_seq_lengths_kv`` = the bucket's key range for every row)
+and states the real lengths in an explicit device mask: BSND, ``sparse_mode=0``, block tables
+gathered from ``req_to_token`` inside the graph (``ceil((max_prefix_len + Q) / P)`` blocks,
+headroom for the block's own tokens). Replays then need no task update.
 
 float32 models: the fused operator takes float16 / bfloat16 only, so a float32 pool uses the
 portable gather + SDPA attention of ``polyspec.backends.common`` on the NPU (exact, slower); it

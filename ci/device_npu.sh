@@ -15,9 +15,11 @@
 #                simulator tests run with TORCH_DEVICE_BACKEND_AUTOLOAD=0 so that importing
 #                torch does not load the real torch_npu)
 #   conformance  pytest --pyargs polyspec.testing --polyspec-backend npu -q (the real NPU)
-#   bench        polyspec bench --backend npu --dtype bfloat16 on SmolLM2-135M with the shipped
-#                EAGLE-3 head, $BENCH_PROMPTS prompts (default 10) of $DATASET (default
-#                mt_bench), --json $OUT/bench.json
+#   compare      the bench the simulator ran (BENCH_FLAGS, 2 prompts, 32 new tokens), to set its
+#                acceptance length next to the simulator's; --json $OUT/compare.json
+#   bench        polyspec bench --backend npu on SmolLM2-135M with the shipped EAGLE-3 head
+#                (BENCH_FLAGS), $BENCH_PROMPTS prompts (default 10) of $DATASET (default
+#                mt_bench), 128 new tokens, graphs on, --json $OUT/bench.json
 #   report       $OUT/report.md: the summary, the bench table, and the figures the simulator
 #                gave for the same bench (EXPECTED_* below) to compare with
 # $OUT/summary.txt lists every step with its exit status; the script exits non-zero if any failed.
@@ -79,11 +81,17 @@ static_tests() {
     tests/core/test_npu_sim.py -q -p no:randomly
 }
 
+BENCH_FLAGS=(--dtype bfloat16 --page-size 128 --algorithm eagle3 --draft core/heads/smollm2-135m-eagle3
+  --num-steps 3 --topk 1 --num-draft-tokens 4 --no-transformers --no-progress)
+
+compare() {  # the simulator's bench (docs/backends/npu.md): same flags, same prompts
+  "$PY" -m polyspec.cli bench --backend npu "${BENCH_FLAGS[@]}" --dataset "${DATASET:-mt_bench}" \
+    --num-prompts 2 --max-new-tokens 32 --json "$OUT/compare.json"
+}
+
 bench() {
-  "$PY" -m polyspec.cli bench --backend npu --dtype bfloat16 --page-size 128 --algorithm eagle3 \
-    --draft core/heads/smollm2-135m-eagle3 --num-steps 3 --topk 1 --num-draft-tokens 4 \
-    --dataset "${DATASET:-mt_bench}" --num-prompts "${BENCH_PROMPTS:-10}" --max-new-tokens 128 \
-    --no-transformers --no-progress --json "$OUT/bench.json"
+  "$PY" -m polyspec.cli bench --backend npu "${BENCH_FLAGS[@]}" --dataset "${DATASET:-mt_bench}" \
+    --num-prompts "${BENCH_PROMPTS:-10}" --max-new-tokens 128 --graphs on --json "$OUT/bench.json"
 }
 
 report() {
@@ -92,6 +100,11 @@ report() {
     echo
     echo '```'
     cat "$SUMMARY"
+    echo '```'
+    echo
+    echo "## compare (the simulator's bench, $OUT/compare.json)"
+    echo '```'
+    tail -n 25 "$OUT/04-compare.log" 2>/dev/null || echo "(compare did not run)"
     echo '```'
     echo
     echo "## bench (polyspec bench --backend npu, $OUT/bench.json)"
@@ -109,6 +122,7 @@ run_step 00-env 120 env_info
 run_step 01-backends 120 "$PY" -m polyspec.cli backends
 run_step 02-static 600 static_tests
 run_step 03-conformance 3600 "$PY" -m pytest --pyargs polyspec.testing --polyspec-backend npu -q
+run_step 04-compare 900 compare
 run_step 05-bench 1800 bench
 report
 exit "$FAILED"

@@ -3,9 +3,10 @@
 ``tests/core/test_npu_static.py`` parses the backend's sources and fails when they use a name
 missing here, so a new vendor call needs a documented source before it can be added. Sources:
 
-* [API]  Ascend Extension for PyTorch custom API reference (torch_npu), hiascend.com, e.g.
-  https://www.hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/ptaoplist_001232.html
-  (npu_fused_infer_attention_score, torch_npu 7.0.0 / torch 2.5.1 and later).
+* [API]  Ascend Extension for PyTorch custom API reference (torch_npu); the same text ships in
+  torch_npu 2.10.0.post4 as ``torch_npu/_op_plugin_docs.py`` (npu_fused_infer_attention_score,
+  npu_scatter_pa_kv_cache).
+* [SIM] polyspec's torch_npu simulator (``polyspec.testing.npu_sim``).
 * [GRAPH] torch_npu's docs and tests of NPUGraph task groups: ``torch_npu.npu.graph_task_group_
   begin/end`` and ``graph_task_update_begin/end`` (docs/zh/native_apis/... in Ascend/pytorch)
   and its test ``test_ifa_update`` (capture FIA between task-group calls, update its
@@ -19,27 +20,21 @@ missing here, so a new vendor call needs a documented source before it can be ad
 from __future__ import annotations
 
 TORCH_NPU_NAMES: dict[str, str] = {
-    "npu_fused_infer_attention_score": "[API] fused prompt/incremental attention, paged via "
-    "block_table; atten_mask True = masked; returns (out, softmax_lse)",
-    "_npu_fused_infer_attention_score_get_max_workspace": "[VLLM][GRAPH] workspace for the .out "
-    "overload, sized for the largest shapes so a graph update never reallocates",
-    "_npu_paged_attention": "[VLLM] paged decode: query [n, Hq, D], caches [blocks, block_size, "
-    "Hkv, D], block_table int32, context_lens host int32",
-    "_npu_reshape_and_cache": "[VLLM] write key/value [T, Hkv, D] at int32 slot_indices of "
-    "[blocks, block_size, Hkv, D] caches",
-    "npu_scatter_nd_update_": "[API] in-place scatter of rows: cache[indices[i]] = updates[i]",
+    "npu_fused_infer_attention_score": "[API] fused attention, paged via block_table (int32), "
+    "TND (cumulative actual_seq_lengths) with sparse_mode=3 and the 2048 x 2048 mask, or BSND "
+    "with sparse_mode=0 and an explicit mask (True = masked); returns (out, softmax_lse)",
+    "npu_scatter_pa_kv_cache": "[API][VLLM] Atlas A2/A3 cache write: key/value [T, N, D] into "
+    "[blocks, block_size, N, D] caches at slot_mapping [T]; cache_mode='Norm' for ND caches",
+    "SIMULATED_DEVICE_TYPE": "[SIM] set only by polyspec's torch_npu simulator "
+    "(polyspec.testing.npu_sim): the device tensors live on; absent from the real torch_npu",
 }
 """``torch_npu.<name>`` -> source and meaning."""
 
-TORCH_NPU_OVERLOADS: dict[str, str] = {
-    "out": "[GRAPH] ``npu_fused_infer_attention_score.out(..., workspace=, out=[out, lse])``",
-}
+TORCH_NPU_OVERLOADS: dict[str, str] = {}
 """``torch_npu.<op>.<overload>`` attributes."""
 
 TORCH_DOT_NPU_NAMES: dict[str, str] = {
     "is_available": "[CUDA-MIRROR]",
-    "device_count": "[CUDA-MIRROR]",
-    "set_device": "[CUDA-MIRROR]",
     "synchronize": "[CUDA-MIRROR]",
     "mem_get_info": "[CUDA-MIRROR] (free, total) bytes",
     "current_stream": "[CUDA-MIRROR]",
@@ -48,11 +43,5 @@ TORCH_DOT_NPU_NAMES: dict[str, str] = {
     "NPUGraph": "[GRAPH][CUDA-MIRROR] torch.cuda.CUDAGraph counterpart (capture_begin, replay, "
     "pool)",
     "graph": "[GRAPH][CUDA-MIRROR] capture context manager (graph, pool=, stream=)",
-    "is_current_stream_capturing": "[CUDA-MIRROR]",
-    "ExternalEvent": "[GRAPH][VLLM] event the captured task waits on; the update stream records it",
-    "graph_task_group_begin": "[GRAPH] start recording an updatable task group on a stream",
-    "graph_task_group_end": "[GRAPH] end it; returns the handle used by graph_task_update_begin",
-    "graph_task_update_begin": "[GRAPH] (stream, handle): re-issue the task with new host params",
-    "graph_task_update_end": "[GRAPH] (stream)",
 }
 """``torch.npu.<name>`` -> source and meaning."""

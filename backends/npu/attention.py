@@ -1,29 +1,34 @@
-"""Attention of the npu backend for the five forward modes, on Ascend's fused operators.
+"""Attention of the npu backend for the five forward modes, on one fused operator.
 
-KV layout: the pool's ``[num_slots, Hkv, D]`` cache of a layer viewed as ``[blocks, P, Hkv, D]``
-(P = page size, 128); a request's keys are read through a block table, ``req_to_token[r, ::P] //
-P``, which is why the engine allocates whole pages and copies a prefix's partial last page into
-each draft lane.
+Every mode runs ``torch_npu.npu_fused_infer_attention_score`` over the paged KV cache (block
+size P = 128), draft and target alike. Eager forwards:
 
-| mode | operator | queries | what a query sees |
+| mode | layout | queries per row | what a query sees |
 |---|---|---|---|
-| DECODE | ``_npu_paged_attention`` | 1 per request | its request's ``prefix + 1`` keys |
-| DRAFT_DECODE | ``_npu_paged_attention`` | one row per (request, lane) | a block table of the request's page-aligned prefix followed by the lane's own pages |
-| EXTEND, DRAFT_EXTEND | ``npu_fused_infer_attention_score`` TND | the new tokens | causal with the prefix: ``sparse_mode=3`` (bottom-right aligned causal) with the 2048 x 2048 compressed mask |
-| TARGET_VERIFY | ``npu_fused_infer_attention_score`` BSND | N per request | the prefix plus its tree ancestors: an explicit ``[bs, 1, N, KV]`` mask (``sparse_mode=0``, True = masked) built from the tree mask, so any tree (topk > 1) verifies, not only chains |
+| EXTEND, DRAFT_EXTEND | TND | the request's new tokens | the prefix and earlier new tokens: ``sparse_mode=3`` (causal aligned to the end of the row's keys) with the 2048 x 2048 mask |
+| DECODE | TND | 1 | its request's ``prefix + 1`` keys |
+| DRAFT_DECODE | TND | 1 per (request, lane) row | a block table of the request's page-aligned prefix followed by the lane's own pages |
+| TARGET_VERIFY, chain (topk 1) | TND | N | causal, as EXTEND (a chain's tree mask is causal) |
+| TARGET_VERIFY, tree (topk > 1) | BSND | N | the prefix plus its tree ancestors: ``sparse_mode=0`` and an explicit ``[bs, 1, N, KV]`` mask (True = masked) |
 
-Sequence lengths reach the operators as host lists (``actual_seq_lengths`` /
-``actual_seq_lengths_kv`` / ``context_lens``), taken from ``ForwardBatch.*_cpu`` (filled in every
-eager forward): no device-to-host sync per layer or per forward.
+The new K/V are stored first with ``torch_npu.npu_scatter_pa_kv_cache`` (the A2 / A3 cache
+write, ND caches: ``cache_mode="Norm"``) at the int32 ``out_cache_loc``. Sequence lengths
+reach the operator as host lists (``actual_seq_lengths``: cumulative query ends in TND,
+``actual_seq_lengths_kv``: per row), taken from ``ForwardBatch.*_cpu``: no device-to-host
+sync per layer. A verify forward is a chain when its tree mask is the causal one; that is
+checked once per forward on the host (``ForwardBatch`` carries no topk for TARGET_VERIFY).
 
-float32 models: Ascend's fused attention takes float16 / bfloat16 only, so a float32 pool uses
-the portable gather + SDPA attention of ``polyspec.backends.common`` on the NPU (exact, slower). It is what
-the conformance suite's float32 lossless tests run.
+Graph capture (:meth:`NPUAttention.build_static_metadata`): the engine captures whole decode
+rounds whose lengths are computed on the device, and ``GraphRunner.prepare`` carries no
+per-request host lengths, so a captured forward passes host arguments fixed by its shapes
+(``actual_seq_lengths`` = Q, ``actual_seq_lengths_kv`` = the bucket's key range for every row)
+and states the real lengths in an explicit device mask: BSND, ``sparse_mode=0``, block tables
+gathered from ``req_to_token`` inside the graph (``ceil((max_prefix_len + Q) / P)`` blocks,
+headroom for the block's own tokens). Replays then need no task update.
 
-Graph capture: while a graph is being captured (``torch.npu.is_current_stream_capturing()``),
-every attention call goes through ``npu_fused_infer_attention_score.out`` inside a task group
-and is recorded in the backend's :class:`GraphTaskRecorder`; ``NPUGraphRunner.prepare`` re-issues
-each recorded task with the new host lengths before a replay (vllm-ascend's scheme).
+float32 models: the fused operator takes float16 / bfloat16 only, so a float32 pool uses the
+portable gather + SDPA attention of ``polyspec.backends.common`` on the NPU (exact, slower); it
+is what the conformance suite's float32 lossless tests run.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import torch
 from polyspec.backend import AttentionBackend, AttentionMetadata, ForwardBatch, ForwardMode
 from polyspec.backends.common import SDPAAttention
 
-from .kv_pool import NPUKVPool
+from .kv_pool import NPUKVPool, store_paged
 from .runtime import import_torch_npu
 
 CAUSAL_MASK_SIZE = 2048
@@ -46,12 +51,15 @@ CAUSAL_MASK_SIZE = 2048
 FIA_DTYPES = (torch.float16, torch.bfloat16)
 """KV dtypes Ascend's fused attention operators take."""
 
+CAUSAL, TREE = 3, 0
+"""``sparse_mode`` values: right-down causal with the 2048 mask; explicit mask."""
+
 
 @dataclasses.dataclass
 class HostLengths:
     """The host-side length arguments of one forward, per operator row."""
 
-    query_lens: list[int]  # per row: queries (TND: cumulative ends, see ``fia_actual_q``)
+    query_lens: list[int]  # per row: queries
     kv_lens: list[int]  # per row: keys visible
 
 
@@ -62,8 +70,7 @@ def host_lengths(
     lane_lens: Sequence[int] | None,
     topk: int,
 ) -> HostLengths:
-    """Lengths the operators need, from the batch's host lists (also used by graph updates,
-    so a captured call and its update compute them the same way)."""
+    """Lengths the operator needs, from the batch's host lists."""
     if mode is ForwardMode.DRAFT_DECODE:
         if lane_lens is None:
             raise ValueError("npu attention: DRAFT_DECODE needs lane_lens_cpu")
@@ -74,16 +81,13 @@ def host_lengths(
     return HostLengths(list(extend_lens), [p + e for p, e in zip(prefix_lens, extend_lens)])
 
 
-def fia_actual_q(mode: ForwardMode, lengths: HostLengths) -> list[int]:
-    """``actual_seq_lengths`` of the fused operator: cumulative ends in TND (EXTEND,
-    DRAFT_EXTEND), per-row lengths in BSND (TARGET_VERIFY, and decode rows under capture)."""
-    if mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
-        out, total = [], 0
-        for n in lengths.query_lens:
-            total += n
-            out.append(total)
-        return out
-    return list(lengths.query_lens)
+def cumulative(lens: Sequence[int]) -> list[int]:
+    """TND ``actual_seq_lengths``: the cumulative query ends of the rows."""
+    out, total = [], 0
+    for n in lens:
+        total += n
+        out.append(total)
+    return out
 
 
 @dataclasses.dataclass
@@ -91,41 +95,18 @@ class NPUMetadata(AttentionMetadata):
     """Per-forward tensors and host lists shared by every layer."""
 
     mode: ForwardMode
-    num_tokens: int  # T
     out_cache_loc: torch.Tensor  # [T] int32 slots receiving the new K/V
     lengths: HostLengths
     block_table: torch.Tensor | None  # [rows, max_blocks] int32
-    context_lens: torch.Tensor | None  # [rows] int32 on the host (paged decode)
-    atten_mask: torch.Tensor | None  # bool, True = masked (FIA)
+    sparse_mode: int  # CAUSAL (TND) or TREE (BSND, explicit mask)
+    atten_mask: torch.Tensor | None  # bool, True = masked
     rows: int  # operator batch rows: requests, or requests * K for DRAFT_DECODE
-    queries_per_row: int  # BSND query length (N for TARGET_VERIFY, 1 for decode rows)
-    topk: int = 1  # lanes per request (DRAFT_DECODE)
+    queries_per_row: int  # BSND query length (N, tree verification)
     portable: AttentionMetadata | None = None  # float32: the SDPA path's metadata
 
 
-@dataclasses.dataclass
-class GraphTask:
-    """One captured attention call: its task-group handle and what re-issuing it needs."""
-
-    handle: Any
-    event: Any
-    mode: ForwardMode
-    topk: int
-    kwargs: dict[str, Any]  # tensor arguments of the .out call (kept alive with the graph)
-
-
-class GraphTaskRecorder:
-    """Shared by the backend's attentions and its graph runner: while ``tasks`` is a list, a
-    capture is running and attention calls append their :class:`GraphTask` to it."""
-
-    def __init__(self) -> None:
-        """Not recording."""
-        self.tasks: list[GraphTask] | None = None
-        self.workspace: dict[Any, torch.Tensor] = {}  # FIA workspace per (shape, mode) key
-
-
 class NPUAttention(AttentionBackend):
-    """Paged attention over an :class:`NPUKVPool` (module docstring)."""
+    """Paged fused attention over an :class:`NPUKVPool` (module docstring)."""
 
     def __init__(
         self,
@@ -135,7 +116,6 @@ class NPUAttention(AttentionBackend):
         head_dim: int,
         scale: float,
         page_size: int,
-        recorder: GraphTaskRecorder,
     ) -> None:
         """``page_size`` is the block size of the block tables (the allocator's page size)."""
         self.portable = SDPAAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
@@ -143,14 +123,13 @@ class NPUAttention(AttentionBackend):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = float(scale)
         self.page_size = page_size
-        self.recorder = recorder
         self.use_fused = kv_pool.dtype in FIA_DTYPES
         self._causal: torch.Tensor | None = None  # [2048, 2048] bool, built on first use
 
     # ------------------------------------------------------------------ metadata
 
     def build_metadata(self, batch: ForwardBatch) -> NPUMetadata:
-        """Block tables, host lengths and (TARGET_VERIFY) the tree mask of ``batch``."""
+        """Block tables, host lengths and (tree verification) the explicit mask of ``batch``."""
         bs = batch.batch_size
         prefix = _host(batch.prefix_lens_cpu, "prefix_lens", bs)
         extend = _host(batch.extend_lens_cpu, "extend_lens", bs)
@@ -161,30 +140,105 @@ class NPUAttention(AttentionBackend):
         out_cache_loc = batch.out_cache_loc.to(torch.int32)
         if not self.use_fused:
             return NPUMetadata(
-                batch.mode, batch.num_tokens, out_cache_loc, lengths, None, None, None, bs, 1,
+                batch.mode, out_cache_loc, lengths, None, CAUSAL, None, bs, 1,
                 portable=self.portable.build_metadata(batch),
             )  # fmt: skip
-        mode, ps = batch.mode, self.page_size
+        mode = batch.mode
         if mode is ForwardMode.DRAFT_DECODE:
             table = self._lane_block_table(batch, prefix, lane)
-            rows, q_per_row = bs * batch.topk, 1
-        else:
-            table = self._block_table(batch, max(lengths.kv_lens))
-            rows, q_per_row = bs, (max(extend) if mode is ForwardMode.TARGET_VERIFY else 1)
-        context_lens = None
-        mask = None
-        if mode in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE):
-            context_lens = torch.tensor(lengths.kv_lens, dtype=torch.int32)  # host tensor
-        elif mode is ForwardMode.TARGET_VERIFY:
-            if min(extend) != max(extend):
-                raise ValueError("npu attention: TARGET_VERIFY needs the same N for every request")
-            mask = self._tree_mask(batch, prefix, extend[0], table.shape[1] * ps)
-        else:
-            mask = self._causal_mask(batch.out_cache_loc.device)
+            return NPUMetadata(
+                mode, out_cache_loc, lengths, table, CAUSAL,
+                self._causal_mask(out_cache_loc.device), bs * batch.topk, 1,
+            )  # fmt: skip
+        table = self._block_table(batch, max(lengths.kv_lens))
+        if mode is ForwardMode.TARGET_VERIFY and not self._is_chain(batch, extend):
+            n = extend[0]
+            mask = self._tree_mask(batch, prefix, n, table.shape[1] * self.page_size)
+            return NPUMetadata(mode, out_cache_loc, lengths, table, TREE, mask, bs, n)
         return NPUMetadata(
-            mode, batch.num_tokens, out_cache_loc, lengths, table, context_lens, mask, rows,
-            q_per_row, batch.topk,
+            mode, out_cache_loc, lengths, table, CAUSAL,
+            self._causal_mask(out_cache_loc.device), bs, 1,
         )  # fmt: skip
+
+    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> NPUMetadata:
+        """Metadata of a captured forward, from device tensors only (module docstring, "Graph
+        capture"): BSND with an explicit mask over a bucket-sized key range, so the operator's
+        host arguments depend on the shapes alone and stay valid at every replay."""
+        bs, t = batch.batch_size, batch.num_tokens
+        if bs < 1 or t % bs:
+            raise ValueError(
+                f"npu attention: a captured forward needs T = bs * Q tokens, got T = {t} for "
+                f"bs = {bs}"
+            )
+        out_cache_loc = batch.out_cache_loc.to(torch.int32)
+        if not self.use_fused:
+            return NPUMetadata(
+                batch.mode, out_cache_loc, HostLengths([], []), None, TREE, None, bs, 1,
+                portable=self.portable.build_static_metadata(batch, max_prefix_len),
+            )  # fmt: skip
+        if batch.mode is ForwardMode.DRAFT_DECODE:
+            return self._static_lanes(batch, max_prefix_len, out_cache_loc)
+        ps, q = self.page_size, t // bs
+        dev = out_cache_loc.device
+        kv_max = -(-(int(max_prefix_len) + q) // ps) * ps  # keys any row of the bucket may see
+        table = _table_columns(batch, kv_max // ps, ps)  # [bs, kv_max / P]
+        prefix = batch.prefix_lens.to(torch.int64)[:, None, None]  # [bs, 1, 1]
+        extend = batch.extend_lens.to(torch.int64)[:, None, None]
+        col = torch.arange(kv_max, device=dev)[None, None, :]  # [1, 1, KV]
+        row = torch.arange(q, device=dev)[None, :, None]  # [1, Q, 1]
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            tree = batch.tree_mask
+            if tree is None or tuple(tree.shape) != (bs, q, q):
+                raise ValueError(
+                    f"npu attention: TARGET_VERIFY needs tree_mask bool [bs, N, N] = "
+                    f"[{bs}, {q}, {q}]"
+                )
+            rel = col - prefix  # [bs, 1, KV]: tree node of a key column
+            in_tree = (rel >= 0) & (rel < q)
+            node = rel.clamp(0, q - 1).expand(bs, q, kv_max)
+            visible = (col < prefix) | (in_tree & tree.bool().gather(2, node))
+        else:
+            visible = col < prefix + row + 1  # causal with the prefix
+        padding = row >= extend  # [bs, Q, 1]: a padding query sees key 0 only (finite output)
+        visible = torch.where(padding, col == 0, visible)  # [bs, Q, KV]
+        return NPUMetadata(
+            batch.mode, out_cache_loc, HostLengths([q] * bs, [kv_max] * bs), table, TREE,
+            (~visible).unsqueeze(1).contiguous(), bs, q,
+        )  # fmt: skip
+
+    def _static_lanes(
+        self, batch: ForwardBatch, max_prefix_len: int, out_cache_loc: torch.Tensor
+    ) -> NPUMetadata:
+        """DRAFT_DECODE under capture: row (b, l) reads the request's prefix blocks, then lane
+        l's blocks (page-aligned prefixes), and sees ``prefix + lane_lens`` keys."""
+        ps, k = self.page_size, batch.topk
+        if batch.lane_locs is None or batch.lane_lens is None:
+            raise ValueError("npu attention: DRAFT_DECODE needs lane_locs and lane_lens")
+        bs = batch.batch_size
+        prefix_blocks = _table_columns(batch, max(-(-int(max_prefix_len) // ps), 1), ps)
+        n_prefix = batch.prefix_lens.to(torch.int64) // ps  # [bs] (page-aligned prefixes)
+        table = _lane_table(prefix_blocks, n_prefix, batch.lane_locs, ps, k)  # [bs*K, C]
+        kv_max = table.shape[1] * ps
+        col = torch.arange(kv_max, device=table.device)[None, :]  # [1, KV]
+        seen = batch.prefix_lens.to(torch.int64) + batch.lane_lens.to(torch.int64)  # [bs]
+        visible = col < seen[:, None]  # [bs, KV]
+        visible = visible[:, None, :].expand(bs, k, kv_max).reshape(bs * k, 1, 1, kv_max)
+        return NPUMetadata(
+            batch.mode, out_cache_loc, HostLengths([1] * (bs * k), [kv_max] * (bs * k)), table,
+            TREE, (~visible).contiguous(), bs * k, 1,
+        )  # fmt: skip
+
+    def _is_chain(self, batch: ForwardBatch, extend: list[int]) -> bool:
+        """Whether a verify forward's tree mask is causal (topk 1): one host check per forward."""
+        tree = batch.tree_mask
+        n, bs = extend[0], batch.batch_size
+        if min(extend) != max(extend) or tree is None or tuple(tree.shape) != (bs, n, n):
+            raise ValueError(
+                f"npu attention: TARGET_VERIFY needs the same N for every request and tree_mask "
+                f"bool [bs, N, N] = [{bs}, {n}, {n}]"
+            )
+        causal = torch.ones(n, n, dtype=torch.bool, device=tree.device).tril()
+        return bool(torch.equal(tree.bool(), causal.expand(bs, n, n)))
 
     def _block_table(self, batch: ForwardBatch, max_kv: int) -> torch.Tensor:  # [bs, blocks]
         ps = self.page_size
@@ -197,24 +251,15 @@ class NPUAttention(AttentionBackend):
     ) -> torch.Tensor:  # [bs * K, prefix blocks + lane blocks]
         """Row (b, l): request b's prefix blocks (its prefix ends on a page boundary), then the
         blocks of lane l."""
-        ps, k = self.page_size, batch.topk
+        ps = self.page_size
         if any(p % ps for p in prefix):
             raise ValueError(
                 f"npu attention: DRAFT_DECODE needs page-aligned lane prefixes (page size {ps}), "
                 f"got {prefix}; the engine must copy the partial last page into each lane"
             )
         prefix_blocks = self._block_table(batch, max(max(prefix), 1))  # [bs, Pb]
-        lanes = batch.lane_locs  # [bs, K, W]
-        lane_blocks = (lanes[:, :, ::ps] // ps).to(torch.int32)  # [bs, K, Wb]
-        bs, pb, wb = prefix_blocks.shape[0], prefix_blocks.shape[1], lane_blocks.shape[2]
-        n_prefix = torch.tensor([p // ps for p in prefix], device=lanes.device)  # [bs]
-        col = torch.arange(pb + wb, device=lanes.device)  # [C]
-        in_prefix = col[None, :] < n_prefix[:, None]  # [bs, C]
-        from_prefix = prefix_blocks.gather(1, col.clamp(max=pb - 1).expand(bs, -1))  # [bs, C]
-        lane_col = (col[None, :] - n_prefix[:, None]).clamp(0, wb - 1)  # [bs, C]
-        from_lane = lane_blocks.gather(2, lane_col[:, None, :].expand(bs, k, -1))  # [bs, K, C]
-        table = torch.where(in_prefix[:, None, :], from_prefix[:, None, :], from_lane)
-        return table.reshape(bs * k, pb + wb).contiguous()
+        n_prefix = batch.prefix_lens.to(torch.int64) // ps  # [bs]
+        return _lane_table(prefix_blocks, n_prefix, batch.lane_locs, ps, batch.topk)
 
     def _tree_mask(
         self, batch: ForwardBatch, prefix: list[int], n: int, kv_width: int
@@ -255,109 +300,67 @@ class NPUAttention(AttentionBackend):
         if m.portable is not None:
             return self.portable.forward(q, k, v, layer, m.portable)
         torch_npu = import_torch_npu()
-        ps = self.page_size
-        key_cache = self.kv_pool.paged_k(layer, ps)  # [blocks, P, Hkv, D]
-        value_cache = self.kv_pool.paged_v(layer, ps)
-        torch_npu._npu_reshape_and_cache(
-            key=k.contiguous(), value=v.contiguous(), key_cache=key_cache,
-            value_cache=value_cache, slot_indices=m.out_cache_loc,
-        )  # fmt: skip
-        if self.recorder.tasks is not None:
-            return self._captured(q, key_cache, value_cache, m)
-        if m.mode in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE):
-            out = torch.empty_like(q)
-            torch_npu._npu_paged_attention(
-                query=q.contiguous(), key_cache=key_cache, value_cache=value_cache,
-                num_kv_heads=self.num_kv_heads, num_heads=self.num_heads, scale_value=self.scale,
-                block_table=m.block_table, context_lens=m.context_lens, out=out,
-            )  # fmt: skip
-            return out
+        key_cache = self.kv_pool.paged_k(layer, self.page_size)  # [blocks, P, Hkv, D]
+        value_cache = self.kv_pool.paged_v(layer, self.page_size)
+        store_paged(key_cache, value_cache, m.out_cache_loc, k, v)
+        blocks = key_cache.shape[0]
+        key = key_cache.view(blocks, self.page_size, -1)  # [blocks, P, Hkv * D]
+        value = value_cache.view(blocks, self.page_size, -1)
+        if m.sparse_mode == TREE:
+            query = q.reshape(m.rows, m.queries_per_row, self.num_heads, self.head_dim)
+        else:
+            query = q.contiguous()  # TND
         out, _ = torch_npu.npu_fused_infer_attention_score(
-            *self._fia_inputs(q, key_cache, value_cache, m), **self._fia_kwargs(m)
+            query, key, value, **self.fia_kwargs(m, m.lengths)
         )
         return out.reshape(q.shape)
 
-    def _fia_inputs(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, m: NPUMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(query, key, value) as the fused operator reads them: TND / BSND queries, caches as
-        ``[blocks, P, Hkv * D]``."""
-        blocks = key_cache.shape[0]
-        key = key_cache.view(blocks, self.page_size, -1)
-        value = value_cache.view(blocks, self.page_size, -1)
-        if m.mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
-            return q.contiguous(), key, value  # TND: [T, Hq, D]
-        return q.reshape(m.rows, m.queries_per_row, self.num_heads, self.head_dim), key, value
-
-    def _fia_kwargs(self, m: NPUMetadata) -> dict[str, Any]:
-        """Keyword arguments of the fused operator for ``m`` (host lengths included)."""
+    def fia_kwargs(self, m: NPUMetadata, lengths: HostLengths) -> dict[str, Any]:
+        """Keyword arguments of the fused operator for ``m`` with host ``lengths``."""
         kwargs: dict[str, Any] = dict(
             block_table=m.block_table,
             block_size=self.page_size,
             num_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads,
             scale=self.scale,
-            actual_seq_lengths=fia_actual_q(m.mode, m.lengths),
-            actual_seq_lengths_kv=list(m.lengths.kv_lens),
+            actual_seq_lengths_kv=list(lengths.kv_lens),
+            atten_mask=m.atten_mask,
+            sparse_mode=m.sparse_mode,
         )
-        if m.mode in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
-            kwargs.update(input_layout="TND", atten_mask=m.atten_mask, sparse_mode=3)
-        elif m.mode is ForwardMode.TARGET_VERIFY:
-            kwargs.update(input_layout="BSND", atten_mask=m.atten_mask, sparse_mode=0)
+        if m.sparse_mode == TREE:
+            kwargs.update(input_layout="BSND", actual_seq_lengths=list(lengths.query_lens))
         else:
-            kwargs.update(input_layout="BSND", sparse_mode=0)
+            kwargs.update(input_layout="TND", actual_seq_lengths=cumulative(lengths.query_lens))
         return kwargs
 
-    def _captured(
-        self,
-        q: torch.Tensor,  # [T, Hq, D]
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        m: NPUMetadata,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        """Under graph capture: the fused operator's ``.out`` overload inside a task group,
-        recorded so that :meth:`update_task` can give it new host lengths before a replay."""
-        torch_npu = import_torch_npu()
-        npu = torch.npu
-        query, key, value = self._fia_inputs(q, key_cache, value_cache, m)
-        kwargs = self._fia_kwargs(m)
-        ws_key = (m.mode, tuple(query.shape), tuple(key.shape))
-        workspace = self.recorder.workspace.get(ws_key)
-        if workspace is None:
-            workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
-                query, key, value, **kwargs
-            )
-            self.recorder.workspace[ws_key] = workspace
-        out = torch.empty_like(query)
-        lse = torch.empty(1, dtype=query.dtype, device=query.device)
-        stream = npu.current_stream()
-        event = npu.ExternalEvent()
-        event.wait(stream)
-        event.reset(stream)
-        npu.graph_task_group_begin(stream)
-        torch_npu.npu_fused_infer_attention_score.out(
-            query, key, value, workspace=workspace, out=[out, lse], **kwargs
-        )
-        handle = npu.graph_task_group_end(stream)
-        tensors = dict(query=query, key=key, value=value, workspace=workspace, out=[out, lse])
-        self.recorder.tasks.append(GraphTask(handle, event, m.mode, m.topk, {**kwargs, **tensors}))
-        return out.reshape(q.shape)
+
+def _table_columns(batch: ForwardBatch, blocks: int, ps: int) -> torch.Tensor:  # [bs, blocks]
+    """The first ``blocks`` block ids of each request (block 0, the padding page, past the
+    request table's width), from device tensors only."""
+    rows = batch.req_to_token.index_select(0, batch.req_pool_indices.to(torch.int64))
+    table = (rows[:, : blocks * ps : ps] // ps).to(torch.int32)
+    if table.shape[1] < blocks:
+        table = torch.nn.functional.pad(table, (0, blocks - table.shape[1]))
+    return table.contiguous()
 
 
-def update_task(task: GraphTask, stream: Any, lengths: HostLengths) -> None:
-    """Re-issue a captured attention task with new host lengths on ``stream`` (the update
-    stream), then record its event so that the replayed graph waits for the update."""
-    torch_npu = import_torch_npu()
-    npu = torch.npu
-    kwargs = dict(task.kwargs)
-    query, key, value = kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")
-    kwargs["actual_seq_lengths"] = fia_actual_q(task.mode, lengths)
-    kwargs["actual_seq_lengths_kv"] = list(lengths.kv_lens)
-    with npu.stream(stream):
-        npu.graph_task_update_begin(stream, task.handle)
-        torch_npu.npu_fused_infer_attention_score.out(query, key, value, **kwargs)
-        npu.graph_task_update_end(stream)
-        task.event.record(stream)
+def _lane_table(
+    prefix_blocks: torch.Tensor,  # [bs, Pb] int32
+    n_prefix: torch.Tensor,  # [bs] prefix blocks of each request
+    lane_locs: torch.Tensor,  # [bs, K, W] slots of each lane
+    ps: int,
+    k: int,
+) -> torch.Tensor:  # [bs * K, Pb + W / P] int32
+    """Block table of the draft lanes: request b's first ``n_prefix[b]`` blocks, then lane l's."""
+    lane_blocks = (lane_locs[:, :, ::ps] // ps).to(torch.int32)  # [bs, K, Wb]
+    bs, pb, wb = prefix_blocks.shape[0], prefix_blocks.shape[1], lane_blocks.shape[2]
+    col = torch.arange(pb + wb, device=lane_locs.device)  # [C]
+    in_prefix = col[None, :] < n_prefix[:, None]  # [bs, C]
+    from_prefix = prefix_blocks.gather(1, col.clamp(max=pb - 1).expand(bs, -1))  # [bs, C]
+    lane_col = (col[None, :] - n_prefix[:, None]).clamp(0, wb - 1)  # [bs, C]
+    from_lane = lane_blocks.gather(2, lane_col[:, None, :].expand(bs, k, -1))  # [bs, K, C]
+    table = torch.where(in_prefix[:, None, :], from_prefix[:, None, :], from_lane)
+    return table.reshape(bs * k, pb + wb).contiguous()
 
 
 def _host(values: list[int] | None, name: str, bs: int) -> list[int]:

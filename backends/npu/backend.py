@@ -8,17 +8,19 @@ operators take int32 indices); KV pages are 128 slots; attention, graphs and ker
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from polyspec.backend import Backend
 from polyspec.backends.common import PagedAllocator
 
-from .attention import FIA_DTYPES, GraphTaskRecorder, NPUAttention
+from .attention import FIA_DTYPES, NPUAttention
 from .graph import NPUGraphRunner
 from .kernels import build_kernels
 from .kv_pool import NPUKVPool
 from .plugin import CAPABILITIES, PAGE_SIZE
-from .runtime import import_torch_npu
+from .runtime import device_type, import_torch_npu
 
 
 class NPUBackend(Backend):
@@ -27,19 +29,24 @@ class NPUBackend(Backend):
     name = "npu"
     device_type = "npu"
 
-    def __init__(self, use_triton: bool = True) -> None:
+    def __init__(self, use_triton: bool | None = None) -> None:
         """Activate the runtime (``PluginError`` with the CANN hint when it is unusable) and
-        build the kernel set (``use_triton=False``: reference kernels only)."""
+        build the kernel set (``use_triton=False``: reference kernels only; None: Triton
+        unless the environment sets ``POLYSPEC_NPU_TRITON=0``)."""
+        if use_triton is None:
+            use_triton = os.environ.get("POLYSPEC_NPU_TRITON", "1") != "0"
         import_torch_npu()
         self.capabilities = CAPABILITIES
         built = build_kernels(use_triton)
         self.kernels = built.kernels
         self.kernel_sources = built.sources
-        self._recorder = GraphTaskRecorder()
+        self.device_type = device_type()
 
     def device(self, rank: int = 0) -> torch.device:
-        """``npu:rank``."""
-        return torch.device("npu", rank)
+        """``npu:rank`` (``cpu`` under the torch_npu simulator of the test suite)."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, rank)
 
     def synchronize(self) -> None:
         """Wait for the current NPU's queued work."""
@@ -86,10 +93,8 @@ class NPUBackend(Backend):
                 f"{head_dim}) and a pool of whole {PAGE_SIZE}-slot blocks (got "
                 f"{kv_pool.num_slots} slots)"
             )
-        return NPUAttention(
-            kv_pool, num_heads, num_kv_heads, head_dim, scale, PAGE_SIZE, self._recorder
-        )
+        return NPUAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale, PAGE_SIZE)
 
     def make_graph_runner(self) -> NPUGraphRunner:
-        """An NPU graph runner whose replays need a prepare with host lengths."""
-        return NPUGraphRunner(self._recorder, self.capabilities.max_graph_shapes or 16)
+        """An NPU graph runner (no prepare: captured attention takes shape-only host values)."""
+        return NPUGraphRunner(self.capabilities.max_graph_shapes or 16)

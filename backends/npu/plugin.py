@@ -9,6 +9,7 @@ selected; an install that passes the probe but cannot load CANN fails there with
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 
 from polyspec.backend import BackendCapabilities
 from polyspec.backends.probing import device_nodes, has_module, torch_build_info
@@ -19,7 +20,7 @@ PAGE_SIZE = 128
 
 CAPABILITIES = BackendCapabilities(
     graph_capture=True,
-    graph_needs_prepare=True,
+    static_metadata=True,
     max_graph_shapes=16,
     tree_attention=True,
     page_sizes=(PAGE_SIZE,),
@@ -27,10 +28,15 @@ CAPABILITIES = BackendCapabilities(
     dtypes=("float32", "bfloat16", "float16"),
     async_execution=True,
 )
-"""Ascend: graphs need host lengths before each replay (and are few: each holds streams and
-memory), int32 indices, 128-slot pages. The attention reads the host-side sequence lengths
+"""Ascend: int32 indices, 128-slot pages. The attention reads the host-side sequence lengths
 every eager ``ForwardBatch`` carries. float32 models run the portable attention path (the fused
-operators take float16 / bfloat16)."""
+operator takes float16 / bfloat16). NPU graphs (at most 16: each holds device memory) replay
+without a prepare: captured attention reads its lengths from device tensors through an
+explicit mask (docs/backends/npu.md)."""
+
+MIN_TORCH_NPU = (2, 10, 0)
+"""The torch_npu release the backend is written and simulated against (vllm-ascend's pin:
+torch 2.10.0, torch-npu 2.10.0.post4, triton-ascend 3.2.2)."""
 
 CANN_SETUP = "source /usr/local/Ascend/ascend-toolkit/set_env.sh (CANN toolkit)"
 
@@ -42,9 +48,25 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
 def probe(env: dict[str, str]) -> ProbeResult:
-    """Why (not) Ascend here: torch_npu installed, NPU device nodes, the CANN toolkit, and a
-    torch build that torch_npu accepts."""
+    """Why (not) Ascend here: torch_npu installed and recent enough, NPU device nodes, the CANN
+    toolkit, and a torch build that torch_npu accepts. polyspec's torch_npu simulator (the
+    test suite's ``--polyspec-npu-sim``, a module already in ``sys.modules``) is reported as
+    available, named as the simulator."""
+    loaded = sys.modules.get("torch_npu")
+    if getattr(loaded, "SIMULATED_DEVICE_TYPE", None) is not None:
+        return ProbeResult(
+            available=True,
+            reason=f"polyspec's torch_npu simulator {loaded.__version__} (CPU, not an NPU)",
+        )
     problems = []
     if not has_module("torch_npu"):
         problems.append(
@@ -72,6 +94,12 @@ def probe(env: dict[str, str]) -> ProbeResult:
         problems.append(
             f"torch_npu {npu_version} does not match torch {version} (their major.minor must "
             f"agree); install the torch_npu built for this torch"
+        )
+    if npu_version and _release(npu_version) < MIN_TORCH_NPU:
+        problems.append(
+            f"torch_npu {npu_version} is older than {'.'.join(map(str, MIN_TORCH_NPU))}, the "
+            f"release this backend is written against (pip install torch==2.10.0 "
+            f"torch-npu==2.10.0.post4 triton-ascend==3.2.2)"
         )
     if problems:
         return ProbeResult(available=False, reason="; ".join(problems))

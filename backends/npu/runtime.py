@@ -44,3 +44,9 @@ def import_torch_npu() -> ModuleType:
             f"(check the driver with npu-smi info and ASCEND_RT_VISIBLE_DEVICES); {CANN_HINT}"
         )
     return torch_npu
+
+
+def device_type() -> str:
+    """``npu``; ``cpu`` under polyspec's torch_npu simulator, which keeps tensors on the CPU
+    (``torch_npu.SIMULATED_DEVICE_TYPE``; the real torch_npu has no such attribute)."""
+    return getattr(import_torch_npu(), "SIMULATED_DEVICE_TYPE", "npu")

@@ -14,6 +14,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="backend the polyspec conformance suite runs against (default: cpu, or "
         "$POLYSPEC_BACKEND)",
     )
+    group.addoption(
+        "--polyspec-npu-sim",
+        action="store_true",
+        default=False,
+        help="install polyspec's torch_npu simulator (polyspec.testing.npu_sim) as torch_npu / "
+        "torch.npu for the session, so that --polyspec-backend npu runs on the CPU",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--polyspec-npu-sim", default=False):
+        from polyspec.testing.npu_sim import simulated
+
+        context = simulated()
+        context.__enter__()
+        config._polyspec_npu_sim = context  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    context = getattr(config, "_polyspec_npu_sim", None)
+    if context is not None:
+        context.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

@@ -55,7 +55,7 @@ def test_hundreds_of_mixed_requests_no_leak(backend, backend_name, tiny_models, 
             assert not set(g.token_ids[:-1]) & set(p.stop_token_ids)
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("page_size", [1, 16, NATIVE_PAGE_SIZE])
 def test_captured_rounds_under_churn(backend, backend_name, tiny_models, page_size):
     """The same churn through captured rounds (graphs = "on"): batches grow and shrink across
     the buckets (1, 2, 4) and past the largest one (5 and 6 run eagerly), contexts cross the

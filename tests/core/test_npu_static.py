@@ -47,9 +47,7 @@ def trapped_torch_npu(tmp_path: Path) -> Path:
 
 
 def test_npu_modules_and_probe_import_no_torch_npu(trapped_torch_npu):
-    assert {"plugin", "backend", "attention", "graph", "kernels", "kv_pool", "runtime"} <= set(
-        MODULES
-    )
+    assert {"plugin", "backend", "attention", "kernels", "kv_pool", "runtime"} <= set(MODULES)
     code = f"""
     import importlib, os, sys
     for name in {MODULES!r}:
@@ -95,11 +93,16 @@ def test_probe_reasons_name_the_fix(monkeypatch):
     monkeypatch.setattr(npu, "device_nodes", lambda pattern: ["/dev/davinci0"])
     monkeypatch.setattr(npu, "torch_build_info", lambda: ("2.5.1", {"cuda": None}))
     monkeypatch.setattr(npu, "_version", lambda dist: "2.5.1.post1")
+    old = npu.probe({"ASCEND_HOME_PATH": "/x"})
+    assert not old.available and "older than 2.10.0" in old.reason
+    assert "torch-npu==2.10.0.post4" in old.reason
+    monkeypatch.setattr(npu, "torch_build_info", lambda: ("2.10.0", {"cuda": None}))
+    monkeypatch.setattr(npu, "_version", lambda dist: "2.10.0.post4")
     ok = npu.probe({"ASCEND_HOME_PATH": "/usr/local/Ascend/ascend-toolkit/latest"})
     assert ok.available, ok.reason
     no_cann = npu.probe({})
     assert not no_cann.available and "set_env.sh" in no_cann.reason
-    monkeypatch.setattr(npu, "torch_build_info", lambda: ("2.5.1+cu121", {"cuda": "12.1"}))
+    monkeypatch.setattr(npu, "torch_build_info", lambda: ("2.10.0+cu121", {"cuda": "12.1"}))
     cuda = npu.probe({"ASCEND_HOME_PATH": "/x"})
     assert "CUDA build" in cuda.reason and "separate environment" in cuda.reason
     monkeypatch.setattr(npu, "torch_build_info", lambda: ("2.6.0", {"cuda": None}))
@@ -170,8 +173,9 @@ def test_sources_parse_and_use_only_documented_vendor_names():
     assert used_overloads <= set(TORCH_NPU_OVERLOADS), used_overloads - set(TORCH_NPU_OVERLOADS)
     assert used_dot_npu <= set(TORCH_DOT_NPU_NAMES), used_dot_npu - set(TORCH_DOT_NPU_NAMES)
     # The attention really uses the operators this backend is built on.
-    assert {"npu_fused_infer_attention_score", "_npu_paged_attention"} <= used_names
-    assert {"graph_task_update_begin", "NPUGraph", "graph"} <= used_dot_npu
+    assert {"npu_fused_infer_attention_score", "npu_scatter_pa_kv_cache"} <= used_names
+    assert "_npu_paged_attention" not in used_names  # one fused path for every mode
+    assert {"NPUGraph", "graph"} <= used_dot_npu
 
 
 def test_static_check_catches_an_undocumented_name():
@@ -227,10 +231,24 @@ def test_a_kernel_that_fails_to_compile_falls_back_once_and_says_why():
     sources = {"silu_and_mul": "triton"}
     kernel = _TritonWithFallback("silu_and_mul", broken, reference, sources)
     with pytest.warns(RuntimeWarning, match="using the torch reference"):
-        assert kernel(1) == 2
-    assert kernel(2) == 3
+        assert kernel(3) == 4
+    assert kernel(5) == 6  # same signature (an int not 1, not a multiple of 16): no retry
     assert calls == ["triton", "reference", "reference"]
-    assert sources["silu_and_mul"].startswith("reference (triton failed: CompilationError")
+    assert sources["silu_and_mul"].startswith("reference for 1 signature(s)")
+    assert "CompilationError" in sources["silu_and_mul"]
+
+    def picky(x):  # compiles for float32 tensors only
+        if x.dtype != torch.float32:
+            raise CompilationError("no bf16 on this target")
+        calls.append("triton")
+        return x * 2
+
+    per_sig = {}
+    kernel = _TritonWithFallback("rms_norm", picky, lambda x: x * 3, per_sig)
+    with pytest.warns(RuntimeWarning, match=r"bfloat16\[1d\]"):
+        assert kernel(torch.ones(2, dtype=torch.bfloat16)).tolist() == [3.0, 3.0]
+    assert kernel(torch.ones(2)).tolist() == [2.0, 2.0]  # another signature keeps Triton
+    assert per_sig["rms_norm"].startswith("triton, reference for 1 signature(s) ((bfloat16[1d])")
 
     def bad_input(x):
         raise ValueError("x must be 2-D")  # the wrapper's own contract check: not a fallback
@@ -243,11 +261,11 @@ def test_a_kernel_that_fails_to_compile_falls_back_once_and_says_why():
 def _npu_attention_on_cpu(num_slots: int = 16 * 128):
     """The npu attention's host-side metadata logic, on a bfloat16 pool on the CPU (building
     metadata for the fused operators calls no torch_npu function)."""
-    from polyspec.backends.npu.attention import GraphTaskRecorder, NPUAttention
+    from polyspec.backends.npu.attention import NPUAttention
     from polyspec.backends.npu.kv_pool import NPUKVPool
 
     pool = NPUKVPool(num_slots, 1, 2, 16, torch.bfloat16, "cpu")
-    return NPUAttention(pool, 4, 2, 16, 0.25, 128, GraphTaskRecorder())
+    return NPUAttention(pool, 4, 2, 16, 0.25, 128)
 
 
 def _slot_of_column(table, row: int, col: int, page: int = 128) -> int:
@@ -276,7 +294,14 @@ def test_npu_metadata_expresses_the_tree_and_lane_visibility():
     )  # fmt: skip
     m = attn.build_metadata(batch)
     assert m.lengths.kv_lens == [134, 11] and m.queries_per_row == n
-    assert attn._fia_kwargs(m)["actual_seq_lengths"] == [n, n]
+    kwargs = attn.fia_kwargs(m, m.lengths)
+    assert kwargs["actual_seq_lengths"] == [n, n] and kwargs["input_layout"] == "BSND"
+    assert kwargs["sparse_mode"] == 0  # a tree (topk > 1): the explicit mask
+    chain = torch.ones(n, n, dtype=torch.bool).tril()
+    m_chain = attn.build_metadata(dataclasses.replace(batch, tree_mask=torch.stack([chain] * 2)))
+    kw_chain = attn.fia_kwargs(m_chain, m_chain.lengths)
+    assert kw_chain["input_layout"] == "TND" and kw_chain["sparse_mode"] == 3
+    assert kw_chain["actual_seq_lengths"] == [n, 2 * n]  # a chain verifies causally
     for b, row in enumerate([2, 0]):
         for i in range(n):
             seen = [
@@ -300,7 +325,8 @@ def test_npu_metadata_expresses_the_tree_and_lane_visibility():
         lane_lens=torch.tensor([3], dtype=i32), lane_lens_cpu=[3], topk=2,
     )  # fmt: skip
     m = attn.build_metadata(batch)
-    assert m.context_lens.tolist() == [131, 131] and m.rows == 2
+    assert m.lengths.kv_lens == [131, 131] and m.rows == 2
+    assert attn.fia_kwargs(m, m.lengths)["actual_seq_lengths"] == [1, 2]  # TND, one query a row
     for lane in range(2):
         seen = [_slot_of_column(m.block_table, lane, c) for c in range(131)]
         assert seen == table[2, :128].tolist() + lanes[lane, :3].tolist()
@@ -329,7 +355,7 @@ def test_npu_metadata_for_extend_uses_cumulative_query_ends():
         prefix_lens_cpu=[125, 0], extend_lens_cpu=[5, 2],
     )  # fmt: skip
     m = attn.build_metadata(batch)
-    kwargs = attn._fia_kwargs(m)
+    kwargs = attn.fia_kwargs(m, m.lengths)
     assert kwargs["input_layout"] == "TND" and kwargs["sparse_mode"] == 3
     assert kwargs["actual_seq_lengths"] == [5, 7] and kwargs["actual_seq_lengths_kv"] == [130, 2]
     assert m.block_table.tolist() == [[2, 3], [5, 0]]

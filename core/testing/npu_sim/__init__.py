@@ -3,7 +3,7 @@
 Never installed under the real name: :func:`simulated` puts a module object into
 ``sys.modules["torch_npu"]`` and a :class:`~.device.SimulatedNPU` at ``torch.npu`` for the
 duration of a ``with`` block (the conformance suite's ``--polyspec-npu-sim`` option holds it
-for a whole session), and removes both afterwards. With it the real ``polyspec.backends.npu``
+for the whole pytest run), and removes both afterwards. With it the real ``polyspec.backends.npu``
 runs on the CPU: its operator calls are checked against the documented contracts
 (:mod:`.ops`) and its NPU graphs are recorded and replayed with task-group updates
 (:mod:`.device`). What it cannot show: kernel speed, the numerics of the fused operators on

@@ -129,10 +129,15 @@ def test_npu_probe_is_available_where_the_hardware_is_present(monkeypatch):
 
     monkeypatch.setattr(npu, "has_module", lambda name: name == "torch_npu")
     monkeypatch.setattr(npu, "device_nodes", lambda pattern: ["/dev/davinci0"])
-    monkeypatch.setattr(npu, "torch_build_info", lambda: ("2.5.1", {"cuda": None}))
-    monkeypatch.setattr(npu, "_version", lambda dist: "2.5.1")
+    monkeypatch.setattr(npu, "torch_build_info", lambda: ("2.10.0", {"cuda": None}))
+    monkeypatch.setattr(npu, "_version", lambda dist: "2.10.0.post4")
     result = npu.probe({"ASCEND_HOME_PATH": "/usr/local/Ascend/ascend-toolkit/latest"})
     assert result.available, result.reason
+    # a torch_npu older than the graph task-group API is reported, with the install line
+    monkeypatch.setattr(npu, "_version", lambda dist: "2.5.1")
+    result = npu.probe({"ASCEND_HOME_PATH": "/usr/local/Ascend/ascend-toolkit/latest"})
+    assert not result.available and "torch_npu 2.5.1 is older than 2.10.0" in result.reason
+    monkeypatch.setattr(npu, "_version", lambda dist: "2.10.0.post4")
     monkeypatch.setattr(npu, "has_module", lambda name: False)
     result = npu.probe({"ASCEND_HOME_PATH": "/x"})
     assert result.reason.startswith("torch_npu is not installed")

@@ -6,9 +6,9 @@ is, docs describe the current code, and the story of how it got there belongs to
 (``git log``, ``git blame``). This check guards against the wording of a work log creeping
 back into tracked files:
 
-- numbered work sittings or trained heads ("the eighteenth session", "the 3rd head", "tenth
-  lease"), and references to sittings or device loans ("earlier sessions", "this session's
-  code", "the next lease");
+- numbered work sittings or trained heads (an ordinal before "session", "head" or "lease"),
+  and references to sittings or device loans ("earlier", "this" or "next" before "session" or
+  "lease");
 - references to an internal issue tracker a user does not have ("issue 6's targets"; an
   upstream one, "pytorch/pytorch issue 1234" or "triton issue 56", is fine);
 - instructions for a particular tool that reaches a GPU ("the device tool", "run by the lead").

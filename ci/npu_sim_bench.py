@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
         bench_args = argv[cut + 1 :]
     else:
         bench_args = argv
-    from polyspec.testing.npu_sim import simulated
+    from polyspec.backends.npu.sim import simulated
 
     with simulated():
         from polyspec.cli import main as cli_main

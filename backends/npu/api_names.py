@@ -6,7 +6,7 @@ missing here, so a new vendor call needs a documented source before it can be ad
 * [API]  Ascend Extension for PyTorch custom API reference (torch_npu); the same text ships in
   torch_npu 2.10.0.post4 as ``torch_npu/_op_plugin_docs.py`` (npu_fused_infer_attention_score,
   npu_scatter_pa_kv_cache).
-* [SIM] polyspec's torch_npu simulator (``polyspec.testing.npu_sim``).
+* [SIM] polyspec's torch_npu simulator (``polyspec.backends.npu.sim``).
 * [GRAPH] torch_npu's docs and tests of NPUGraph task groups: ``torch_npu.npu.graph_task_group_
   begin/end`` and ``graph_task_update_begin/end`` (docs/zh/native_apis/... in Ascend/pytorch)
   and its test ``test_ifa_update`` (capture FIA between task-group calls, update its
@@ -26,7 +26,7 @@ TORCH_NPU_NAMES: dict[str, str] = {
     "npu_scatter_pa_kv_cache": "[API][VLLM] Atlas A2/A3 cache write: key/value [T, N, D] into "
     "[blocks, block_size, N, D] caches at slot_mapping [T]; cache_mode='Norm' for ND caches",
     "SIMULATED_DEVICE_TYPE": "[SIM] set only by polyspec's torch_npu simulator "
-    "(polyspec.testing.npu_sim): the device tensors live on; absent from the real torch_npu",
+    "(polyspec.backends.npu.sim): the device tensors live on; absent from the real torch_npu",
 }
 """``torch_npu.<name>`` -> source and meaning."""
 

@@ -18,14 +18,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--polyspec-npu-sim",
         action="store_true",
         default=False,
-        help="install polyspec's torch_npu simulator (polyspec.testing.npu_sim) as torch_npu / "
+        help="install polyspec's torch_npu simulator (polyspec.backends.npu.sim) as torch_npu / "
         "torch.npu for the session, so that --polyspec-backend npu runs on the CPU",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--polyspec-npu-sim", default=False):
-        from polyspec.testing.npu_sim import simulated
+        from polyspec.backends.npu.sim import simulated
 
         context = simulated()
         context.__enter__()

@@ -1,5 +1,5 @@
 """The torch_npu simulator is strict where the real operators are, and its NPU graphs replay
-with exactly the parameters a task-group update gave them (polyspec.testing.npu_sim)."""
+with exactly the parameters a task-group update gave them (polyspec.backends.npu.sim)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from polyspec.testing.npu_sim import NPUContractError, simulated
+from polyspec.backends.npu.sim import NPUContractError, simulated
 
 P = 128
 

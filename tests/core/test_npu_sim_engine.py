@@ -16,9 +16,9 @@ import random
 
 import pytest
 
+from polyspec.backends.npu.sim import simulated
 from polyspec.config import SamplingParams, SpeculativeConfig
 from polyspec.testing import builders
-from polyspec.testing.npu_sim import simulated
 
 
 @pytest.fixture(scope="module")

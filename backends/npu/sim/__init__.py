@@ -81,7 +81,7 @@ _FIA_KWARGS = (
 def build_module(sim: SimulatedNPU) -> types.ModuleType:
     """A fresh simulated ``torch_npu`` module bound to ``sim``."""
     module = types.ModuleType("torch_npu")
-    module.__doc__ = "polyspec's torch_npu simulator (polyspec.testing.npu_sim); not torch_npu"
+    module.__doc__ = "polyspec's torch_npu simulator (polyspec.backends.npu.sim); not torch_npu"
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     module.__version__ = SIMULATED_VERSION
     module.SIMULATED_DEVICE_TYPE = "cpu"

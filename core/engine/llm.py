@@ -401,7 +401,7 @@ class LLM:
         handles = []
         try:
             for t, p_ids, p in zip(texts, ids, params):
-                handles.append(engine.submit(p_ids, p, prompt=t, stream=False))
+                handles.append(engine.submit(p_ids, p, prompt=t, stream=False, start=False))
         except BaseException:
             for h in handles:
                 h.abort()
@@ -445,13 +445,26 @@ class LLM:
     def _wait(self, handles: list[RequestHandle], progress) -> list[RequestOutput]:
         """Wait for this call's own requests; abort them if the wait is cut short (Ctrl-C)."""
         done: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
+        counted = 0
+
+        def count(block: bool) -> bool:  # take finished handles; True once all are
+            nonlocal counted
+            while counted < len(handles):
+                try:
+                    done.get(block=block)
+                except queue.Empty:
+                    break
+                counted += 1
+                if progress is not None:
+                    progress(counted, len(handles))
+            return counted == len(handles)
+
         try:
             for h in handles:
                 h.add_done_callback(done.put)
-            for n in range(1, len(handles) + 1):
-                done.get()
-                if progress is not None:
-                    progress(n, len(handles))
+            # This thread runs the steps itself unless another one drives the loop already.
+            self.engine.drive(lambda: count(block=False))
+            count(block=True)
         except BaseException:
             for h in handles:
                 h.abort()

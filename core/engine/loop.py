@@ -60,6 +60,10 @@ __all__ = [
 ]
 
 
+_THREAD_NAME = "polyspec-engine"
+"""The name of the thread the loop starts itself (a caller that drives keeps its own)."""
+
+
 class QueueFull(PolyspecError, RuntimeError):
     """``max_queued_requests`` requests already wait for admission; try again later."""
 
@@ -270,8 +274,41 @@ class EngineLoop:
                 return
             if self._stopping:
                 raise RuntimeError("this engine loop was shut down; make a new one")
-            self._thread = threading.Thread(target=self._main, name="polyspec-engine", daemon=True)
-            self._thread.start()
+            self._spawn()
+
+    def _spawn(self) -> None:  # with self._lock held and no thread driving the loop
+        self._thread = threading.Thread(target=self._main, name=_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def drive(self, done: Callable[[], bool]) -> None:
+        """Run the loop's steps on the calling thread until ``done()`` is true, unless another
+        thread drives the loop already (then return at once: that thread serves this caller's
+        requests too). Requests left when ``done()`` turns true (other callers') go on in the
+        loop's own thread. :meth:`LLM.generate` waits this way: torch's CPU kernels can run
+        about half as fast on a thread other than the one that built the model
+        (docs/benchmarks.md, "The one-round engine against the code before it"), so a caller
+        that would only wait lends its own thread. A loop that fails here fails as on its own
+        thread: every request ends with the error, and the exception reaches this caller."""
+        me = threading.current_thread()
+        with self._lock:
+            if self._thread is not None or self._dead is not None:
+                return
+            self._thread = me
+        try:
+            while not done() and self._one_step():
+                pass
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            with self._lock:
+                if self._thread is me:
+                    self._thread = None
+                    if self._dead is None and (
+                        self._inbox or self._aborts or self.scheduler.has_work or self._stopping
+                    ):
+                        self._spawn()
+                self._lock.notify_all()
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Stop admitting, let running requests finish for up to ``grace_s`` seconds, abort the
@@ -282,7 +319,13 @@ class EngineLoop:
             thread = self._thread
             self._lock.notify_all()
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            if thread.name == _THREAD_NAME:
+                thread.join()
+            else:  # a caller drives: wait until it has handed the loop back
+                with self._lock:
+                    self._lock.wait_for(lambda: self._thread is not thread)
+                if self._thread is not None:
+                    self._thread.join()
         elif thread is None:  # not running: abort what was queued
             self._abort_all("abort")
 
@@ -300,11 +343,13 @@ class EngineLoop:
         *,
         prompt: str | None = None,
         stream: bool = True,
+        start: bool = True,
     ) -> RequestHandle:
         """Queue one request; -> its handle. ``params`` None: ``SamplingParams()``; ``prompt``:
         the text the ids came from (kept in the output). ``stream=False``: one event, the
         final one, with every token and the whole text (no per-round detokenization: what a
-        caller that only wants the result should ask for).
+        caller that only wants the result should ask for). ``start=False``: do not start the
+        loop's thread; the caller will :meth:`drive` the loop (or submit more first).
 
         :raises RequestError: the request is invalid (nothing was queued).
         :raises QueueFull: ``max_queued_requests`` requests wait already.
@@ -328,7 +373,8 @@ class EngineLoop:
             req = Request(rid, prompt, ids, params)
             self._inbox.append(_Running(req, handle, TextStream(self.scheduler.stop), stream))
             self._lock.notify_all()
-        self.start()
+        if start:
+            self.start()
         return handle
 
     def check(self, prompt_token_ids: Any, params: SamplingParams) -> list[int]:
@@ -381,12 +427,16 @@ class EngineLoop:
         try:
             while self._one_step():
                 pass
-        except BaseException as exc:  # a bug in the loop itself: nobody may wait forever
-            cause = f"{type(exc).__name__}: {exc}"
-            with self._lock:
-                self._dead = cause
-            self._abort_all("error", cause)
+        except BaseException as exc:
+            self._fail(exc)
             raise
+
+    def _fail(self, exc: BaseException) -> None:
+        """A bug in the loop itself (or Ctrl-C inside a step): nobody may wait forever."""
+        cause = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            self._dead = cause
+        self._abort_all("error", cause)
 
     def _one_step(self) -> bool:
         """Take new requests and aborts, run one step; False once shut down and drained."""

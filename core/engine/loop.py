@@ -280,22 +280,28 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._main, name=_THREAD_NAME, daemon=True)
         self._thread.start()
 
-    def drive(self, done: Callable[[], bool]) -> None:
+    def drive(self, done: Callable[[], bool], *, keep_alive: bool = False) -> None:
         """Run the loop's steps on the calling thread until ``done()`` is true, unless another
         thread drives the loop already (then return at once: that thread serves this caller's
         requests too). Requests left when ``done()`` turns true (other callers') go on in the
-        loop's own thread. :meth:`LLM.generate` waits this way: torch's CPU kernels can run
-        about half as fast on a thread other than the one that built the model
-        (docs/benchmarks.md, "The one-round engine against the code before it"), so a caller
-        that would only wait lends its own thread. A loop that fails here fails as on its own
-        thread: every request ends with the error, and the exception reaches this caller."""
+        loop's own thread. ``keep_alive``: when no request is left, wait for the next one
+        (checking ``done()`` every 0.2 s) instead of returning; a server's main thread drives
+        this way.
+
+        Why a caller lends its thread: every thread that runs torch's CPU kernels keeps its own
+        OpenMP team, and once the teams' threads outnumber the cores libgomp stops spinning
+        between parallel regions, so on a machine with few cores the model runs about half as
+        fast on a second thread as on the one that built it (docs/configuration.md, "Engine
+        loop"). :meth:`LLM.generate` and ``polyspec serve`` drive the loop this way. A loop that
+        fails here fails as on its own thread: every request ends with the error, and the
+        exception reaches this caller."""
         me = threading.current_thread()
         with self._lock:
             if self._thread is not None or self._dead is not None:
                 return
             self._thread = me
         try:
-            while not done() and self._one_step():
+            while not done() and self._one_step(keep_alive):
                 pass
         except BaseException as exc:
             self._fail(exc)
@@ -438,10 +444,14 @@ class EngineLoop:
             self._dead = cause
         self._abort_all("error", cause)
 
-    def _one_step(self) -> bool:
-        """Take new requests and aborts, run one step; False once shut down and drained."""
+    def _one_step(self, keep_alive: bool = False) -> bool:
+        """Take new requests and aborts, run one step; False once shut down and drained, or
+        idle unless ``keep_alive`` (then wait up to 0.2 s for work and return True)."""
         sched = self.scheduler
         with self._lock:
+            if keep_alive and not (self._inbox or self._aborts or sched.has_work or self._stopping):
+                self._lock.wait(0.2)
+                return True
             if not (self._inbox or self._aborts or sched.has_work or self._stopping):
                 # Idle: the thread ends, so that it does not keep the LLM (and its KV pools)
                 # alive once its user drops it; the next submit starts a new one.

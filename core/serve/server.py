@@ -79,8 +79,8 @@ def run_server(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> int:
     """Serve until SIGTERM / Ctrl-C. uvicorn runs in a thread and binds the port first; the
-    model is built here, in the main thread, meanwhile (an engine built in a short-lived thread
-    was measured to decode several times slower on the CPU). Returns 0 after SIGTERM; Ctrl-C
+    model is built here, in the main thread, meanwhile, and this thread then runs the engine's
+    steps (see :meth:`EngineLoop.drive` for why). Returns 0 after SIGTERM; Ctrl-C
     raises KeyboardInterrupt once the server stopped; a model that fails to load raises its
     error."""
     state = ServerState(settings)
@@ -114,6 +114,9 @@ def run_server(
                 f"polyspec serve: ready on http://{host}:{server.bound_port} (model "
                 f"{state.model.name!r}, {describe(llm)})"
             )
+        # The main thread runs the engine's steps (EngineLoop.drive: torch's CPU kernels are
+        # faster on the thread that built the model) until the HTTP thread has stopped.
+        llm.engine.drive(lambda: not http.is_alive(), keep_alive=True)
         while http.is_alive():
             http.join(0.2)
     except _Stop:

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from polyspec.config import SamplingParams, SpeculativeConfig
+from polyspec.testing.forward import assert_greedy_equal
 from polyspec.testing.plugin import NATIVE_PAGE_SIZE, require, resolve_page_size
 
 
@@ -47,8 +48,14 @@ def test_hundreds_of_mixed_requests_no_leak(backend, backend_name, tiny_models, 
     want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
     got = spec.generate(prompt_token_ids=prompts, sampling_params=params)
     assert spec.kv_slots_free == free_spec and plain.kv_slots_free == free_plain
-    for w, g, p in zip(want, got, params):
-        assert g.token_ids == w.token_ids
+    # float32 batches of different shapes sum in different orders: a near-tie (about one in
+    # a few thousand tokens of this model) may go either way, anything else is a bug
+    ties = assert_greedy_equal(
+        plain.target, backend, prompts, [w.token_ids for w in want],
+        [g.token_ids for g in got],
+    )  # fmt: skip
+    assert ties <= 2
+    for g, p in zip(got, params):
         assert len(g.token_ids) <= p.max_new_tokens
         if g.finish_reason == "stop" and p.stop_token_ids and g.token_ids[-1] in p.stop_token_ids:
             # nothing after a stop token, even inside an accepted run
@@ -79,6 +86,9 @@ def test_captured_rounds_under_churn(backend, backend_name, tiny_models, page_si
     ):  # fmt: skip
         free = llm.kv_slots_free
         got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        ties = assert_greedy_equal(
+            llm.target, backend, prompts, [w.token_ids for w in want], [g.token_ids for g in got]
+        )
+        assert ties <= 2
         assert llm.kv_slots_free == free
         assert llm.worker.graphs is not None and llm.worker.graphs.num_captured > 0

@@ -99,13 +99,7 @@ class LLM:
         if tp is None:
             torchrun = launch.under_torchrun()
             local = int(os.environ.get("LOCAL_WORLD_SIZE", n)) if torchrun else n
-            devices = be.device_count()
-            if devices is not None and local > devices:
-                raise ConfigError(
-                    f"tensor_parallel_size = {n} needs {local} {be.device_type} devices on this "
-                    f"host, backend {be.name!r} sees {devices}; use at most {devices} ranks per "
-                    "host (torchrun starts ranks on several hosts)"
-                )
+            launch.check_devices(n, local, be)
             timeout = cfg.distributed_timeout_s
             if torchrun:
                 tp = launch.join_torchrun(n, name, timeout)

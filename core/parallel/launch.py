@@ -52,6 +52,18 @@ def check_distributed_backend(name: str | None, backend_name: str) -> str:
     return name
 
 
+def check_devices(world_size: int, local_ranks: int, backend: Any) -> None:
+    """:class:`ConfigError` when this host would run more ranks (``local_ranks`` of
+    ``world_size``) than the backend has devices (:meth:`Backend.device_count`)."""
+    devices = backend.device_count()
+    if devices is not None and local_ranks > devices:
+        raise ConfigError(
+            f"tensor_parallel_size = {world_size} needs {local_ranks} {backend.device_type} "
+            f"devices on this host, backend {backend.name!r} sees {devices}; use at most "
+            f"{devices} ranks per host (torchrun starts ranks on several hosts)"
+        )
+
+
 def _join(
     rank: int,
     world_size: int,

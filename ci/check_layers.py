@@ -14,13 +14,14 @@ rank  modules (``polyspec.`` omitted)                              column
 4     backends.cpu, backends.cuda, backends.npu (peers)           vendor
 5     config, defaults                                            core
 6     plugins                                                     core
-7     model                                                       core
-8     runtime                                                     core
-9     spec                                                        core
-10    engine                                                      core
-11    serve (the HTTP server on the engine loop)                  core
-12    the package root, __main__, cli, commands, bench, train     core
-13    testing (the conformance suite; imports any layer)          testing
+7     parallel (tensor parallelism: groups, shards, launch)       core
+8     model                                                       core
+9     runtime                                                     core
+10    spec                                                        core
+11    engine                                                      core
+12    serve (the HTTP server on the engine loop)                  core
+13    the package root, __main__, cli, commands, bench, train     core
+14    testing (the conformance suite; imports any layer)          testing
 ====  ==========================================================  ========
 
 A module may import a module of its own layer (a backend only its own package), or of a
@@ -57,14 +58,15 @@ LAYERS: tuple[tuple[int, str, str, tuple[str, ...]], ...] = (
                               "polyspec.backends.npu")),
     (5, "config", "core", ("polyspec.config", "polyspec.defaults")),
     (6, "plugins", "core", ("polyspec.plugins",)),
-    (7, "model", "core", ("polyspec.model",)),
-    (8, "runtime", "core", ("polyspec.runtime",)),
-    (9, "spec", "core", ("polyspec.spec",)),
-    (10, "engine", "core", ("polyspec.engine",)),
-    (11, "serve", "core", ("polyspec.serve",)),
-    (12, "app", "core", ("polyspec", "polyspec.__main__", "polyspec.cli", "polyspec.commands",
+    (7, "parallel", "core", ("polyspec.parallel",)),
+    (8, "model", "core", ("polyspec.model",)),
+    (9, "runtime", "core", ("polyspec.runtime",)),
+    (10, "spec", "core", ("polyspec.spec",)),
+    (11, "engine", "core", ("polyspec.engine",)),
+    (12, "serve", "core", ("polyspec.serve",)),
+    (13, "app", "core", ("polyspec", "polyspec.__main__", "polyspec.cli", "polyspec.commands",
                          "polyspec.bench", "polyspec.train")),
-    (13, "testing", "testing", ("polyspec.testing",)),
+    (14, "testing", "testing", ("polyspec.testing",)),
 )  # fmt: skip
 """(rank, layer name, column, module prefixes). A module belongs to the layer of its longest
 matching prefix (``polyspec.backends.cpu.rowinv`` -> ``backends``)."""

@@ -56,10 +56,10 @@ step "the recorded Triton launches compile for the GPU (cuda sm_90, no GPU neede
 python ci/check_triton_compile.py .triton-launches.json*
 
 step "conformance suite on the cpu backend"
-pytest --pyargs polyspec.testing --polyspec-backend cpu -q "$TIMEOUT"
+pytest --pyargs polyspec.testing --polyspec-backend cpu --polyspec-world-size 2 -q "$TIMEOUT"
 
 step "conformance suite on the Ascend-shaped test backend (int32, host lengths, page 128)"
-pytest --pyargs polyspec.testing --polyspec-backend ascend-like -q "$TIMEOUT"
+pytest --pyargs polyspec.testing --polyspec-backend ascend-like --polyspec-world-size 2 -q "$TIMEOUT"
 
 step "the npu backend on polyspec's torch_npu simulator (a subset: docs/backends/npu.md)"
 # The fused-operator modes, captured metadata, NPU graphs (captured rounds equal eager, the

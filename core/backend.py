@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-BACKEND_API_VERSION = 2
+BACKEND_API_VERSION = 3
 """Version of this contract. A plugin built for another version is refused at load time, with
 a message naming both versions."""
 
@@ -112,6 +112,15 @@ class BackendCapabilities:
     """:meth:`Backend.read_async` returns before the copy is done (pinned memory and an
     event), so the host can queue the next decode round while the device still runs this one;
     ``EngineConfig.overlap_rounds = "auto"`` turns overlapped rounds on where this is True."""
+
+    distributed_backend: str | None = "gloo"
+    """The ``torch.distributed`` backend the ranks of a tensor-parallel engine on this
+    backend's devices talk through (``"gloo"``, ``"nccl"``, ``"hccl"``, ...), or None when this
+    backend cannot run tensor parallel. Data only: the engine passes it to
+    ``torch.distributed.init_process_group`` and checks that torch provides it."""
+    graph_collectives: bool = False
+    """Collectives (all-reduce, all-gather) may be recorded inside this backend's captured
+    graphs. False: with more than one rank the engine runs every forward eagerly."""
 
     def supports_page_size(self, page_size: int) -> bool:
         """Whether ``page_size`` is one of :attr:`page_sizes` (any positive size when None)."""
@@ -405,13 +414,32 @@ class Backend(abc.ABC):
     kernels: KernelSet
     """The kernels the engine and the models call."""
 
-    def device(self, rank: int = 0) -> torch.device:
-        """The torch device of local rank ``rank``."""
+    local_rank: int = 0
+    """The local rank this process runs as (:meth:`bind_local_rank`); 0 without tensor
+    parallelism."""
+
+    def device(self, rank: int | None = None) -> torch.device:
+        """The torch device of local rank ``rank`` (None: this process's, :attr:`local_rank`).
+        Every tensor the engine makes goes on ``device()``."""
+        rank = self.local_rank if rank is None else rank
         return (
             torch.device(self.device_type, rank)
             if self.device_type != "cpu"
             else torch.device("cpu")
         )
+
+    def device_count(self) -> int | None:
+        """How many devices of this kind one host offers to ranks (the most local ranks a
+        tensor-parallel engine may start), or None when ranks share one device without limit
+        (the CPU). The default: None."""
+        return None
+
+    def bind_local_rank(self, rank: int) -> None:
+        """Make this process local rank ``rank`` of a tensor-parallel engine, before any model
+        or tensor is made: :meth:`device` then means ``device(rank)``. A backend whose runtime
+        has a current device makes ``device(rank)`` current here (NCCL and HCCL need it). The
+        default records the rank."""
+        self.local_rank = rank
 
     def synchronize(self) -> None:
         """Wait for queued device work (timing); a no-op on synchronous devices."""

@@ -77,6 +77,7 @@ MAX_CONTEXT = 1 << 21
 MAX_KV_SLOTS = 2**31 - 1  # slot indices are int32 on some backends
 MAX_SEED = 2**63 - 1
 """Seeds are 64-bit signed on every device generator."""
+MAX_TENSOR_PARALLEL = 1024
 MAX_NUM_STEPS = 8
 MAX_TOPK = 8
 DEFAULT_CONFIG_FILE = "polyspec.toml"
@@ -452,6 +453,12 @@ class EngineConfig:
     asynchronous (``BackendCapabilities.async_host_reads``: cuda), since where they are not
     nothing overlaps and queuing only adds host work; ``"on"`` / ``"off"`` (or true / false)
     force it.
+
+    ``tensor_parallel_size``: the ranks one engine runs on (docs/distributed.md): the target's
+    heads, MLP and vocabulary are split over them, the draft is replicated. Above 1, the
+    process that builds the engine becomes rank 0 and starts the others itself, unless
+    ``torchrun`` started it (then torchrun's ranks are used). ``distributed_timeout_s``: how
+    long a collective may wait for a peer before the engine stops with an error naming it.
     """
 
     target: str | None = None
@@ -470,6 +477,8 @@ class EngineConfig:
     max_graph_batch_size: int = 32
     prefill_wait_steps: int = 0
     overlap_rounds: str = "auto"
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target", _check_opt_str("target", self.target))
@@ -512,6 +521,10 @@ class EngineConfig:
         _check_choice("graphs", self.graphs, GRAPH_MODES)
         _check_int("max_graph_batch_size", self.max_graph_batch_size, 1, MAX_BATCH_SIZE)
         _check_int("prefill_wait_steps", self.prefill_wait_steps, 0)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL)
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise _invalid("distributed_timeout_s", t, "must be a positive number of seconds")
         if isinstance(self.overlap_rounds, bool):  # true / false read as on / off
             object.__setattr__(self, "overlap_rounds", "on" if self.overlap_rounds else "off")
         if self.overlap_rounds not in OVERLAP_MODES:
@@ -572,6 +585,8 @@ _KINDS: dict[str, str] = {
     "max_graph_batch_size": "int",
     "prefill_wait_steps": "int",
     "overlap_rounds": "auto_bool",
+    "tensor_parallel_size": "int",
+    "distributed_timeout_s": "float",
 }
 """How a string (environment variable, or a CLI value given as text) is parsed, per key."""
 

@@ -39,3 +39,8 @@ class RequestError(PolyspecError, ValueError):
         self.index = index
         self.message = message if index is None else f"request {index}: {message}"
         super().__init__(self.message)
+
+
+class RankFailure(PolyspecError, RuntimeError):
+    """A rank of a tensor-parallel engine failed, died or decided differently from rank 0;
+    the message names the rank. Fatal for the engine: every rank stops (docs/distributed.md)."""

@@ -94,9 +94,19 @@ class CUDABackend(Backend):
         self.kernel_mode = _kernel_mode()
         self._read_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
-    def device(self, rank: int = 0) -> torch.device:
-        """CUDA device ``rank`` (offset from the device this backend was created on)."""
-        return torch.device("cuda", self._index + rank)
+    def device(self, rank: int | None = None) -> torch.device:
+        """CUDA device of local rank ``rank`` (None: this process's), offset from the device
+        this backend was created on."""
+        return torch.device("cuda", self._index + (self.local_rank if rank is None else rank))
+
+    def device_count(self) -> int:
+        """The CUDA devices this process sees from the backend's own on."""
+        return torch.cuda.device_count() - self._index
+
+    def bind_local_rank(self, rank: int) -> None:
+        """Local rank ``rank`` runs on ``device(rank)``, made current for NCCL."""
+        self.local_rank = rank
+        torch.cuda.set_device(self.device())
 
     def synchronize(self) -> None:
         """Wait for all queued work on this backend's device."""

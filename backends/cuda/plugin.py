@@ -21,6 +21,8 @@ CAPABILITIES = BackendCapabilities(
     dtypes=("float32", "bfloat16", "float16"),
     async_execution=True,
     async_host_reads=True,
+    distributed_backend="nccl",
+    graph_collectives=True,
 )
 """The capabilities of :class:`polyspec.backends.cuda.backend.CUDABackend`, declared statically
 (a test checks that they match the backend's)."""

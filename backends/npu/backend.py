@@ -42,11 +42,24 @@ class NPUBackend(Backend):
         self.kernel_sources = built.sources
         self.device_type = device_type()
 
-    def device(self, rank: int = 0) -> torch.device:
-        """``npu:rank`` (``cpu`` under the torch_npu simulator of the test suite)."""
+    def device(self, rank: int | None = None) -> torch.device:
+        """``npu:rank`` of local rank ``rank`` (None: this process's; ``cpu`` under the
+        torch_npu simulator of the test suite)."""
         if self.device_type == "cpu":
             return torch.device("cpu")
-        return torch.device(self.device_type, rank)
+        return torch.device(self.device_type, self.local_rank if rank is None else rank)
+
+    def device_count(self) -> int | None:
+        """The NPUs this process sees (None under the simulator: ranks share the CPU)."""
+        if self.device_type == "cpu":
+            return None
+        return int(torch.npu.device_count())
+
+    def bind_local_rank(self, rank: int) -> None:
+        """Local rank ``rank`` runs on ``npu:rank``, made current for HCCL."""
+        self.local_rank = rank
+        if self.device_type != "cpu":
+            torch.npu.set_device(self.device())
 
     def synchronize(self) -> None:
         """Wait for the current NPU's queued work."""

@@ -27,6 +27,7 @@ CAPABILITIES = BackendCapabilities(
     index_dtype="int32",
     dtypes=("float32", "bfloat16", "float16"),
     async_execution=True,
+    distributed_backend="hccl",
 )
 """Ascend: int32 indices, 128-slot pages. The attention reads the host-side sequence lengths
 every eager ``ForwardBatch`` carries. float32 models run the portable attention path (the fused

@@ -213,7 +213,8 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "resolved_dtype": None,
         "page_size": plain_cfg.page_size,
         "graphs": plain_cfg.graphs,
-        "overlap_rounds": plain_cfg.overlap_rounds,  # as configured: auto, on or off
+        "overlap_rounds": plain_cfg.overlap_rounds,
+        "tensor_parallel_size": plain_cfg.tensor_parallel_size,  # as configured: auto, on or off
         "queued_rounds": None,  # where overlap_rounds applies: per system, rounds queued and used
         "phase_timer": None,  # filled in once the backend is known
     }
@@ -259,6 +260,12 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     results: dict[str, runner.SystemResult] = {}
 
     llm = LLM(config=plain_cfg)
+    if not llm.is_leader:  # a rank torchrun started: follow rank 0 through both systems
+        llm.follow()
+        del llm
+        if spec_cfg is not None:
+            LLM(config=spec_cfg).follow()
+        return 0
     ids = _prompt_ids(llm.tokenizer, prompts, chat=not args.no_chat_template)
     eos, dtype = llm.eos_token_ids, llm.dtype
     backend, target = llm.backend, llm.target_path
@@ -274,6 +281,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     )  # fmt: skip
     if llm.scheduler.overlap:  # overlap_rounds resolved for the backend; warm-up included
         settings["queued_rounds"] = {"plain": dict(llm.worker.queued_rounds)}
+    llm.stop_ranks()
     del llm  # free the target before the next system loads its own copy
     gc.collect()
 
@@ -313,12 +321,15 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
             sweep[t] = runner.run_polyspec(
                 llm, f"spec T={t:g}", ids, params, progress, phase_times=False, warmup_prompts=0
             )
+        llm.stop_ranks()
         del llm
         gc.collect()
 
     reason = (
         "--no-transformers" if args.no_transformers else hf_baseline.transformers_missing_reason()
     )
+    if reason is None and plain_cfg.tensor_parallel_size > 1:
+        reason = "tensor parallel: the transformers baseline runs on one device"
     if reason is not None:
         skipped["transformers"] = reason
         print(f"note: transformers baseline skipped: {reason}", file=sys.stderr)

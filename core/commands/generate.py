@@ -83,6 +83,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "backend's host reads are asynchronous (cuda); the flag alone means on",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        dest="tensor_parallel_size",
+        metavar="N",
+        help="split the target over N ranks (torch.distributed; default 1): started here, one "
+        "per device, or taken from torchrun when it started this command (docs/distributed.md)",
+    )
+    p.add_argument(
         "--config", dest="config_file", help="TOML config file (default: ./polyspec.toml)"
     )
     p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
@@ -93,7 +101,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
-                "prefill_wait_steps", "overlap_rounds", "algorithm", "num_steps", "topk", "num_draft_tokens",
+                "prefill_wait_steps", "overlap_rounds", "tensor_parallel_size", "algorithm", "num_steps", "topk", "num_draft_tokens",
                 "draft_quantization", "dynamic_depth", "batch_trees",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 
@@ -173,6 +181,16 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     llm, sampling, notes = engine_from_args(args)
+    if not llm.is_leader:  # a rank torchrun started: rank 0 prints
+        llm.follow()
+        return 0
+    try:
+        return _generate(args, llm, sampling, notes)
+    finally:
+        llm.stop_ranks()
+
+
+def _generate(args: argparse.Namespace, llm, sampling, notes: list[str]) -> int:
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     if args.no_chat_template:

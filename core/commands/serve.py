@@ -112,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.commands.generate import engine_from_args
 
     settings = settings_from_args(args)
+    from polyspec.parallel.launch import under_torchrun
+
+    if under_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; this rank follows
+        llm, _, _ = engine_from_args(args)
+        llm.follow()
+        return 0
 
     def load():
         llm, sampling, notes = engine_from_args(args)

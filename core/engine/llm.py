@@ -64,7 +64,93 @@ class LLM:
             )
         self.config = config
         self._ids = itertools.count()
+        self.tp = None
+        self._spawned = None
         self._build()
+
+    # -- tensor parallelism -------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process is rank 0 (always, without tensor parallelism): it owns the
+        tokenizer and the scheduler; the other ranks :meth:`follow`."""
+        return self.tp is None or self.tp.is_leader
+
+    def _join_ranks(self, target_path: Path):
+        """This process's :class:`~polyspec.parallel.TPGroup` (None at size 1): the sizes are
+        checked against the model, the devices and the backend before anything starts; then
+        rank 0 spawns the other ranks, or joins torchrun's."""
+        import os
+
+        from polyspec.engine import ranks
+        from polyspec.model.loader import read_model_config
+        from polyspec.parallel import launch
+        from polyspec.parallel.shard import check_shardable
+
+        cfg = self.config
+        n = cfg.tensor_parallel_size
+        if n == 1:
+            return None
+        mc = read_model_config(target_path)
+        check_shardable(n, mc.num_heads, mc.num_kv_heads, mc.intermediate_size, mc.vocab_size,
+                        f"the target {target_path.name}")  # fmt: skip
+        be = self.backend
+        name = launch.check_distributed_backend(be.capabilities.distributed_backend, be.name)
+        tp = ranks.joined_group()
+        if tp is None:
+            torchrun = launch.under_torchrun()
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", n)) if torchrun else n
+            launch.check_devices(n, local, be)
+            timeout = cfg.distributed_timeout_s
+            if torchrun:
+                tp = launch.join_torchrun(n, name, timeout)
+            else:
+                tp, self._spawned = launch.spawn_ranks(
+                    n, name, timeout, ranks.spawned_rank_main, (cfg, name, timeout)
+                )
+                import atexit
+
+                atexit.register(self.stop_ranks)
+        be.bind_local_rank(tp.local_rank)
+        return tp
+
+    def follow(self) -> None:
+        """On a rank other than 0: run rank 0's calls until it stops the ranks
+        (:meth:`stop_ranks`), then leave the process groups.
+
+        :raises RankFailure: rank 0 went away or the ranks fell out of step."""
+        from polyspec.engine.ranks import follow
+        from polyspec.parallel.launch import leave
+
+        if self.is_leader:
+            raise ConfigError("follow() is for ranks other than 0; rank 0 generates")
+        try:
+            follow(self.worker, self.tp)
+        finally:
+            leave()
+
+    def stop_ranks(self, timeout_s: float = 10.0) -> None:
+        """On rank 0: stop the other ranks (they leave :meth:`follow`) and leave the process
+        groups; ranks this process spawned are joined, and killed after ``timeout_s``. A no-op
+        without tensor parallelism, or once done."""
+        if self.tp is None or not self.is_leader:
+            return
+        import threading
+
+        from polyspec.parallel.launch import leave
+
+        self.shutdown()
+        worker = self.worker
+        # A rank stuck in a collective would hold the stop message up to the collective
+        # timeout: send it from a thread, and stop waiting after timeout_s.
+        sender = threading.Thread(target=worker.stop, daemon=True)
+        sender.start()
+        sender.join(timeout_s)
+        if self._spawned is not None:
+            self._spawned.join(timeout_s)
+            self._spawned = None
+        if not sender.is_alive():
+            leave()
+        self.tp = None
 
     # -- construction -------------------------------------------------------------------------
     def _build(self) -> None:
@@ -86,8 +172,10 @@ class LLM:
             )
         target_path = Path(cfg.target) if cfg.target else default_target_path()
         self.target_path = target_path
-        self.tokenizer = load_tokenizer(target_path)
-        self.target = load_target(target_path, self.backend, cfg.dtype)
+        self.tp = self._join_ranks(target_path)  # before any weight is read
+        # Only rank 0 owns a tokenizer: the other ranks see token ids alone.
+        self.tokenizer = load_tokenizer(target_path) if self.is_leader else None
+        self.target = load_target(target_path, self.backend, cfg.dtype, tp=self.tp)
         self.dtype = next(self.target.parameters()).dtype
 
         spec = cfg.speculative
@@ -195,6 +283,8 @@ class LLM:
 
                 draft = StandaloneDraft(draft)
         self = cls.__new__(cls)
+        self.tp = None
+        self._spawned = None
         self.config = config
         self._ids = itertools.count()
         self.backend = be
@@ -212,6 +302,16 @@ class LLM:
         from polyspec.engine.limits import cap_max_context, check_kv_memory
 
         self.notes: list[str] = []  # settings the engine changed, for the user (the CLI prints)
+        tp = getattr(self, "tp", None)
+        caps = self.backend.capabilities
+        if tp is not None and not caps.graph_collectives and self.config.graphs != "off":
+            # Collectives cannot be recorded in this backend's graphs: every rank runs eagerly.
+            if self.config.graphs == "on" or caps.graph_capture:
+                self.notes.append(
+                    f"graphs off: backend {self.backend.name!r} cannot capture collectives, "
+                    f"so tensor-parallel rounds run eagerly"
+                )
+            self.config = dataclasses.replace(self.config, graphs="off")
         self.config, note = cap_max_context(self.config, self.target.config.max_position_embeddings)
         if note:
             self.notes.append(note)
@@ -226,7 +326,17 @@ class LLM:
             )
         self.tree_choice = None
         if self.draft is not None and self.config.speculative.tree_candidates:
-            self._choose_tree()
+            if tp is None:
+                self._choose_tree()
+            else:  # timed per rank, trees could differ; every rank must run the same tree
+                from polyspec.config import TreeCandidate
+
+                spec = self.config.speculative
+                chosen = TreeCandidate(spec.num_steps, spec.topk, spec.num_draft_tokens, 1.0)
+                self.tree_choice = {
+                    "chosen": chosen.label,
+                    "reason": "tensor parallel: every rank runs the head's recommended tree",
+                }
         cfg = self.config
         spec = cfg.speculative
         num_slots = cfg.num_kv_slots or self._default_num_slots()
@@ -257,6 +367,10 @@ class LLM:
             from polyspec.spec.eagle_worker import EagleWorker
 
             self.worker = EagleWorker(self.backend, self.target, self.draft, spec, self.dtype, **kw)
+        if tp is not None and tp.is_leader:
+            from polyspec.engine.ranks import LeaderWorker
+
+            self.worker = LeaderWorker(self.worker, tp)
         eos = tuple(self.target.config.eos_token_ids)
         if not eos and self.tokenizer is not None:
             eos = tuple(self.tokenizer.eos_token_ids)
@@ -476,6 +590,11 @@ class LLM:
         """The engine loop every call of this LLM goes through: the one built for it
         (``EngineLoop(llm, max_queued_requests=...)``), else a default one, made on first use;
         a new one once the last was shut down."""
+        if not self.is_leader:
+            raise ConfigError(
+                f"this process is rank {self.tp.rank} of a tensor-parallel engine: only rank 0 "
+                "takes requests; call llm.follow() here"
+            )
         with self._engine_lock:
             if self._engine is None or self._engine._stopping:
                 from polyspec.engine.loop import EngineLoop

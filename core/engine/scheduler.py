@@ -9,7 +9,8 @@ fits, so that joining requests share a prefill forward.
 
 Requests fail alone: an exception raised while admitting a request, in a prefill forward or in
 a decode round finishes the requests it concerned (``finish_reason == "error"``, the cause in
-``Request.error``), gives back their KV slots and rows, and leaves the others running. The
+``Request.error``), gives back their KV slots and rows, and leaves the others running, except
+:class:`RankFailure` (a tensor-parallel rank failed: no request can run), which propagates. The
 scheduler is driven by one thread (:class:`polyspec.engine.loop.EngineLoop`).
 """
 
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from polyspec.config import EngineConfig
 from polyspec.engine.request import Request
 from polyspec.engine.stop import StopChecker
-from polyspec.errors import RequestError
+from polyspec.errors import RankFailure, RequestError
 from polyspec.runtime.sampling import RequestSampler
 from polyspec.spec.base import uses_overlap
 
@@ -121,6 +122,8 @@ class Scheduler:
         if req.rid in self.worker.states:
             try:
                 self.worker.remove_request(req.rid)
+            except RankFailure:
+                raise
             except Exception as exc:  # a half-built state: its row is lost, say so
                 _log.error("request %d: could not give back its KV slots: %s", req.rid, exc)
         self.reserved.pop(req.rid, None)
@@ -161,6 +164,8 @@ class Scheduler:
                     p.temperature, p.top_k, p.top_p, seed % 2**63, self.worker.device
                 )
                 self.worker.add_request(req.rid, req.prompt_ids, sampler, kv_reserved=need)
+            except RankFailure:  # the ranks are out of step: nothing can run any more
+                raise
             except Exception as exc:
                 self._failed += self.fail([req], exc)
                 continue
@@ -189,12 +194,16 @@ class Scheduler:
         if self.prefilling:
             try:
                 self._prefill(finished)
+            except RankFailure:
+                raise
             except Exception as exc:  # the prefill forward's requests fail, nobody else
                 finished += self.fail([r for r in self._chunked if r not in finished], exc)
         if self.decoding:
             batch = list(self.decoding)
             try:
                 self._decode(batch, finished)
+            except RankFailure:
+                raise
             except Exception as exc:  # the round's requests fail, nobody else
                 finished += self.fail([r for r in batch if r not in finished], exc)
         return finished

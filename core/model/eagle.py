@@ -9,6 +9,11 @@ Semantics follow SGLang's llama_eagle.py / llama_eagle3.py:
   ``cat[input_layernorm(embed(ids)), hidden_norm(features)]`` (2H wide q/k/v); after the MLP,
   the fused ``norm`` gives (logit hidden, next feature = pre-norm sum); the head's own lm_head
   covers ``draft_vocab_size`` ids and ``d2t`` maps draft id i to target id ``i + d2t[i]``.
+
+Under tensor parallelism a head is replicated on every rank (its one layer is small; its
+inputs, the target's hidden states, are the same on every rank), while what it borrows from
+the target stays the target's vocabulary-parallel embedding and lm_head: it goes through
+:meth:`CausalLM.embed` and :meth:`CausalLM.lm_logits`, never the target's weight tensors.
 """
 
 from __future__ import annotations
@@ -112,9 +117,7 @@ class DraftHead(nn.Module):
         m = draft_to_target.to(device=self.fc.device, dtype=torch.int64)
         self.draft_to_target = m
         if self.algorithm == "eagle":
-            self.lm_head = nn.Parameter(
-                self._target.lm_head_weight.detach()[m].clone(), requires_grad=False
-            )
+            self.lm_head = nn.Parameter(self._target.lm_head_rows(m), requires_grad=False)
         self.draft_vocab_size = int(m.numel())
 
     def forward(
@@ -127,7 +130,11 @@ class DraftHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (logit_hidden [T, H], next_feature [T, H])
         """One draft step over T tokens."""
         k, eps, layer = self.kernels, self.eps, self.layer
-        embeds = F.embedding(input_ids, self.embed_weight)
+        embeds = (
+            F.embedding(input_ids, self.embed_tokens)
+            if self.embed_tokens is not None
+            else self._target.embed(input_ids)
+        )
         if self.algorithm == "eagle":
             h = linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
             a = layer.self_attn(h, positions, attn, metadata)
@@ -145,13 +152,19 @@ class DraftHead(nn.Module):
 
     def compute_logits(self, logit_hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V_draft]
         """Logits over the head's vocabulary (fp32)."""
-        return linear(logit_hidden, self.lm_head_weight).float()
+        return self._logits(logit_hidden).float()
+
+    def _logits(self, logit_hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V_draft]
+        """Logits in the linear's dtype: the head's own lm_head, else the target's."""
+        if self.lm_head is not None:
+            return linear(logit_hidden, self.lm_head)
+        return self._target.lm_logits(logit_hidden)
 
     def topk(self, logit_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the head's softmax, ids mapped to the target vocabulary:
         (topk_p [n, k] fp32, topk_index [n, k] int64)."""
         # The logits stay in the linear's dtype: softmax_topk reads them once, in fp32.
-        logits = linear(logit_hidden, self.lm_head_weight)
+        logits = self._logits(logit_hidden)
         topk_p, idx = self.kernels.softmax_topk(logits, k)
         if self.draft_to_target is not None:
             idx = self.draft_to_target[idx]

@@ -103,6 +103,16 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         except Exception as e:
             raise ModelLoadError(f"cannot read tensor {name} from {file}: {e}") from None
 
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``self[name].narrow(dim, start, stop - start)``, reading only those bytes (a
+        tensor-parallel rank's part; ``dim`` 0 or 1)."""
+        file, handle = self._where[name]
+        try:
+            part = handle.get_slice(name)
+            return part[start:stop] if dim == 0 else part[:, start:stop]
+        except Exception as e:
+            raise ModelLoadError(f"cannot read tensor {name} from {file}: {e}") from None
+
     def __contains__(self, name: object) -> bool:
         return name in self._where
 

@@ -7,6 +7,14 @@ per-op dispatch cost dominates, so fewer, larger ops are faster.
 
 Weights are loaded from Hugging Face names (``model.layers.0.self_attn.q_proj.weight``, ...)
 by :meth:`CausalLM.load_weights`; the GGUF loader maps llama.cpp names onto those first.
+
+Tensor parallel (``tp`` given, docs/distributed.md): each rank holds the part
+:class:`~polyspec.parallel.shard.ShardLayout` gives it. q/k/v and gate/up are column parallel
+(this rank's heads and MLP rows), o_proj and down_proj row parallel, followed by one all-reduce
+each; the embedding and the lm_head are vocabulary parallel (an all-reduce of the looked-up
+rows, an all-gather of the logits). Every rank ends each layer with the same residual stream,
+so everything downstream (norms, the draft's inputs, sampling) sees the same values on every
+rank. :func:`shard_slice` says which part of each checkpoint tensor a rank reads.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig
 from polyspec.model.linear import linear
 from polyspec.model.rope import cos_sin_cache
+from polyspec.parallel.group import TPGroup
+from polyspec.parallel.shard import ShardLayout
 
 Getter = Callable[[str], torch.Tensor]
 """``get(name)`` returns the named checkpoint tensor or raises ModelLoadError naming it."""
@@ -48,33 +58,38 @@ class DecoderLayer(nn.Module):
         attn_input_size: int | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
+        tp: TPGroup | None = None,
+        layout: ShardLayout | None = None,
     ) -> None:
+        """``tp`` / ``layout``: this rank's group and part (module doc); None: the whole layer."""
         super().__init__()
         c = config
         h_in = attn_input_size or c.hidden_size
         self.layer_id = layer_id
         self.kernels = kernels
         self.cos_sin = cos_sin
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.tp = tp if layout is not None else None
+        self.head_dim = c.head_dim
+        if layout is None:
+            self.num_heads, self.num_kv_heads = c.num_heads, c.num_kv_heads
+            inter = c.intermediate_size
+        else:
+            self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
+            inter = layout.intermediate[1] - layout.intermediate[0]
+        self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         self.eps = c.rms_norm_eps
         self.qk_norm = c.qk_norm
         self.input_layernorm = _param(c.hidden_size, device=device, dtype=dtype)
         self.post_attention_layernorm = _param(c.hidden_size, device=device, dtype=dtype)
-        self.qkv_proj = _param(c.q_size + 2 * c.kv_size, h_in, device=device, dtype=dtype)
-        self.qkv_bias = (
-            _param(c.q_size + 2 * c.kv_size, device=device, dtype=dtype)
-            if c.attention_bias
-            else None
-        )
-        self.o_proj = _param(c.hidden_size, c.q_size, device=device, dtype=dtype)
+        qkv = self.q_size + 2 * self.kv_size
+        self.qkv_proj = _param(qkv, h_in, device=device, dtype=dtype)
+        self.qkv_bias = _param(qkv, device=device, dtype=dtype) if c.attention_bias else None
+        self.o_proj = _param(c.hidden_size, self.q_size, device=device, dtype=dtype)
         self.o_bias = _param(c.hidden_size, device=device, dtype=dtype) if c.o_proj_bias else None
         self.q_norm = _param(c.head_dim, device=device, dtype=dtype) if c.qk_norm else None
         self.k_norm = _param(c.head_dim, device=device, dtype=dtype) if c.qk_norm else None
-        self.gate_up_proj = _param(
-            2 * c.intermediate_size, c.hidden_size, device=device, dtype=dtype
-        )
-        self.down_proj = _param(c.hidden_size, c.intermediate_size, device=device, dtype=dtype)
+        self.gate_up_proj = _param(2 * inter, c.hidden_size, device=device, dtype=dtype)
+        self.down_proj = _param(c.hidden_size, inter, device=device, dtype=dtype)
 
     def self_attn(
         self,
@@ -96,11 +111,17 @@ class DecoderLayer(nn.Module):
             k = rms(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view(k.shape)
         q, k = self.kernels.rotary_embedding(positions, q, k, self.cos_sin, True)
         o = attn.forward(q, k, v, self.layer_id, metadata)
-        return linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        if self.tp is None:
+            return linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        # Row parallel: this rank's heads' share of o_proj, summed over the ranks; the bias
+        # is added once, after the sum.
+        out = self.tp.all_reduce(linear(o.reshape(t, self.q_size), self.o_proj))
+        return out if self.o_bias is None else out + self.o_bias
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        """SwiGLU MLP with one fused gate/up matmul."""
-        return linear(self.kernels.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        """SwiGLU MLP with one fused gate/up matmul (row parallel down_proj under tp)."""
+        out = linear(self.kernels.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def load_weights(self, get: Getter, prefix: str, skip_input_norm: bool = False) -> None:
         """Copy HF-named weights under ``prefix`` (e.g. ``model.layers.3.``), fusing q/k/v and
@@ -179,10 +200,22 @@ class CausalLM(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
+        """``tp``: hold this rank's part of the model (module doc); None or a group of one
+        rank: the whole model."""
         super().__init__()
         c = config
         self.config = c
+        if tp is not None and tp.world_size > 1:
+            self.tp: TPGroup | None = tp
+            self.layout: ShardLayout | None = ShardLayout.of(
+                tp.rank, tp.world_size, c.num_heads, c.num_kv_heads, c.intermediate_size,
+                c.vocab_size,
+            )  # fmt: skip
+            rows = self.layout.vocab[1] - self.layout.vocab[0]
+        else:
+            self.tp, self.layout, rows = None, None, c.vocab_size
         self.kernels = kernels
         self.eps = c.rms_norm_eps
         device = torch.device(device) if device is not None else None
@@ -197,29 +230,68 @@ class CausalLM(nn.Module):
             ),
             persistent=False,
         )
-        self.embed_tokens = _param(c.vocab_size, c.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens = _param(rows, c.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(c, i, self.kernels, self.cos_sin_cache, device=device, dtype=dtype)
+            DecoderLayer(
+                c,
+                i,
+                self.kernels,
+                self.cos_sin_cache,
+                device=device,
+                dtype=dtype,
+                tp=self.tp,
+                layout=self.layout,
+            )  # fmt: skip
             for i in range(c.num_layers)
         )
         self.norm = _param(c.hidden_size, device=device, dtype=dtype)
         self.lm_head = (
             None
             if c.tie_word_embeddings
-            else _param(c.vocab_size, c.hidden_size, device=device, dtype=dtype)
+            else _param(rows, c.hidden_size, device=device, dtype=dtype)
         )
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:  # [V, H]
+    def lm_head_weight(self) -> torch.Tensor:  # [V, H] ([V / W, H]: this rank's rows under tp)
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads) this rank's attention and KV pool hold."""
+        return self.layers[0].num_heads, self.layers[0].num_kv_heads
+
+    def _vocab_mask(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids as rows of this rank's vocabulary part, 0 where outside; True where outside)."""
+        start, stop = self.layout.vocab
+        outside = (ids < start) | (ids >= stop)
+        return (ids - start).masked_fill(outside, 0), outside
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        """Token embeddings."""
-        return F.embedding(input_ids, self.embed_tokens)
+        """Token embeddings (vocabulary parallel under tp: each rank looks up the ids it holds,
+        zeros elsewhere, summed over the ranks, so the sum is exact)."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        local, outside = self._vocab_mask(input_ids)
+        out = F.embedding(local, self.embed_tokens).masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(out)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
+        """lm_head over hidden states, in the weight's dtype; the whole vocabulary on every
+        rank (under tp, each rank's columns gathered: once per call)."""
+        logits = linear(hidden, self.lm_head_weight)
+        return logits if self.tp is None else self.tp.all_gather_last(logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V] fp32
         """lm_head over final normed hidden states, returned in float32."""
-        return linear(hidden, self.lm_head_weight).float()
+        return self.lm_logits(hidden).float()
+
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:  # [m] int64 -> [m, H]
+        """Rows ``ids`` of the whole lm_head (an EAGLE head's hot-token copy), on every rank."""
+        if self.tp is None:
+            return self.lm_head_weight.detach()[ids].clone()
+        local, outside = self._vocab_mask(ids)
+        rows = self.lm_head_weight.detach()[local].masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(rows)
 
     def forward(
         self,
@@ -239,7 +311,7 @@ class CausalLM(nn.Module):
             bad = [i for i in capture_layers if not 0 <= i <= self.config.num_layers]
             if bad:
                 raise ValueError(f"capture_layers {bad} out of range 0..{self.config.num_layers}")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -277,6 +349,31 @@ class CausalLM(nn.Module):
             _copy(self.lm_head, tensors["lm_head.weight"], "lm_head.weight")
         for i, layer in enumerate(self.layers):
             layer.load_weights(get, f"model.layers.{i}.")
+
+
+_COLUMN_PARALLEL = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv",
+                    "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp"}  # fmt: skip
+_ROW_PARALLEL = {"self_attn.o_proj.weight": "q", "mlp.down_proj.weight": "mlp"}
+
+
+def shard_slice(name: str, config: ModelConfig, layout: ShardLayout) -> tuple[int, int, int] | None:
+    """(dim, start, stop): the slice of checkpoint tensor ``name`` (a Hugging Face name, with
+    or without ``model.``) that the rank of ``layout`` holds; None for a replicated tensor."""
+    bare = name.removeprefix("model.")
+    if bare in ("embed_tokens.weight", "lm_head.weight"):
+        return (0, *layout.vocab)
+    if not bare.startswith("layers."):
+        return None
+    part = bare.split(".", 2)[2]  # "self_attn.q_proj.weight"
+    d = config.head_dim
+    ranges = {"q": tuple(d * i for i in layout.q_heads),
+              "kv": tuple(d * i for i in layout.kv_heads), "mlp": layout.intermediate}  # fmt: skip
+    module, _, leaf = part.rpartition(".")
+    if module in _COLUMN_PARALLEL and leaf in ("weight", "bias"):
+        return (0, *ranges[_COLUMN_PARALLEL[module]])
+    if part in _ROW_PARALLEL:
+        return (1, *ranges[_ROW_PARALLEL[part]])
+    return None
 
 
 def expected_tensors(config: ModelConfig) -> list[str]:

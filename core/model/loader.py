@@ -20,7 +20,7 @@ layers ``(2, L // 2, L - 3)`` (SGLang's default), clamped to ``0..L``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,9 @@ from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig, config_from_hf
 from polyspec.model.eagle import DraftHead
 from polyspec.model.hf import load_hf_weights, read_hf_checkpoint, read_json
-from polyspec.model.llama import CausalLM, _copy, make_getter
+from polyspec.model.llama import CausalLM, _copy, make_getter, shard_slice
 from polyspec.model.tokenizer import Tokenizer
+from polyspec.parallel.group import TPGroup
 
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
                   "float": "float32"}  # fmt: skip
@@ -91,8 +92,56 @@ def _check_path(path: Path) -> None:
     )
 
 
-def load_target(path: str | Path, backend: Backend, dtype: str | torch.dtype = "auto") -> CausalLM:
-    """Load a target model (HF directory or llama GGUF) onto ``backend``'s device."""
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The shape of the model at ``path`` (config.json, or a GGUF file's header), without
+    reading a weight: what a tensor-parallel size is checked against before loading."""
+    path = Path(path)
+    _check_path(path)
+    if _is_gguf(path):
+        from polyspec.model.gguf_loader import read_gguf
+
+        return read_gguf(path).config
+    return config_from_hf(read_json(path / "config.json"))
+
+
+class ShardedTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint as one tensor-parallel rank reads it: each tensor cut to the rank's part
+    (:func:`~polyspec.model.llama.shard_slice`). A safetensors checkpoint reads only those
+    bytes; a GGUF tensor is dequantised alone and cut, so no rank ever holds the whole model."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], model: CausalLM) -> None:
+        self._tensors = tensors
+        self._config = model.config
+        self._layout = model.layout
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        cut = shard_slice(name, self._config, self._layout)
+        if cut is None:
+            return self._tensors[name]
+        dim, start, stop = cut
+        read_slice = getattr(self._tensors, "read_slice", None)
+        if read_slice is not None:
+            return read_slice(name, dim, start, stop)
+        return self._tensors[name].narrow(dim, start, stop - start)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def load_target(
+    path: str | Path,
+    backend: Backend,
+    dtype: str | torch.dtype = "auto",
+    tp: TPGroup | None = None,
+) -> CausalLM:
+    """Load a target model (HF directory or llama GGUF) onto ``backend``'s device; with
+    ``tp`` of more than one rank, only this rank's part of it (:class:`ShardedTensors`)."""
     path = Path(path)
     _check_path(path)
     if _is_gguf(path):
@@ -106,8 +155,14 @@ def load_target(path: str | Path, backend: Backend, dtype: str | torch.dtype = "
         config = config_from_hf(raw)
         checkpoint_dtype = config.torch_dtype
     model = CausalLM(
-        config, backend.kernels, backend.device(), resolve_dtype(dtype, checkpoint_dtype, backend)
+        config,
+        backend.kernels,
+        backend.device(),
+        resolve_dtype(dtype, checkpoint_dtype, backend),
+        tp=tp,
     )
+    if model.layout is not None:
+        tensors = ShardedTensors(tensors, model)
     model.load_weights(tensors)
     apply_weight_layout(model, backend)
     return model.eval()

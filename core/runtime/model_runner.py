@@ -25,11 +25,13 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.capture_layers = capture_layers
+        # A tensor-parallel rank's target holds some of the heads (CausalLM.local_heads).
+        heads, kv_heads = getattr(model, "local_heads", (cfg.num_heads, cfg.num_kv_heads))
         self.kv_pool = backend.make_kv_pool(
-            num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype
+            num_slots, cfg.num_layers, kv_heads, cfg.head_dim, dtype
         )
         self.attn = backend.make_attention(
-            self.kv_pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attn_scale
+            self.kv_pool, heads, kv_heads, cfg.head_dim, cfg.attn_scale
         )
 
     def _metadata(self, batch: ForwardBatch, static_prefix: int | None):

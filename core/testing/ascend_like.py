@@ -63,6 +63,7 @@ ASCEND_LIKE_CAPABILITIES = BackendCapabilities(
     page_sizes=(PAGE_SIZE,),
     index_dtype="int32",
     dtypes=("float32", "bfloat16", "float16"),
+    distributed_backend="gloo",  # HCCL's place: the ranks share the CPU here
 )
 """Ascend's constraints (``graph_capture`` is declared as on Ascend; replay runs eagerly)."""
 

@@ -28,10 +28,10 @@ class SingleRequest:
         width = -(-max_tokens // ps) * ps
         self.max_tokens = max_tokens
         self.allocator = backend.make_allocator(width + ps, ps)
-        pool = backend.make_kv_pool(width + ps, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
-        self.attn = backend.make_attention(
-            pool, c.num_heads, c.num_kv_heads, c.head_dim, c.attn_scale
-        )
+        # a tensor-parallel rank's model holds some of the heads
+        heads, kv_heads = getattr(model, "local_heads", (c.num_heads, c.num_kv_heads))
+        pool = backend.make_kv_pool(width + ps, c.num_layers, kv_heads, c.head_dim, dtype)
+        self.attn = backend.make_attention(pool, heads, kv_heads, c.head_dim, c.attn_scale)
         self.req_to_token = torch.zeros(1, width, dtype=self.idx, device=self.device)
         self.seq_len = 0
         self.owned = 0  # positions [0, owned) are backed by slots (whole pages)

@@ -15,6 +15,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "$POLYSPEC_BACKEND)",
     )
     group.addoption(
+        "--polyspec-world-size",
+        action="store",
+        type=int,
+        default=1,
+        help="ranks the distributed conformance tests (test_distributed.py) run on, as real "
+        "torch.distributed processes over the backend's declared distributed_backend; 1 (the "
+        "default) skips them",
+    )
+    group.addoption(
         "--polyspec-npu-sim",
         action="store_true",
         default=False,

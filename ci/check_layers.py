@@ -15,7 +15,7 @@ rank  modules (``polyspec.`` omitted)                              column
 5     config, defaults                                            core
 6     plugins                                                     core
 7     model                                                       core
-8     runtime                                                     core
+8     runtime, constrain (grammars and token masks)                core
 9     spec                                                        core
 10    engine                                                      core
 11    serve (the HTTP server on the engine loop)                  core
@@ -58,7 +58,7 @@ LAYERS: tuple[tuple[int, str, str, tuple[str, ...]], ...] = (
     (5, "config", "core", ("polyspec.config", "polyspec.defaults")),
     (6, "plugins", "core", ("polyspec.plugins",)),
     (7, "model", "core", ("polyspec.model",)),
-    (8, "runtime", "core", ("polyspec.runtime",)),
+    (8, "runtime", "core", ("polyspec.runtime", "polyspec.constrain")),
     (9, "spec", "core", ("polyspec.spec",)),
     (10, "engine", "core", ("polyspec.engine",)),
     (11, "serve", "core", ("polyspec.serve",)),

@@ -147,11 +147,16 @@ class DraftHead(nn.Module):
         """Logits over the head's vocabulary (fp32)."""
         return linear(logit_hidden, self.lm_head_weight).float()
 
-    def topk(self, logit_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def topk(
+        self, logit_hidden: torch.Tensor, k: int, bitmask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the head's softmax, ids mapped to the target vocabulary:
-        (topk_p [n, k] fp32, topk_index [n, k] int64)."""
+        (topk_p [n, k] fp32, topk_index [n, k] int64). ``bitmask`` [n, W] int32 over the
+        head's own vocabulary (structured output): the tokens it allows only."""
         # The logits stay in the linear's dtype: softmax_topk reads them once, in fp32.
         logits = linear(logit_hidden, self.lm_head_weight)
+        if bitmask is not None:
+            self.kernels.apply_token_bitmask(logits, bitmask)
         topk_p, idx = self.kernels.softmax_topk(logits, k)
         if self.draft_to_target is not None:
             idx = self.draft_to_target[idx]

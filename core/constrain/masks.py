@@ -51,6 +51,10 @@ class RoundMasks:
         """The mask of each request's next token (after its newest committed one)."""
         return self.upload(self._root_masks())
 
+    def root_draft(self) -> torch.Tensor:  # [b, W'] int32 over the draft's vocabulary
+        """:meth:`root` over the draft's own vocabulary (for the draft's first top-K)."""
+        return self.upload(self._to_draft(self._root_masks()))
+
     def _root_masks(self) -> np.ndarray:
         if self._root is None:
             t = time.perf_counter()

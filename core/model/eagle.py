@@ -143,6 +143,14 @@ class DraftHead(nn.Module):
         normed, pre = k.fused_add_rms_norm(layer.mlp(x), residual, self.norm, eps)
         return normed, pre
 
+    def feature_logit_hidden(self, feature: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        """The ``logit_hidden`` of :meth:`forward` from its ``next_feature`` (EAGLE-1: the
+        same tensor; EAGLE-3: its final norm), so that a structured-output round can take the
+        root's top-K again under the grammar's mask from the state kept between rounds."""
+        if self.algorithm == "eagle":
+            return feature
+        return self.kernels.rms_norm(feature, self.norm, self.eps)
+
     def compute_logits(self, logit_hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V_draft]
         """Logits over the head's vocabulary (fp32)."""
         return linear(logit_hidden, self.lm_head_weight).float()

@@ -140,11 +140,16 @@ class SpecRound:
 
         # 1. the draft's state: an EAGLE head's from the last round, a standalone LM's from
         #    its forward over the root (it stores token p at position p)
+        #    (a constrained round's root top-K under the grammar's mask at the root)
+        root_mask = None if masks is None else masks.root_draft()
         if self.standalone:
-            state = self.root_forward(rows, seq_lens, roots, live, max_prefix, host)
+            state = self.root_forward(rows, seq_lens, roots, live, max_prefix, host, root_mask)
             draft_lens = seq_lens + 1  # the root is in the draft's prefix
         else:
             state = inputs["topk_p"], inputs["topk_index"], inputs["hidden"]
+            if root_mask is not None:
+                logit_h = p.draft.feature_logit_hidden(state[2])
+                state = (*p.draft.topk(logit_h, p.state_topk, root_mask), state[2])
             draft_lens = seq_lens
         # 2. S levels of top-K, S - 1 draft forwards; 3. the tree of the N - 1 best
         levels, drafted = self.draft(rows, draft_lens, live, *state, b, max_prefix, host, masks)
@@ -210,9 +215,10 @@ class SpecRound:
             return runner.forward_target(batch, static_prefix=max_prefix)
         return runner.forward_draft(batch, features, static_prefix=max_prefix)
 
-    def root_forward(self, rows, seq_lens, roots, live, max_prefix, host):
+    def root_forward(self, rows, seq_lens, roots, live, max_prefix, host, bitmask=None):
         """A standalone draft's forward over each root (position seq_len) -> its draft state
-        (topk_p [b, K'], topk_index [b, K'], feature [b, H])."""
+        (topk_p [b, K'], topk_index [b, K'], feature [b, H]); ``bitmask`` [b, W] (a
+        constrained round): its top-K among the tokens the grammar allows."""
         p = self.p
         slots, positions = block_slots(p.req_to_token, rows, seq_lens, live, 1, p.arange(1))
         host_prefix = None if host is None else host.seq_lens
@@ -220,7 +226,9 @@ class SpecRound:
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, roots,
             positions, slots, max_prefix, host_prefix,
         )  # fmt: skip
-        return (*p.draft.topk(logit_h, p.state_topk), feature)
+        if bitmask is None:
+            return (*p.draft.topk(logit_h, p.state_topk), feature)
+        return (*p.draft.topk(logit_h, p.state_topk, bitmask), feature)
 
     def draft(
         self, rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host,
@@ -230,15 +238,13 @@ class SpecRound:
         levels; each of a request's K lanes writes its own scratch slots. -> each level's
         (parents, scores, tokens), for ``organize_draft_results``, and the number of levels
         drafted [1] (fewer than S where dynamic depth stopped). ``masks``: a constrained
-        round's: the root's top-K keeps only what the grammar allows there (the others get
-        probability 0), and each level's draft logits are masked per lane before its top-K,
-        so no tree node is spent on a token the grammar refuses while allowed ones remain."""
+        round's (the root's top-K is already the grammar's): each level's draft logits are
+        masked per lane before its top-K, so no tree node is spent on a token the grammar
+        refuses while allowed ones remain."""
         p, tree = self.p, self.tree
         K, S = tree.topk, tree.num_steps
         if topk_p.shape[1] != K:  # the state kept for a wider tree: this tree's top-K first
             topk_p, topk_index = topk_p[:, :K].contiguous(), topk_index[:, :K].contiguous()
-        if masks is not None:
-            topk_p = torch.where(_allowed(masks.root(), topk_index), topk_p, 0.0)
         if S > 1:
             lane_locs, tails = self._assign_lanes(rows, draft_lens, b)
             start = draft_lens.to(torch.int64) - tails  # the lane's page-aligned prefix
@@ -434,16 +440,6 @@ class SpecRound:
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, start, S, live,
             predicts[path_node], positions, slots, max_prefix, host_prefix,
         )  # fmt: skip
-
-
-def _allowed(
-    bitmask: torch.Tensor,  # [b, W] int32
-    ids: torch.Tensor,  # [b, K] token ids
-) -> torch.Tensor:  # [b, K] bool
-    """Whether each row's bitmask allows each of its ``ids``."""
-    ids = ids.long()
-    words = bitmask.gather(1, torch.div(ids, 32, rounding_mode="floor"))
-    return ((words >> (ids % 32).to(torch.int32)) & 1).bool()
 
 
 def _lap(host: HostView | None, phase: str) -> None:

@@ -120,5 +120,9 @@ class GrammarCache:
 
 
 def _one_line(message: str) -> str:
-    """llguidance's message without its source excerpt (the lines after the first)."""
-    return message.strip().splitlines()[0] if message.strip() else "rejected by llguidance"
+    """llguidance's message on one line: its first line and any ``error:`` line, without the
+    grammar excerpt and caret lines between them."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    if not lines:
+        return "rejected by llguidance"
+    return " ".join([lines[0], *(line for line in lines[1:] if line.startswith("error:"))])

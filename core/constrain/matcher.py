@@ -34,7 +34,14 @@ class Matcher:
     @property
     def done(self) -> bool:
         """The grammar is complete and admits no further token (the request stops here)."""
-        return self._m.is_stopped()
+        return self._m.is_stopped() and not self._m.is_error()
+
+    def _dead_end(self) -> ConstraintViolation:
+        reason = self._m.get_error().strip().splitlines()
+        return ConstraintViolation(
+            "no token of the vocabulary can continue the output under this constraint"
+            + (f" (llguidance: {reason[0]})" if reason else "")
+        )
 
     def advance(self, tokens: Sequence[int]) -> int:
         """Commit ``tokens`` up to the one that completes the grammar -> how many were taken
@@ -58,12 +65,8 @@ class Matcher:
         if self._next is None:
             out = np.zeros(mask_width(self.vocab_size), dtype=np.int32)
             self._compute(out)
-            if self._m.is_error():
-                raise ConstraintViolation(f"grammar error: {self._m.get_error()}")
-            if not out.any() and not self._m.is_stopped():
-                raise ConstraintViolation(
-                    "no token of the vocabulary can continue the output under this constraint"
-                )
+            if self._m.is_error() or not (out.any() or self._m.is_stopped()):
+                raise self._dead_end()
             self._next = out
         return self._next
 

@@ -255,12 +255,12 @@ class Scheduler:
         matcher = getattr(state, "matcher", None)
         if matcher is None or req.finished:
             return False
-        if matcher.done:
-            req.finish_reason = "stop"
-            # the whole text is output (no stop token or string to leave out)
-            req.stop_text_end = len(self.stop.tokenizer.decode(req.output_ids))
-            return False
         try:
+            if matcher.done:
+                req.finish_reason = "stop"
+                # the whole text is output (no stop token or string to leave out)
+                req.stop_text_end = len(self.stop.tokenizer.decode(req.output_ids))
+                return False
             matcher.next_mask()
         except ConstraintViolation as exc:
             finished += self.fail([req], exc)

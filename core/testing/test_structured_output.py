@@ -140,9 +140,7 @@ def test_constrained_greedy_spec_equals_plain(
             _check_output(p, w.text, w.finish_reason)
             _check_output(p, g.text, g.finish_reason)
     assert spec.worker.constrained_rounds > 0
-    accepted = [
-        n for p, o in zip(params, got) if p.constrained for n in o.stats.accepted_per_round
-    ]
+    accepted = [n for p, o in zip(params, got) if p.constrained for n in o.stats.accepted_per_round]
     assert max(accepted) > 1, "no constrained round accepted a draft token: nothing proven"
 
 
@@ -220,7 +218,7 @@ def test_constrained_sampling_follows_the_constrained_target(
     rejected, msg = chi_square_rejects(counts, exact_law, NUM_SAMPLES)
     assert not rejected, msg
     if algorithm is None:  # negative control, once
-        flat = {k: v ** 0.3 for k, v in exact_law.items()}
+        flat = {k: v**0.3 for k, v in exact_law.items()}
         total = sum(flat.values())
         wrong = {k: v / total for k, v in flat.items()}
         rejected, msg = chi_square_rejects(counts, wrong, NUM_SAMPLES)

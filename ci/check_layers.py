@@ -16,7 +16,7 @@ rank  modules (``polyspec.`` omitted)                              column
 6     plugins                                                     core
 7     parallel (tensor parallelism: groups, shards, launch)       core
 8     model                                                       core
-9     runtime                                                     core
+9     runtime, constrain (grammars and token masks)               core
 10    spec                                                        core
 11    engine                                                      core
 12    serve (the HTTP server on the engine loop)                  core
@@ -60,7 +60,7 @@ LAYERS: tuple[tuple[int, str, str, tuple[str, ...]], ...] = (
     (6, "plugins", "core", ("polyspec.plugins",)),
     (7, "parallel", "core", ("polyspec.parallel",)),
     (8, "model", "core", ("polyspec.model",)),
-    (9, "runtime", "core", ("polyspec.runtime",)),
+    (9, "runtime", "core", ("polyspec.runtime", "polyspec.constrain")),
     (10, "spec", "core", ("polyspec.spec",)),
     (11, "engine", "core", ("polyspec.engine",)),
     (12, "serve", "core", ("polyspec.serve",)),

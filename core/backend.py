@@ -377,6 +377,8 @@ class KernelSet:
     """Sampling: keep the top-k / top-p mass of each row and renormalise."""
     sample: Callable[..., Any]
     """Sampling: one token per row from probabilities and exponential noise."""
+    apply_token_bitmask: Callable[..., Any]
+    """Structured output: ``-inf`` at the logits a row's token bitmask does not allow."""
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -362,7 +362,15 @@ class SpeculativeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 disable filtering."""
+    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 disable filtering.
+
+    Structured output (docs/structured-output.md): at most one of ``json_schema`` (a JSON
+    Schema as a dict or its JSON text; kept as canonical JSON text), ``regex``, ``grammar``
+    (a Lark grammar, llguidance's dialect) or ``choice`` (the output is exactly one of these
+    strings). Only the form is checked here; the engine compiles the constraint when the
+    request is submitted (an invalid one is a :class:`~polyspec.errors.RequestError` naming
+    the field and the grammar engine's message).
+    """
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -372,9 +380,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    json_schema: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_int("sampling.max_new_tokens", self.max_new_tokens, 1)
+        _check_constraint(self)
         temperature = self.temperature
         if _is_int(temperature):
             temperature = float(temperature)
@@ -401,6 +414,46 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding takes the argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """True when the output must follow a schema, regex, grammar or choice."""
+        return any(getattr(self, f) is not None for f in CONSTRAINT_FIELDS)
+
+
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar", "choice")
+"""The structured-output fields of :class:`SamplingParams` (at most one per request)."""
+
+
+def _check_constraint(params: SamplingParams) -> None:
+    """Normalise and check the form of a request's structured-output field (its content is
+    the grammar engine's to check, at submit)."""
+    given = [f for f in CONSTRAINT_FIELDS if getattr(params, f) is not None]
+    if len(given) > 1:
+        raise _invalid(
+            f"sampling.{given[1]}",
+            getattr(params, given[1]),
+            f"only one of {', '.join(CONSTRAINT_FIELDS)} may be set (got {' and '.join(given)})",
+        )
+    schema = params.json_schema
+    if isinstance(schema, Mapping):
+        try:
+            text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise _invalid("sampling.json_schema", schema, f"must be JSON: {exc}") from None
+        object.__setattr__(params, "json_schema", text)
+    elif schema is not None and (not isinstance(schema, str) or not schema.strip()):
+        raise _invalid("sampling.json_schema", schema, "must be a JSON Schema (dict or JSON text)")
+    for key in ("regex", "grammar"):
+        value = getattr(params, key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise _invalid(f"sampling.{key}", value, "must be a non-empty string")
+    choice = params.choice
+    if choice is not None:
+        items = list(choice) if isinstance(choice, (list, tuple)) else None
+        if not items or not all(isinstance(c, str) and c for c in items):
+            raise _invalid("sampling.choice", choice, "must be a list of non-empty strings")
+        object.__setattr__(params, "choice", tuple(items))
 
 
 def _as_stop_tuple(value: Any) -> tuple[str, ...]:

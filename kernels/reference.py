@@ -50,6 +50,7 @@ __all__ = [
     "softmax_topk",
     "top_k_top_p_renorm",
     "sample",
+    "apply_token_bitmask",
 ]
 
 
@@ -388,3 +389,25 @@ def sample(
     """``argmax(probs / exp_noise)`` (first index on ties): an exact draw from ``probs`` when
     ``exp_noise`` holds independent Exp(1) variables, with no host sync."""
     return (probs.float() / exp_noise.float()).argmax(dim=1)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [n, V] any float dtype, written in place
+    bitmask: torch.Tensor,  # [n, W] int32: bit t % 32 of word t // 32 set = token t allowed
+) -> None:
+    """Structured output: set every logit whose token the row's bitmask does not allow to
+    ``-inf``, in place (the tokens past ``32 * W`` are not allowed). A row of all ones (-1
+    words) is left as it is, so unconstrained rows of a mixed batch pass through."""
+    _check(
+        logits.dim() == 2 and bitmask.dim() == 2 and bitmask.shape[0] == logits.shape[0],
+        f"apply_token_bitmask needs logits [n, V] and bitmask [n, W], got "
+        f"{tuple(logits.shape)} and {tuple(bitmask.shape)}",
+    )
+    _check(bitmask.dtype == torch.int32, f"the bitmask must be int32, got {bitmask.dtype}")
+    n, vocab = logits.shape
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(2) >> shifts) & 1  # [n, W, 32]
+    allowed = bits.view(n, -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits.masked_fill_(~allowed, float("-inf"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -70,6 +71,14 @@ def add_parser(subparsers) -> None:
         default=1,
         help="time each polyspec system this many times and report the median (a shared host "
         "makes single runs noisy; transformers runs once)",
+    )
+    p.add_argument(
+        "--json-schema",
+        dest="json_schema",
+        metavar="SCHEMA.json",
+        help="constrain every request of the plain and speculative systems to this JSON Schema "
+        "(structured output); the report adds the grammar's mask time per round. Run without it "
+        "for the unconstrained figures (transformers is skipped: it has no constraint)",
     )
     p.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
     p.add_argument(
@@ -174,6 +183,22 @@ def bench_configs(args: argparse.Namespace):
     return plain, (None if skip else cfg), sampling, skip
 
 
+def _read_schema(path: str) -> str:
+    """The JSON Schema file's text; a ConfigError naming the file when it is not JSON."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--json-schema {path}: {exc}") from None
+    return text
+
+
+def _mask_ms(worker) -> float:
+    """Host milliseconds the worker spent building grammar masks per constrained round
+    (warm-up and every repeat included)."""
+    return 1e3 * worker.mask_seconds / max(1, worker.constrained_rounds)
+
+
 def _prompt_ids(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
     if chat:
         return [
@@ -254,6 +279,9 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
 
     dataset_file, prompts = load_dataset(args.dataset, args.num_prompts)
     plain_cfg, spec_cfg, sampling, spec_skip = bench_configs(args)
+    schema = getattr(args, "json_schema", None)
+    if schema is not None:
+        sampling = dataclasses.replace(sampling, json_schema=_read_schema(schema))
     progress = not args.no_progress
     phase_times = not args.no_phase_times
     skipped: dict[str, str] = {}
@@ -279,6 +307,9 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         llm, "plain", ids, sampling, progress, phase_times, warmup_prompts=warm,
         repeats=args.repeats,
     )  # fmt: skip
+    if schema is not None:
+        settings["json_schema"] = schema
+        settings["mask_ms_per_round"] = {"plain": _mask_ms(llm.worker)}
     if llm.scheduler.overlap:  # overlap_rounds resolved for the backend; warm-up included
         settings["queued_rounds"] = {"plain": dict(llm.worker.queued_rounds)}
     llm.stop_ranks()
@@ -307,6 +338,8 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
             llm, "spec", ids, sampling, progress, phase_times, warmup_prompts=warm,
             repeats=args.repeats,
         )  # fmt: skip
+        if schema is not None:
+            settings["mask_ms_per_round"]["spec"] = _mask_ms(llm.worker)
         if spec_cfg.speculative.dynamic_depth:  # warm-up and every repeat included
             settings["rounds_by_levels_drafted"] = llm.worker.drafted_levels[1:]
         if spec.batch_trees:  # engine rounds per tree, warm-up and every repeat included
@@ -330,6 +363,8 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     )
     if reason is None and plain_cfg.tensor_parallel_size > 1:
         reason = "tensor parallel: the transformers baseline runs on one device"
+    if reason is None and schema is not None:
+        reason = "--json-schema (the transformers baseline is unconstrained)"
     if reason is not None:
         skipped["transformers"] = reason
         print(f"note: transformers baseline skipped: {reason}", file=sys.stderr)
@@ -355,6 +390,9 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         categories=read_categories(dataset_file)[: len(ids)],
     )
     print(report.format_text(rep))
+    if schema is not None:
+        ms = ", ".join(f"{k} {v:.3f}" for k, v in settings["mask_ms_per_round"].items())
+        print(f"grammar mask time per constrained round (ms, host): {ms}")
     if args.json:
         report.write_json(rep, args.json)
     if args.markdown:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyspec.backend import draft_lane_width
 from polyspec.config import EngineConfig, SamplingParams, SpeculativeConfig
+from polyspec.constrain import GrammarCache
 from polyspec.defaults import default_target_path, shipped_head_path
 from polyspec.engine.request import RequestOutput
 from polyspec.engine.scheduler import Scheduler
@@ -375,7 +376,10 @@ class LLM:
         if not eos and self.tokenizer is not None:
             eos = tuple(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
-        self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos))
+        grammars = None  # llguidance is imported by the first constrained request, not here
+        if self.tokenizer is not None:
+            grammars = GrammarCache(self.tokenizer, self.target.config.vocab_size, eos)
+        self.scheduler = Scheduler(self.worker, cfg, StopChecker(self.tokenizer, eos), grammars)
         self._engine: EngineLoop | None = None
         self._engine_lock = threading.RLock()
 

@@ -7,6 +7,10 @@ one decode round for every request whose prompt is done. With ``prefill_wait_ste
 admission into a running batch waits (at most that many steps) until every waiting request
 fits, so that joining requests share a prefill forward.
 
+A constrained request (structured output) gets its grammar's matcher on admission; it
+finishes with ``finish_reason == "stop"`` as soon as its grammar is complete, and fails alone
+when the grammar reaches a state no token of the vocabulary can continue.
+
 Requests fail alone: an exception raised while admitting a request, in a prefill forward or in
 a decode round finishes the requests it concerned (``finish_reason == "error"``, the cause in
 ``Request.error``), gives back their KV slots and rows, and leaves the others running, except
@@ -22,6 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from polyspec.config import EngineConfig
+from polyspec.constrain import ConstraintViolation, GrammarCache, constraint_of
 from polyspec.engine.request import Request
 from polyspec.engine.stop import StopChecker
 from polyspec.errors import RankFailure, RequestError
@@ -32,8 +37,17 @@ _log = logging.getLogger("polyspec.engine")
 
 
 class Scheduler:
-    def __init__(self, worker, config: EngineConfig, stop_checker: StopChecker):
+    def __init__(
+        self,
+        worker,
+        config: EngineConfig,
+        stop_checker: StopChecker,
+        grammars: GrammarCache | None = None,
+    ):
+        """``grammars``: the engine's compiled constraints (None: an engine without a
+        tokenizer, which refuses constrained requests at submit)."""
         self.worker = worker
+        self.grammars = grammars
         self.config = config
         self.stop = stop_checker
         self.waiting: deque[Request] = deque()
@@ -163,7 +177,13 @@ class Scheduler:
                 sampler = RequestSampler.create(
                     p.temperature, p.top_k, p.top_p, seed % 2**63, self.worker.device
                 )
-                self.worker.add_request(req.rid, req.prompt_ids, sampler, kv_reserved=need)
+                extra = {}
+                constraint = constraint_of(p)
+                if constraint is not None:
+                    matcher = self.grammars.matcher(constraint)
+                    matcher.next_mask()  # a grammar no token can start fails here, alone
+                    extra["matcher"] = matcher
+                self.worker.add_request(req.rid, req.prompt_ids, sampler, kv_reserved=need, **extra)
             except RankFailure:  # the ranks are out of step: nothing can run any more
                 raise
             except Exception as exc:
@@ -229,11 +249,32 @@ class Scheduler:
                 req.first_token_time = now
                 self.prefilling.remove(req)
                 self.stop.append(req, [first[req.rid]])
+                if self._grammar_failed(req, finished):
+                    continue
                 if req.finished:
                     self._finish(req)
                     finished.append(req)
                 else:
                     self.decoding.append(req)
+
+    def _grammar_failed(self, req: Request, finished: list[Request]) -> bool:
+        """After a constrained request's new tokens: finish it (``"stop"``) where its grammar
+        is complete; fail it alone (-> True) where no token can continue the grammar."""
+        state = self.worker.states.get(req.rid)
+        matcher = getattr(state, "matcher", None)
+        if matcher is None or req.finished:
+            return False
+        try:
+            if matcher.done:
+                req.finish_reason = "stop"
+                # the whole text is output (no stop token or string to leave out)
+                req.stop_text_end = len(self.stop.tokenizer.decode(req.output_ids))
+                return False
+            matcher.next_mask()
+        except ConstraintViolation as exc:
+            finished += self.fail([req], exc)
+            return True
+        return False
 
     def _decode(self, batch: list[Request], finished: list[Request]) -> None:
         self.rounds += 1
@@ -241,6 +282,8 @@ class Scheduler:
         for req, toks in zip(batch, new_tokens):
             req.accepted_per_round.append(len(toks))
             self.stop.append(req, toks)
+            if self._grammar_failed(req, finished):
+                continue
             if req.finished:
                 self.decoding.remove(req)
                 self._finish(req)

@@ -12,6 +12,7 @@ import operator
 from typing import Any
 
 from polyspec.config import SamplingParams
+from polyspec.constrain import constraint_of
 from polyspec.errors import RequestError
 
 
@@ -69,7 +70,8 @@ def check_request(
     """Check one request against this engine; -> its prompt as a list of ints.
 
     ``scheduler``: the engine's :class:`~polyspec.engine.scheduler.Scheduler` (its
-    ``check`` compares the request's size with ``max_context`` and the KV pool)."""
+    ``check`` compares the request's size with ``max_context`` and the KV pool, and its
+    ``grammars`` compile a structured-output constraint, cached for admission)."""
     if not isinstance(params, SamplingParams):
         raise RequestError(
             "sampling_params",
@@ -93,4 +95,26 @@ def check_request(
             f"{vocab_size - 1}",
         )
     scheduler.check(len(ids), params.max_new_tokens)
+    constraint = constraint_of(params)
+    if constraint is not None:
+        if scheduler.config.tensor_parallel_size > 1:
+            field, value = constraint
+            raise RequestError(
+                f"sampling.{field}",
+                value,
+                f"{field} (structured output) does not run under tensor parallelism "
+                f"(tensor_parallel_size = {scheduler.config.tensor_parallel_size}): its masks "
+                "are built from rank 0's tokenizer; serve constrained requests from an engine "
+                "with tensor_parallel_size = 1",
+            )
+        grammars = getattr(scheduler, "grammars", None)
+        if grammars is None:
+            field, value = constraint
+            raise RequestError(
+                f"sampling.{field}",
+                value,
+                f"{field} needs a tokenizer (the grammar is over its tokens); this engine has "
+                "none (build it with tokenizer=)",
+            )
+        grammars.compile(constraint)  # RequestError: the field and the grammar's message
     return ids

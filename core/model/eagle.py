@@ -150,6 +150,14 @@ class DraftHead(nn.Module):
         normed, pre = k.fused_add_rms_norm(layer.mlp(x), residual, self.norm, eps)
         return normed, pre
 
+    def feature_logit_hidden(self, feature: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        """The ``logit_hidden`` of :meth:`forward` from its ``next_feature`` (EAGLE-1: the
+        same tensor; EAGLE-3: its final norm), so that a structured-output round can take the
+        root's top-K again under the grammar's mask from the state kept between rounds."""
+        if self.algorithm == "eagle":
+            return feature
+        return self.kernels.rms_norm(feature, self.norm, self.eps)
+
     def compute_logits(self, logit_hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V_draft]
         """Logits over the head's vocabulary (fp32)."""
         return self._logits(logit_hidden).float()
@@ -160,11 +168,16 @@ class DraftHead(nn.Module):
             return linear(logit_hidden, self.lm_head)
         return self._target.lm_logits(logit_hidden)
 
-    def topk(self, logit_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def topk(
+        self, logit_hidden: torch.Tensor, k: int, bitmask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the head's softmax, ids mapped to the target vocabulary:
-        (topk_p [n, k] fp32, topk_index [n, k] int64)."""
+        (topk_p [n, k] fp32, topk_index [n, k] int64). ``bitmask`` [n, W] int32 over the
+        head's own vocabulary (structured output): the tokens it allows only."""
         # The logits stay in the linear's dtype: softmax_topk reads them once, in fp32.
         logits = self._logits(logit_hidden)
+        if bitmask is not None:
+            self.kernels.apply_token_bitmask(logits, bitmask)
         topk_p, idx = self.kernels.softmax_topk(logits, k)
         if self.draft_to_target is not None:
             idx = self.draft_to_target[idx]

@@ -183,6 +183,11 @@ class Tokenizer:
         """Number of ids the tokenizer can produce (added tokens included)."""
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """The ``tokenizers`` tokenizer as its tokenizer.json text (what a grammar engine
+        reads the vocabulary from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or None."""
         return self._tok.token_to_id(token)

@@ -68,14 +68,16 @@ class RoundExecutor:
         max_prefix: int,
         host: Any,
         copy: bool = False,
+        eager: bool = False,
     ) -> Launched:
         """Run ``fn`` over ``inputs`` (``bs`` rows each): replayed when the batch fits a graph
         bucket, else eagerly with ``host``. ``copy``: another round may be queued behind
         this one before its result is read, so a replay's outputs are copied out of the
         graph's buffers (the next replay overwrites them) and the host vector starts towards
-        the host now."""
+        the host now. ``eager``: run it eagerly whatever the batch (a round that works with
+        the host in the middle, as a constrained round does)."""
         bs = next(iter(inputs.values())).shape[0]
-        launched = self._replay(key, name, fn, inputs, max_prefix, copy)
+        launched = None if eager else self._replay(key, name, fn, inputs, max_prefix, copy)
         if launched is not None:
             return launched
         # No bucket, or the backend's graph budget is spent: the exact batch, eagerly. Its

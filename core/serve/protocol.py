@@ -30,7 +30,8 @@ MAX_N = 16
 COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
      "ignore_eos", "n", "stream", "stream_options", "logprobs", "user", "frequency_penalty",
-     "presence_penalty", "logit_bias"}
+     "presence_penalty", "logit_bias", "json_schema", "regex", "grammar", "choice",
+     "guided_json", "guided_regex", "guided_grammar", "guided_choice"}
 )  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {
@@ -39,7 +40,14 @@ CHAT_FIELDS = COMMON_FIELDS | {
     "service_tier", "modalities", "audio", "prediction", "web_search_options",
     "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier",
 }  # fmt: skip
-EXTENSION_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos"})
+CONSTRAINT_ALIASES = {
+    "json_schema": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice",
+    "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
+    "guided_choice": "choice",
+}  # fmt: skip
+"""Structured-output request fields (polyspec's names, and vLLM's ``guided_*``) -> the
+:class:`~polyspec.config.SamplingParams` field each sets."""
+EXTENSION_FIELDS = frozenset({"top_k", "stop_token_ids", "ignore_eos", *CONSTRAINT_ALIASES})
 """Accepted fields that are not OpenAI's (vLLM and SGLang take them too)."""
 
 # Accepted and ignored: they change nothing about the text generated.
@@ -49,7 +57,6 @@ _IGNORED = frozenset(
 )  # fmt: skip
 # Not supported yet: accepted only when absent, null or their no-op value.
 _UNSUPPORTED_NOOP: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "tools": lambda v: v is None or v == [],
     "tool_choice": lambda v: v is None or v == "none",
     "functions": lambda v: v is None or v == [],
@@ -259,6 +266,7 @@ def _sampling(
     n = _int(body, "n", 1, MAX_N) or 1
     return _choices(
         n,
+        **_constraint(body),
         max_new_tokens=max_tokens,
         temperature=d.temperature if temperature is None else temperature,
         top_k=d.top_k if top_k is None else top_k,
@@ -268,6 +276,56 @@ def _sampling(
         ignore_eos=d.ignore_eos if ignore_eos is None else ignore_eos,
         seed=d.seed if seed is None else seed,
     )
+
+
+def _constraint(body: Mapping) -> dict[str, Any]:
+    """The structured-output field of a request: ``response_format`` (``text``,
+    ``json_object``: any JSON object, ``json_schema``: its ``schema``) or one extension field
+    (:data:`CONSTRAINT_ALIASES`); at most one of them."""
+    given = {k: body[k] for k in CONSTRAINT_ALIASES if body.get(k) is not None}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise wrong_type(
+                'response_format must be an object like {"type": "json_object"}', "response_format"
+            )
+        kind = fmt["type"]
+        if kind == "json_object":
+            given["response_format"] = {"type": "object"}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise wrong_type(
+                    'response_format "json_schema" needs {"json_schema": {"name": ..., '
+                    '"schema": {...}}}',
+                    "response_format",
+                )
+            given["response_format"] = schema
+        elif kind != "text":
+            raise bad_request(
+                f"response_format type {kind!r} is not supported: use text, json_object or "
+                "json_schema",
+                "response_format",
+            )
+    if len(given) > 1:
+        raise bad_request(
+            f"only one structured-output field may be set, got {', '.join(sorted(given))}",
+            sorted(given)[1],
+        )
+    if not given:
+        return {}
+    ((key, value),) = given.items()
+    if key == "response_format":
+        return {"json_schema": value}
+    field = CONSTRAINT_ALIASES[key]
+    if field == "choice" and not isinstance(value, list):
+        raise wrong_type(f"{key} must be a list of strings", key)
+    if field != "choice" and field != "json_schema" and not isinstance(value, str):
+        raise wrong_type(f"{key} must be a string", key)
+    if field == "json_schema" and not isinstance(value, (dict, str)):
+        raise wrong_type(f"{key} must be a JSON Schema object", key)
+    return {field: value}
 
 
 def _choices(n: int, **fields: Any) -> list[SamplingParams]:

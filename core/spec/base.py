@@ -9,9 +9,11 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from polyspec.backend import Backend, ForwardMode
+from polyspec.constrain import Matcher, RoundMasks
 from polyspec.runtime.batch_builder import BatchBuilder
 from polyspec.runtime.executor import Launched, RoundExecutor
 from polyspec.runtime.graphs import CapturedForwards, GraphBuckets, block_slots, static_batch
@@ -37,6 +39,8 @@ class SeqState:
     topk_p: torch.Tensor | None = None  # [K]
     topk_index: torch.Tensor | None = None  # [K]
     draft_feature: torch.Tensor | None = None  # [H]
+    # structured output: the request's grammar, advanced by every token it commits
+    matcher: Matcher | None = None
 
 
 class PhaseTimer:
@@ -137,6 +141,9 @@ class WorkerBase:
         # Dynamic depth's threshold, and rounds by the number of levels drafted (index 1..S).
         self.dynamic_depth = 0.0
         self.drafted_levels: list[int] = []
+        # Structured output: host seconds spent building masks, and constrained rounds run.
+        self.mask_seconds = 0.0
+        self.constrained_rounds = 0
 
     # -- one decode round -----------------------------------------------------------------------
     # The timer's phases: the host's preparation of a round, and a replayed round (draft to
@@ -155,13 +162,13 @@ class WorkerBase:
         """What the rounds compute with (the models, their runners, the slot tables)."""
         raise NotImplementedError
 
-    def round_fn(self, tree: Tree, greedy: bool) -> SpecRound:
-        """The round function of ``tree``, greedy or sampled (one object each, so that the
-        executor records one computation per name)."""
-        key = (tree, greedy)
+    def round_fn(self, tree: Tree, greedy: bool, constrained: bool = False) -> SpecRound:
+        """The round function of ``tree``, greedy or sampled, constrained or not (one object
+        each, so that the executor records one computation per name)."""
+        key = (tree, greedy, constrained)
         if key not in self._rounds:
             stop_below = self.dynamic_depth if tree.num_steps > 1 else 0.0
-            self._rounds[key] = SpecRound(self.round_parts(), tree, greedy, stop_below)
+            self._rounds[key] = SpecRound(self.round_parts(), tree, greedy, stop_below, constrained)
         return self._rounds[key]
 
     def round_graphs(self, greedy: bool = True, batch_size: int = 1) -> tuple[str, ...]:
@@ -177,6 +184,10 @@ class WorkerBase:
         tree = self.tree_for(len(sts))
         self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
         greedy = all(s.sampler.greedy for s in sts)
+        # A round with a constrained request reads its draft on the host (the grammar's
+        # masks): it runs eagerly and nothing is queued behind it.
+        masks = self._round_masks(sts)
+        lookahead = lookahead and masks is None
         self.timer.start()
         launched = self._take_queued(rids)  # the last call may have queued this very round
         if launched is None:  # none queued, or for a batch that has changed since
@@ -187,15 +198,37 @@ class WorkerBase:
             seq_lens = [s.seq_len for s in sts]
             width = _round_width(tree)
             self.kv.ensure([s.row for s in sts], [n + width for n in seq_lens], self.kv_lookahead)
-            fn, inputs = self.round_fn(tree, greedy), self._round_inputs(tree, rids, sts, greedy)
+            fn = self.round_fn(tree, greedy, masks is not None)
+            inputs = self._round_inputs(tree, rids, sts, greedy)
             self.timer.lap(self.prepare_phase)
-            host = HostView(seq_lens, self._lap)
+            host = HostView(seq_lens, self._lap, masks)
             launched = self.executor.launch(
-                rids, fn.__name__, fn, inputs, max(seq_lens), host, copy=lookahead and greedy
-            )
+                rids, fn.__name__, fn, inputs, max(seq_lens), host, copy=lookahead and greedy,
+                eager=masks is not None,
+            )  # fmt: skip
+            if masks is not None:
+                self.mask_seconds += masks.seconds
+                self.constrained_rounds += 1
         if lookahead and greedy:
             self._keep_queued(self._queue_next(tree, launched, sts))
         return self._finish(tree, launched, sts)
+
+    def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
+        """The mask builder of a round with a constrained request, else None."""
+        if all(s.matcher is None for s in sts):
+            return None
+        return RoundMasks(
+            [s.matcher for s in sts], self.target.config.vocab_size, self._upload_mask,
+            self.backend.read_async, self._draft_to_target(),
+        )  # fmt: skip
+
+    def _upload_mask(self, masks: np.ndarray) -> torch.Tensor:  # [n, W] int32 host -> device
+        return torch.from_numpy(masks).to(self.device)
+
+    def _draft_to_target(self) -> np.ndarray | None:
+        """The draft's vocabulary as target ids, when its logits are over a vocabulary of
+        its own (an EAGLE-3 head's reduced one); None: over the target's."""
+        return None
 
     def _round_inputs(self, tree: Tree, rids, sts, greedy: bool) -> dict[str, torch.Tensor]:
         """The round's inputs on the device (see :mod:`polyspec.spec.round`): the requests'
@@ -248,6 +281,8 @@ class WorkerBase:
         for s, a, path in zip(sts, accepted, path_nodes):
             toks = [predicted[g] for g in path]  # the accepted drafts and the bonus token
             s.seq_len, s.last_token = s.seq_len + a + 1, toks[-1]
+            if s.matcher is not None:  # the output ends where the grammar does
+                toks = toks[: s.matcher.advance(toks)]
             out.append(toks)
         self.timer.lap("other")
         return out
@@ -282,11 +317,13 @@ class WorkerBase:
         prompt: Sequence[int],
         sampler: RequestSampler,
         kv_reserved: int | None = None,
+        matcher: Matcher | None = None,
     ) -> None:
         """``kv_reserved``: the slots the scheduler reserved for the request (:meth:`kv_need`);
-        decode rounds may allocate ahead within them."""
+        decode rounds may allocate ahead within them. ``matcher``: the request's grammar
+        (structured output), None for an unconstrained request."""
         row = self.kv.add_request(kv_reserved)
-        self.states[rid] = SeqState(row=row, prompt=list(prompt), sampler=sampler)
+        self.states[rid] = SeqState(row=row, prompt=list(prompt), sampler=sampler, matcher=matcher)
 
     def remove_request(self, rid: int) -> None:
         self._queued = None  # queued for a batch that has just changed
@@ -418,10 +455,15 @@ class WorkerBase:
         """First generated token of requests whose prompt is now complete."""
         sts = [self.states[r] for r in rids]
         logits = self.target.compute_logits(last_hidden)
+        masks = self._round_masks(sts)
+        if masks is not None:
+            self.kernels.apply_token_bitmask(logits, masks.root())
         sb = SamplingBatch([s.sampler for s in sts], 1, self.device)
         tokens = sb.sample(logits, self.kernels).tolist()
         for s, t in zip(sts, tokens):
             s.last_token = t
+            if s.matcher is not None:
+                s.matcher.advance([t])
         return tokens
 
 

@@ -176,6 +176,15 @@ class EagleWorker(WorkerBase):
             inputs.update(zip(("topk_p", "topk_index", "hidden"), state))
         return inputs
 
+    def _draft_to_target(self):
+        """The head's reduced vocabulary as target ids (an EAGLE-3 head's ``d2t``), or None."""
+        d2t = getattr(self.draft, "draft_to_target", None)
+        if d2t is None:
+            return None
+        if getattr(self, "_d2t_host", None) is None:
+            self._d2t_host = d2t.cpu().numpy()
+        return self._d2t_host
+
     def _keep_state(self, launched: Launched) -> None:
         if not self.root_forward:
             bs = len(launched.key)

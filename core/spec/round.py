@@ -23,6 +23,16 @@ Inputs (``[b, ...]`` each; a graph's padding requests are zeros: row 0, length 0
 - sampled rounds: ``sampling`` [b, 4] fp32 (temperature, top_k, top_p, 1 for a sampled request)
   and their draws: ``coins`` [b, N + 1] (speculative) or ``noise`` [b, V] (plain).
 
+Structured output (a constrained round, ``constrained=True``): the host's
+:class:`~polyspec.constrain.RoundMasks` (``host.masks``) gives token bitmasks built from each
+request's grammar matcher, which the round applies with the ``apply_token_bitmask`` kernel:
+the root's mask to the draft's first top-K (and to plain decoding's logits), each draft
+level's lane masks to the draft's logits before its top-K, and one mask per tree node to the
+target's verify logits, so both greedy and sampled acceptance follow the constrained target
+distribution. The round reads the drafted tokens on the host for that, so a constrained round
+runs eagerly, never from a graph and never queued; an unconstrained round is the plain
+function, with none of this.
+
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
 node ids) + [b * N] each node's predicted token + [1] draft levels drafted``, then an EAGLE
 head's next draft state ``(topk_p [b, K'], topk_index [b, K'], feature [b, H])``.
@@ -37,6 +47,7 @@ from typing import Any, NamedTuple
 import torch
 
 from polyspec.backend import ForwardMode, KernelSet, TreeMaskMode
+from polyspec.constrain import RoundMasks
 from polyspec.runtime.graphs import block_slots, static_batch
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.sampling import greedy_ids, target_probs
@@ -62,10 +73,12 @@ PLAIN = Tree(0, 1, 1, 0, "")
 
 class HostView(NamedTuple):
     """The host's side of an eager round (exact batch, no padding): the lengths its forwards
-    hand to the backend, and where its phases end (the worker's phase timer)."""
+    hand to the backend, where its phases end (the worker's phase timer), and a constrained
+    round's mask builder."""
 
     seq_lens: list[int]  # [bs] committed lengths
     lap: Callable[[str], None]  # lap(phase): the phase that ends here
+    masks: RoundMasks | None = None  # structured output (constrained rounds only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,48 +102,69 @@ class RoundParts:
 class SpecRound:
     """One round of one tree, greedy or sampled (see the module docstring)."""
 
-    def __init__(self, parts: RoundParts, tree: Tree, greedy: bool, stop_below: float = 0.0):
+    def __init__(
+        self,
+        parts: RoundParts,
+        tree: Tree,
+        greedy: bool,
+        stop_below: float = 0.0,
+        constrained: bool = False,
+    ):
         self.p = parts
         self.tree = tree
         self.greedy = greedy
+        self.constrained = constrained
         self.standalone = parts.draft is not None and parts.draft.algorithm == "standalone"
         # dynamic depth: deeper levels of a round whose best path is below it get probability 0
         self.stop_below = stop_below
         # its graphs' name: round_greedy, round_sampled@3-3-8, decode_greedy, ...
         kind = "decode" if parts.draft is None else "round"
-        self.__name__ = f"{kind}_{'greedy' if greedy else 'sampled'}{tree.suffix}"
+        mode = ("greedy" if greedy else "sampled") + ("_constrained" if constrained else "")
+        self.__name__ = f"{kind}_{mode}{tree.suffix}"
 
     def __call__(
         self, inputs: Mapping[str, torch.Tensor], b: int, max_prefix: int | None, host: Any
     ) -> tuple[torch.Tensor, ...]:
         p, tree = self.p, self.tree
         rows, seq_lens, roots, live = self._columns(inputs["host"])
+        masks = host.masks if self.constrained else None
         if p.draft is None:  # plain decoding: the root's forward and the next token
             logits, _ = self.verify(
                 rows, seq_lens, roots[:, None], live, None, None, max_prefix, host
             )
+            if masks is not None:
+                p.kernels.apply_token_bitmask(logits, masks.root())
             predicts = self.sample_next(logits, inputs)  # [b]
             none = torch.zeros_like(predicts)
             return (torch.cat([none, self.p.arange(b), predicts, none[:1]]),)
 
         # 1. the draft's state: an EAGLE head's from the last round, a standalone LM's from
         #    its forward over the root (it stores token p at position p)
+        #    (a constrained round's root top-K under the grammar's mask at the root)
+        root_mask = None if masks is None else masks.root_draft()
         if self.standalone:
-            state = self.root_forward(rows, seq_lens, roots, live, max_prefix, host)
+            state = self.root_forward(rows, seq_lens, roots, live, max_prefix, host, root_mask)
             draft_lens = seq_lens + 1  # the root is in the draft's prefix
         else:
             state = inputs["topk_p"], inputs["topk_index"], inputs["hidden"]
+            if root_mask is not None:
+                logit_h = p.draft.feature_logit_hidden(state[2])
+                state = (*p.draft.topk(logit_h, p.state_topk, root_mask), state[2])
             draft_lens = seq_lens
         # 2. S levels of top-K, S - 1 draft forwards; 3. the tree of the N - 1 best
-        levels, drafted = self.draft(rows, draft_lens, live, *state, b, max_prefix, host)
+        levels, drafted = self.draft(rows, draft_lens, live, *state, b, max_prefix, host, masks)
         candidates, tree_mask, positions, next_token, next_sibling = self.build_tree(
             levels, roots, seq_lens
         )
+        if masks is not None:  # the tree on its way to the host while the target verifies
+            masks.start_tree(candidates, next_token, next_sibling)
         _lap(host, "draft")
-        # 4. the target's forward over the tree
+        # 4. the target's forward over the tree (a constrained round's: masked per node)
         logits, feats = self.verify(
             rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
         )
+        if masks is not None:
+            p.kernels.apply_token_bitmask(logits, masks.tree())
         _lap(host, "verify")
         # 5. accept: the longest path the target agrees with, and its bonus token
         predicts, accept_index, accept_length = self.accept(
@@ -181,9 +215,10 @@ class SpecRound:
             return runner.forward_target(batch, static_prefix=max_prefix)
         return runner.forward_draft(batch, features, static_prefix=max_prefix)
 
-    def root_forward(self, rows, seq_lens, roots, live, max_prefix, host):
+    def root_forward(self, rows, seq_lens, roots, live, max_prefix, host, bitmask=None):
         """A standalone draft's forward over each root (position seq_len) -> its draft state
-        (topk_p [b, K'], topk_index [b, K'], feature [b, H])."""
+        (topk_p [b, K'], topk_index [b, K'], feature [b, H]); ``bitmask`` [b, W] (a
+        constrained round): its top-K among the tokens the grammar allows."""
         p = self.p
         slots, positions = block_slots(p.req_to_token, rows, seq_lens, live, 1, p.arange(1))
         host_prefix = None if host is None else host.seq_lens
@@ -191,13 +226,21 @@ class SpecRound:
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, roots,
             positions, slots, max_prefix, host_prefix,
         )  # fmt: skip
-        return (*p.draft.topk(logit_h, p.state_topk), feature)
+        if bitmask is None:
+            return (*p.draft.topk(logit_h, p.state_topk), feature)
+        return (*p.draft.topk(logit_h, p.state_topk, bitmask), feature)
 
-    def draft(self, rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host):
+    def draft(
+        self, rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host,
+        masks=None,
+    ):  # fmt: skip
         """S levels of top-K expansion (``select_top_k``) with a DRAFT_DECODE forward between
         levels; each of a request's K lanes writes its own scratch slots. -> each level's
         (parents, scores, tokens), for ``organize_draft_results``, and the number of levels
-        drafted [1] (fewer than S where dynamic depth stopped)."""
+        drafted [1] (fewer than S where dynamic depth stopped). ``masks``: a constrained
+        round's (the root's top-K is already the grammar's): each level's draft logits are
+        masked per lane before its top-K, so no tree node is spent on a token the grammar
+        refuses while allowed ones remain."""
         p, tree = self.p, self.tree
         K, S = tree.topk, tree.num_steps
         if topk_p.shape[1] != K:  # the state kept for a wider tree: this tree's top-K first
@@ -229,13 +272,19 @@ class SpecRound:
                 acc.append(t)
             if i == S - 1:
                 break
+            lane_masks = None
+            if masks is not None:  # the grammar at each lane's path: the next level's mask
+                lane_masks = masks.lanes(i, input_ids, level[2] if i else None, K)
             logit_h, hidden = self._forward(
                 p.draft_runner, ForwardMode.DRAFT_DECODE, rows, prefix, K, live, input_ids,
                 positions[i].view(-1), out_locs[i].view(-1), max_prefix, host_prefix, hidden,
                 None if host is None else [t + i + 1 for t in host_tails],
                 lane_locs=lane_locs, lane_lens=lane_lens[i], topk=K,
             )  # fmt: skip
-            topk_p, topk_index = p.draft.topk(logit_h, K)
+            if lane_masks is None:
+                topk_p, topk_index = p.draft.topk(logit_h, K)
+            else:
+                topk_p, topk_index = p.draft.topk(logit_h, K, lane_masks)
             if self.stop_below > 0:
                 # Dynamic depth on the device: once no request's best path of this level
                 # reaches the threshold, the deeper levels' candidates (each lane's own token)

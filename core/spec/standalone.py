@@ -29,6 +29,13 @@ class StandaloneDraft(torch.nn.Module):
     def probs(self, logit_hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
         return torch.softmax(self.lm.compute_logits(logit_hidden).float(), dim=-1)
 
-    def topk(self, logit_hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        p, idx = self.probs(logit_hidden).topk(k, dim=-1)
-        return p, idx
+    def topk(
+        self, logit_hidden: torch.Tensor, k: int, bitmask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_p [n, k] fp32, topk_index [n, k] int64); ``bitmask`` [n, W] int32: the
+        tokens it allows only (structured output)."""
+        if bitmask is None:
+            return self.probs(logit_hidden).topk(k, dim=-1)
+        logits = self.lm.compute_logits(logit_hidden).float()
+        self.lm.kernels.apply_token_bitmask(logits, bitmask)
+        return torch.softmax(logits, dim=-1).topk(k, dim=-1)

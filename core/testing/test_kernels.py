@@ -763,3 +763,41 @@ def test_sample_matches_reference_and_law(backend, reference_backend):
     assert _cpu(got).dtype == torch.int64
     stat, df = _chi_square(torch.bincount(ref, minlength=vocab), p, bs)
     assert stat < _chi_square_critical(df), f"chi2={stat:.1f} df={df}: sample is not exact"
+
+
+# -------------------------------------------------------------------------- structured output
+
+
+def _bitmask_case(g: torch.Generator, rows: int, vocab: int, width: int):
+    """Random bitmasks (one all-ones row, one allowing a single token) and the allowed set
+    decoded bit by bit in Python, independently of either kernel."""
+    words = torch.randint(-(2**31), 2**31, (rows, width), generator=g, dtype=torch.int64)
+    mask = words.to(torch.int32)
+    mask[0] = -1  # an unconstrained row of a mixed batch
+    if rows > 1:
+        mask[1] = 0
+        mask[1, 1] = 1 << 3  # token 35 alone
+    allowed = torch.zeros(rows, vocab, dtype=torch.bool)
+    for r, row in enumerate(mask.tolist()):
+        for t in range(min(vocab, 32 * width)):
+            allowed[r, t] = bool((row[t // 32] >> (t % 32)) & 1)
+    return mask, allowed
+
+
+def test_apply_token_bitmask_matches_reference(backend):
+    """-inf exactly where the row's bit is clear (and past 32 * W), every other logit
+    unchanged, an all-ones row untouched; widths shorter and longer than the vocabulary."""
+    from polyspec.kernels import reference
+
+    g = _gen(SEED + 51)
+    for dtype in (torch.float32, *_model_dtypes(backend)):
+        for rows, vocab, width in ((4, 300, 10), (3, 1000, 30), (2, 70, 3)):
+            logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+            mask, allowed = _bitmask_case(g, rows, vocab, width)
+            want = logits.clone()
+            reference.apply_token_bitmask(want, mask)
+            expected = torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=dtype))
+            assert torch.equal(want, expected), "reference"
+            got = _dev(backend, logits)
+            backend.kernels.apply_token_bitmask(got, _dev(backend, mask))
+            assert torch.equal(_cpu(got), expected), f"{dtype} {rows}x{vocab} W={width}"

@@ -25,6 +25,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "activation": ("silu_and_mul",),
     "topk": ("softmax_topk",),
     "draft": ("select_top_k", "organize_draft_results"),
+    "bitmask": ("apply_token_bitmask",),
 }
 """Kernel family module -> the KernelSet fields it provides."""
 

@@ -310,6 +310,7 @@ def test_two_accelerators_at_the_same_priority_is_an_error_naming_both(plugin_di
 def test_other_api_version_is_refused_naming_both_versions(plugin_dir, name, version):
     # version 1 had capabilities and kernels the engine never used; version 2 had no notion
     # of ranks (distributed_backend, graph_collectives, Backend.bind_local_rank / device_count)
+    # and no apply_token_bitmask (structured output)
     assert BACKEND_API_VERSION == 3
     ep = _fake_plugin(plugin_dir, name, api_version=version)
     registry = PluginRegistry(entry_points=builtin_entry_points() + [ep], env=CLEAN_ENV)

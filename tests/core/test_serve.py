@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -313,7 +314,14 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream", "stream_options"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, 422, "messages must be an array", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "messages[0].role"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400, "response_format", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400, "response_format type 'xml'", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, 422, "json_schema", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, "regex": "a"}, 400, "only one structured-output field", "response_format"),
+    ("completions", {"model": MODEL, "prompt": "x", "regex": "a(b"}, 400, "unclosed group", "regex"),
+    ("completions", {"model": MODEL, "prompt": "x", "guided_json": {"type": "foo"}}, 400, "Invalid type: foo", "json_schema"),
+    ("completions", {"model": MODEL, "prompt": "x", "grammar": "start: x"}, 400, "unknown name", "grammar"),
+    ("completions", {"model": MODEL, "prompt": "x", "choice": []}, 400, "choice", "choice"),
+    ("completions", {"model": MODEL, "prompt": "x", "choice": "a"}, 422, "list of strings", "choice"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, "tools", "tools"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6}, 400, "disagree", "max_completion_tokens"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": True}, 422, "temperature must be a number", "temperature"),
@@ -506,3 +514,42 @@ def test_bench_serve_flags():
     plain = engine_argv(args, plain=True)
     assert "--draft" not in plain and "--topk" not in plain
     assert plain[-2:] == ["--algorithm", "none"] and "--max-batch-size" in plain
+
+
+def test_structured_output_over_http(server, client):
+    """response_format json_schema / json_object and the regex / choice extensions through
+    the openai client on the speculative engine: the outputs follow their constraints."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 5},
+            "n": {"type": "integer", "minimum": 0, "maximum": 9},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "n", "ok"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "Give me a record"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, response_format=fmt, seed=3
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), schema)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, response_format={"type": "json_object"}
+    )
+    assert r.choices[0].message.content.startswith("{")
+    r = client.completions.create(
+        model=MODEL, prompt="Mail:", max_tokens=30, extra_body={"regex": r"[a-c]{3}@d\.org"}
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"[a-c]{3}@d\.org", r.choices[0].text), r.choices[0].text
+    r = client.completions.create(
+        model=MODEL, prompt="Pick:", max_tokens=30, n=3, temperature=1.0, seed=1,
+        extra_body={"guided_choice": ["left", "right"]},
+    )  # fmt: skip
+    assert [c.text in ("left", "right") for c in r.choices] == [True] * 3

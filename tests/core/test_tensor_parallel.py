@@ -21,7 +21,7 @@ import torch
 
 from polyspec.config import EngineConfig, SamplingParams
 from polyspec.engine.llm import LLM
-from polyspec.errors import ConfigError, RankFailure
+from polyspec.errors import ConfigError, RankFailure, RequestError
 from polyspec.testing import builders
 from polyspec.testing.forward import assert_greedy_equal
 
@@ -107,6 +107,16 @@ def test_seeded_sampling_equals_one_rank(models):
     want = _run(_config(models, "llama", "eagle3", 2, 1), params)
     got = _run(_config(models, "llama", "eagle3", 2, 1, tp=2), params)
     assert got == want
+
+
+def test_structured_output_is_refused_under_tensor_parallelism(models):
+    llm = LLM(config=_config(models, "llama", tp=2))
+    try:
+        with pytest.raises(RequestError, match="tensor_parallel_size = 2"):
+            llm.generate(prompt_token_ids=PROMPTS[:1],
+                         sampling_params=SamplingParams(max_new_tokens=4, regex="[a-z]+"))  # fmt: skip
+    finally:
+        llm.stop_ranks()
 
 
 def test_size_that_does_not_divide_is_refused_before_loading(models, monkeypatch):

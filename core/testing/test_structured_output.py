@@ -1,0 +1,225 @@
+"""Structured output under speculation is lossless and its outputs follow the constraint.
+
+- Greedy: speculative output equals plain output under the same constraint, token for token
+  (float32), for chains and trees, EAGLE-3 and standalone drafts, in batches that mix
+  constrained and unconstrained requests (the unconstrained ones equal their own plain output).
+- Sampling: seeded speculative runs follow the constrained target distribution, computed
+  exactly by enumerating every path under masks decided by an independent oracle (a
+  character-level check of the regex, not the grammar engine), by a chi-square test.
+- Outputs: a finished JSON-schema output parses and validates, a regex output matches, a
+  choice is one of the choices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from polyspec.config import SamplingParams, SpeculativeConfig
+from polyspec.testing.plugin import default_page_size, require
+from polyspec.testing.test_sampling_e2e import chi_square_rejects
+
+pytest.importorskip("llguidance", reason="structured output needs llguidance (polyspec[grammar])")
+
+PROMPTS = [[17, 42, 99, 5, 61], [7, 8, 9], [200, 3, 150, 77]]
+
+SCHEMAS = [
+    {  # nested object, enum, bounded integer, required fields
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "color": {"enum": ["red", "green"]},
+            "pos": {
+                "type": "object",
+                "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}},
+                "required": ["x"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "age", "color", "pos"],
+        "additionalProperties": False,
+    },
+    {  # an array of booleans, bounded
+        "type": "object",
+        "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+        "required": ["flags"],
+        "additionalProperties": False,
+    },
+]
+REGEX = r"[a-e]{2}@(x|yz)\.(com|org)"
+CHOICES = ["alpha", "beta gamma", 'say "hi"']
+
+
+def _llm(backend, backend_name, tiny, algorithm=None, **spec):
+    from polyspec.engine.llm import LLM
+
+    draft = speculative = None
+    if algorithm is not None:
+        draft = tiny["target"] if algorithm == "self" else tiny[algorithm]
+        algo = "standalone" if algorithm == "self" else algorithm
+        speculative = SpeculativeConfig(algorithm=algo, **spec)
+    return LLM(
+        target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
+        dtype="float32", max_batch_size=64, max_context=160, page_size=default_page_size(backend),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain(backend, backend_name, tiny_models):
+    return _llm(backend, backend_name, tiny_models)
+
+
+def _constraints():
+    return [
+        {"json_schema": SCHEMAS[0]},
+        {"json_schema": SCHEMAS[1]},
+        {"regex": REGEX},
+        {"choice": CHOICES},
+    ]
+
+
+def _batch(max_new_tokens: int = 90, **kw):
+    """Each constraint on each prompt, and every prompt unconstrained, in one batch."""
+    prompts, params = [], []
+    for c in _constraints():
+        for p in PROMPTS:
+            prompts.append(p)
+            params.append(SamplingParams(max_new_tokens=max_new_tokens, **c, **kw))
+    for p in PROMPTS:
+        prompts.append(p)
+        params.append(SamplingParams(max_new_tokens=20, ignore_eos=True, **kw))
+    return prompts, params
+
+
+def _check_output(params: SamplingParams, text: str, finish_reason: str) -> None:
+    """A finished output satisfies its constraint; a truncated one is a prefix of one."""
+    if params.regex is not None:
+        assert finish_reason == "stop" and re.fullmatch(REGEX, text), (text, finish_reason)
+    elif params.choice is not None:
+        assert finish_reason == "stop" and text in CHOICES, (text, finish_reason)
+    elif params.json_schema is not None:
+        assert finish_reason == "stop", f"a bounded schema's output was cut: {text!r}"
+        value = json.loads(text)
+        schema = json.loads(params.json_schema)
+        try:
+            import jsonschema
+        except ImportError:  # the checks the schemas above need, by hand
+            assert isinstance(value, dict) and set(value) == set(schema["required"]), value
+        else:
+            jsonschema.validate(value, schema)
+
+
+@pytest.mark.parametrize(
+    "algorithm,topk,num_steps",
+    [("self", 1, 3), ("self", 2, 3), ("eagle3", 2, 3), ("eagle3", 3, 2)],
+)
+def test_constrained_greedy_spec_equals_plain(
+    backend, backend_name, tiny_models, plain, algorithm, topk, num_steps
+):
+    """Greedy speculative == greedy plain under each constraint, in one mixed batch; every
+    constrained output satisfies its constraint and finishes with "stop"."""
+    from polyspec.testing.forward import assert_greedy_equal
+
+    require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    spec = _llm(backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps)
+    prompts, params = _batch()
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = spec.generate(prompt_token_ids=prompts, sampling_params=params)
+    ties = assert_greedy_equal(
+        plain.target, plain.backend, prompts, [o.token_ids for o in want],
+        [o.token_ids for o in got],
+    )  # fmt: skip
+    assert ties <= 1, f"{ties} near-ties: the test models should make them rare"
+    for p, w, g in zip(params, want, got):
+        if p.constrained:
+            _check_output(p, w.text, w.finish_reason)
+            _check_output(p, g.text, g.finish_reason)
+    assert spec.worker.constrained_rounds > 0
+    accepted = [n for p, o in zip(params, got) if p.constrained for n in o.stats.accepted_per_round]
+    assert max(accepted) > 1, "no constrained round accepted a draft token: nothing proven"
+
+
+# ---------------------------------------------------------------------------- sampling
+
+SAMPLE_REGEX = r"[a-e]{2}"
+TEMPERATURE = 1.3
+NUM_SAMPLES = 1200
+
+
+def _oracle_allowed(llm, text: str) -> list[int]:
+    """Tokens that may follow ``text`` under SAMPLE_REGEX, decided character by character:
+    a token is allowed when its text keeps the output a prefix of a match."""
+    tok = llm.tokenizer
+    out = []
+    for t in range(tok.vocab_size):
+        piece = tok.decode([t], skip_special_tokens=False)
+        s = text + piece
+        if piece and len(s) <= 2 and all(c in "abcde" for c in s):
+            out.append(t)
+    return out
+
+
+def _exact_constrained(llm) -> dict[tuple[int, ...], float]:
+    """P(the output's tokens) under the constraint: at each step the target's softmax at
+    TEMPERATURE restricted to the oracle's tokens, renormalised; the output ends when its
+    text is two characters long."""
+    from polyspec.testing.forward import run_prefill
+
+    dev = llm.backend.device()
+    law: dict[tuple[int, ...], float] = {}
+    frontier = [((), 1.0)]
+    while frontier:
+        path, pr = frontier.pop()
+        text = llm.tokenizer.decode(list(path))
+        if len(text) == 2:
+            law[path] = pr
+            continue
+        ids = torch.tensor(PROMPTS[0] + list(path), device=dev)
+        logits = run_prefill(llm.target, llm.backend, ids)[1][-1].double().cpu()
+        allowed = torch.tensor(_oracle_allowed(llm, text))
+        p = torch.softmax(logits[allowed] / TEMPERATURE, 0)
+        frontier += [((*path, int(t)), pr * float(q)) for t, q in zip(allowed, p)]
+    return law
+
+
+@pytest.fixture(scope="module")
+def exact_law(plain):
+    law = _exact_constrained(plain)
+    assert abs(sum(law.values()) - 1) < 1e-9 and len(law) >= 20
+    return law
+
+
+@pytest.mark.parametrize(
+    "algorithm,topk,num_steps", [(None, 1, 0), ("self", 2, 3), ("eagle3", 2, 3)]
+)
+def test_constrained_sampling_follows_the_constrained_target(
+    backend, backend_name, tiny_models, exact_law, algorithm, topk, num_steps
+):
+    """Seeded sampling, plain and speculative, under a regex: the outputs' law is the
+    target's masked distribution (chi-square against the exact enumeration); a negative
+    control (the law at another temperature) is rejected at this sample size."""
+    require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    spec = {} if algorithm is None else {"topk": topk, "num_steps": num_steps}
+    llm = _llm(backend, backend_name, tiny_models, algorithm, **spec)
+    params = [
+        SamplingParams(max_new_tokens=6, temperature=TEMPERATURE, seed=i, regex=SAMPLE_REGEX)
+        for i in range(NUM_SAMPLES)
+    ]
+    outs = llm.generate(prompt_token_ids=[PROMPTS[0]] * NUM_SAMPLES, sampling_params=params)
+    counts: Counter = Counter()
+    for o in outs:
+        assert o.finish_reason == "stop" and re.fullmatch(SAMPLE_REGEX, o.text), o.text
+        counts[tuple(o.token_ids)] += 1
+    rejected, msg = chi_square_rejects(counts, exact_law, NUM_SAMPLES)
+    assert not rejected, msg
+    if algorithm is None:  # negative control, once
+        flat = {k: v**0.3 for k, v in exact_law.items()}
+        total = sum(flat.values())
+        wrong = {k: v / total for k, v in flat.items()}
+        rejected, msg = chi_square_rejects(counts, wrong, NUM_SAMPLES)
+        assert rejected, f"a wrong law was accepted: {msg}"

@@ -1,0 +1,140 @@
+"""Structured output's checks and pieces: the form of SamplingParams' constraint fields, the
+grammar cache's errors, a dead end failing its request alone, llguidance missing, the draft
+vocabulary's masks, and a request finishing where its grammar does."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from polyspec.config import SamplingParams
+from polyspec.errors import ConfigError, RequestError
+
+pytest.importorskip("llguidance")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from polyspec.testing import builders
+
+    return builders.build_tiny_target(tmp_path_factory.mktemp("so") / "target", seed=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    from polyspec.engine.llm import LLM
+
+    return LLM(target=str(tiny), backend="cpu", dtype="float32", max_batch_size=4,
+               max_context=160)  # fmt: skip
+
+
+def test_sampling_params_constraint_form():
+    p = SamplingParams(json_schema={"type": "object", "b": 1, "a": [1]})
+    assert p.json_schema == '{"a":[1],"b":1,"type":"object"}' and p.constrained
+    assert SamplingParams(choice=["x", "y"]).choice == ("x", "y")
+    assert not SamplingParams().constrained
+    with pytest.raises(ConfigError, match="only one of"):
+        SamplingParams(regex="a", choice=["a"])
+    with pytest.raises(ConfigError, match="sampling.choice"):
+        SamplingParams(choice=[])
+    with pytest.raises(ConfigError, match="sampling.choice"):
+        SamplingParams(choice=["a", 3])
+    with pytest.raises(ConfigError, match="sampling.regex"):
+        SamplingParams(regex="")
+    with pytest.raises(ConfigError, match="sampling.json_schema"):
+        SamplingParams(json_schema=3)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("regex", "a(b", "unclosed group"),
+        ("json_schema", '{"type": "foo"}', "Invalid type: foo"),
+        ("json_schema", "{bad", "line 1 column 2"),
+        ("json_schema", "[1]", "an object or a boolean"),
+        ("grammar", "start: x", 'unknown name: "x"'),
+    ],
+)
+def test_an_invalid_constraint_is_a_request_error(llm, field, value, message):
+    """Refused at submit, naming the field and llguidance's (or the JSON parser's) message;
+    the engine runs on."""
+    with pytest.raises(RequestError, match=message) as info:
+        llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(**{field: value}))
+    assert info.value.field == f"sampling.{field}"
+    out = llm.generate(prompt_token_ids=[[5, 6]], sampling_params=SamplingParams(
+        max_new_tokens=8, choice=["ok"]))[0]  # fmt: skip
+    assert (out.text, out.finish_reason) == ("ok", "stop")
+
+
+def test_a_dead_end_fails_its_request_alone(llm):
+    """A grammar no token can start fails its own request with a clear error; a constrained
+    and an unconstrained request in the same batch finish normally."""
+    params = [
+        SamplingParams(max_new_tokens=8, regex=r"a[^\s\S]"),
+        SamplingParams(max_new_tokens=8, regex=r"[xyz]{3}"),
+        SamplingParams(max_new_tokens=5, ignore_eos=True),
+    ]
+    outs = llm.generate(prompt_token_ids=[[5, 6], [7, 8], [9, 10]], sampling_params=params)
+    assert outs[0].finish_reason == "error"
+    assert "no token of the vocabulary can continue" in outs[0].error
+    assert outs[1].finish_reason == "stop" and len(outs[1].text) == 3
+    assert set(outs[1].text) <= set("xyz")
+    assert outs[2].finish_reason == "length" and len(outs[2].token_ids) == 5
+
+
+def test_missing_llguidance_names_the_extra(tiny, monkeypatch):
+    from polyspec.engine.llm import LLM
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails
+    fresh = LLM(target=str(tiny), backend="cpu", dtype="float32", max_batch_size=2,
+                max_context=160)  # fmt: skip
+    with pytest.raises(RequestError, match=r"polyspec\[grammar\]") as info:
+        fresh.generate(prompt_token_ids=[[5]], sampling_params=SamplingParams(regex="a"))
+    assert info.value.field == "sampling.regex"
+    out = fresh.generate(prompt_token_ids=[[5]], sampling_params=SamplingParams(max_new_tokens=2))
+    assert len(out[0].token_ids) <= 2  # unconstrained requests need no grammar engine
+
+
+def test_grammar_cache_compiles_once_and_evicts(llm):
+    cache = llm.scheduler.grammars
+    a = cache.compile(("regex", "ab+"))
+    assert cache.compile(("regex", "ab+")) is a
+    m1, m2 = cache.matcher(("regex", "ab+")), cache.matcher(("regex", "ab+"))
+    assert m1 is not m2  # each request its own state
+    small = type(cache)(cache.tokenizer, cache.vocab_size, capacity=2)
+    first = small.compile(("regex", "a"))
+    small.compile(("regex", "b"))
+    small.compile(("regex", "c"))
+    assert small.compile(("regex", "a")) is not first  # evicted, compiled again
+
+
+def test_matcher_stops_at_the_grammar_end(llm):
+    """advance takes the tokens up to the one that completes the grammar; the rest of an
+    accepted run is not output."""
+    tok = llm.tokenizer
+    m = llm.scheduler.grammars.matcher(("choice", ("ab",)))
+    ids = tok.encode("ab", add_special_tokens=False) + tok.encode("cd", add_special_tokens=False)
+    taken = m.advance(ids)
+    assert tok.decode(ids[:taken]) == "ab" and m.done
+
+
+def test_draft_vocabulary_masks():
+    """A target-vocabulary mask read through an EAGLE-3 head's d2t map."""
+    import torch
+
+    from polyspec.constrain import RoundMasks
+
+    vocab = 100
+    allowed = {3, 31, 32, 64, 99}
+    row = np.zeros(4, dtype=np.int32)
+    for t in allowed:
+        row.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
+    d2t = np.array([0, 3, 5, 31, 32, 33, 64, 98, 99] + list(range(40, 70)), dtype=np.int64)
+    masks = RoundMasks([None], vocab, torch.from_numpy, lambda t: t)
+    masks.draft_to_target = d2t
+    out = masks._to_draft(row[None, :])
+    assert out.shape == (1, (len(d2t) + 31) // 32) and out.dtype == np.int32
+    bits = np.unpackbits(out.view(np.uint8), bitorder="little")[: len(d2t)]
+    assert [int(d2t[j]) for j in np.flatnonzero(bits)] == [3, 31, 32, 64, 99, 64]

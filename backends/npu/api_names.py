@@ -43,5 +43,7 @@ TORCH_DOT_NPU_NAMES: dict[str, str] = {
     "NPUGraph": "[GRAPH][CUDA-MIRROR] torch.cuda.CUDAGraph counterpart (capture_begin, replay, "
     "pool)",
     "graph": "[GRAPH][CUDA-MIRROR] capture context manager (graph, pool=, stream=)",
+    "device_count": "[CUDA-MIRROR] NPUs visible to this process (tensor parallelism's check)",
+    "set_device": "[CUDA-MIRROR] make a local rank's NPU current, as HCCL needs",
 }
 """``torch.npu.<name>`` -> source and meaning."""

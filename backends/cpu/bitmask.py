@@ -2,13 +2,13 @@
 
 The reference (``polyspec.kernels.reference``) expands every row's bits with a few torch ops
 over ``[n, W, 32]`` int32 tensors. On a CPU those ops are multi-threaded, and on a small
-shared machine their cost is mostly the threads' hand-offs: 3 rows of a 16k vocabulary took
-milliseconds per call in a loaded round (2-core VM, load average 8), as long as a layer of
-the draft. This version is single-threaded numpy over the logits' own memory: rows that
-allow every token they cover (unconstrained requests, tree nodes no output reaches) are
-skipped, the other rows' clear bits are unpacked to one byte per token and ``-inf`` is
-written there. Its result is the reference's, bit for bit (the conformance suite compares
-them).
+shared machine their cost is mostly the threads' hand-offs: 28-36 ms a call for 1-16 rows on
+the 2-core VM at load average 6 (``benchmarks/bench_bitmask_cpu.py``), against 0.3-4.2 ms
+here; with one torch thread the two cost the same. This version is single-threaded numpy
+over the logits' own memory: rows that allow every token they cover (unconstrained requests,
+tree nodes no output reaches) are skipped, the other rows' clear bits are unpacked to one
+byte per token and ``-inf`` is written there. Its result is the reference's, bit for bit
+(the conformance suite compares them).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from polyspec.backends.common import EagerGraphRunner, PagedAllocator, SDPAAtten
 from polyspec.errors import ConfigError
 from polyspec.kernels.reference import reference_kernels
 
-from . import rowinv
+from . import bitmask, rowinv
 
 CPU_CAPABILITIES = BackendCapabilities(
     graph_capture=False,
@@ -42,7 +42,8 @@ CPU_CAPABILITIES = BackendCapabilities(
 
 
 class CPUBackend(Backend):
-    """Plain-PyTorch backend on ``torch.device("cpu")`` with the reference kernels."""
+    """Plain-PyTorch backend on ``torch.device("cpu")`` with the reference kernels (and
+    ``apply_token_bitmask`` in numpy)."""
 
     name = "cpu"
     device_type = "cpu"
@@ -51,7 +52,10 @@ class CPUBackend(Backend):
         """The reference kernel set, with the C++ layer ops for bf16 unless
         ``POLYSPEC_CPU_KERNELS=torch``."""
         self.capabilities = CPU_CAPABILITIES
-        reference = reference_kernels()
+        # structured output's masks in single-threaded numpy (bitmask.py says why)
+        reference = dataclasses.replace(
+            reference_kernels(), apply_token_bitmask=bitmask.apply_token_bitmask
+        )
         self.kernels = reference
         self.kernel_choice = os.environ.get("POLYSPEC_CPU_KERNELS", "auto").strip() or "auto"
         if self.kernel_choice not in ("auto", "torch"):

@@ -7,7 +7,14 @@ runs without it until a request asks for a constraint.
 """
 
 from polyspec.constrain.grammars import GrammarCache, constraint_of
-from polyspec.constrain.masks import RoundMasks
+from polyspec.constrain.masks import DraftVocab, RoundMasks
 from polyspec.constrain.matcher import ConstraintViolation, Matcher
 
-__all__ = ["ConstraintViolation", "GrammarCache", "Matcher", "RoundMasks", "constraint_of"]
+__all__ = [
+    "ConstraintViolation",
+    "DraftVocab",
+    "GrammarCache",
+    "Matcher",
+    "RoundMasks",
+    "constraint_of",
+]

@@ -6,6 +6,11 @@ Rows of unconstrained requests (a mixed batch) are all ones, so applying a mask 
 as they are. A node no output can reach (below a token the grammar refuses, or past the
 grammar's end) is all ones too: its row is never used, since verification only accepts a
 child its parent's masked distribution allows.
+
+Each mask is computed once a round: a draft lane's path is a node of the tree the round
+verifies (the lanes of a level are the best candidates of that level, and only lanes get
+children), so the tree walk takes the lanes' masks and computes only the rest, which are
+leaves.
 """
 
 from __future__ import annotations
@@ -20,13 +25,42 @@ import torch
 from polyspec.constrain.matcher import Matcher, mask_width
 
 
+class DraftVocab:
+    """A draft head's own vocabulary as target ids (an EAGLE-3 head's ``d2t``): reads
+    target-vocabulary masks as masks over the draft's vocabulary. Made once per worker."""
+
+    def __init__(self, draft_to_target: np.ndarray):  # [V'] int64 target ids
+        self._ids = np.asarray(draft_to_target, dtype=np.intp)
+        self.size = len(self._ids)
+        self.width = mask_width(self.size)
+        # an unconstrained row: every draft token allowed, the bits past V' clear
+        ones = np.zeros(self.width * 32, dtype=np.uint8)
+        ones[: self.size] = 1
+        self._ones = np.packbits(ones, bitorder="little").view(np.int32)
+
+    def to_draft(self, masks: np.ndarray) -> np.ndarray:  # [n, W] -> [n, W'] int32
+        """The draft token ``j``'s bit of each row is the target token ``d2t[j]``'s. Only
+        constrained rows are unpacked (numpy's bit unpacking and ``take``: a few times
+        faster than fancy indexing words); an all-ones row stays all ones."""
+        out = np.empty((masks.shape[0], self.width), dtype=np.int32)
+        out[:] = self._ones
+        rows = np.flatnonzero((masks != -1).any(axis=1))
+        if rows.size:
+            bits = np.unpackbits(masks[rows].view(np.uint8), axis=1, bitorder="little")
+            picked = np.packbits(np.take(bits, self._ids, axis=1), axis=1, bitorder="little")
+            out8 = out.view(np.uint8)
+            out8[rows, : picked.shape[1]] = picked
+            out8[rows, picked.shape[1] :] = 0
+        return out
+
+
 class RoundMasks:
     """The host side of a constrained round (handed to it in its
     :class:`~polyspec.spec.round.HostView`). ``matchers``: one per request, None where it is
-    unconstrained; ``vocab_size``: the target's logits width; ``draft_to_target``: the draft
-    head's vocabulary as target ids (None: the draft's logits are over the target's);
-    ``upload``: host int32 array -> the same on the round's device; ``read``: a device
-    tensor -> its host copy on the way (``Backend.read_async``)."""
+    unconstrained; ``vocab_size``: the target's logits width; ``draft_vocab``: the draft
+    head's own vocabulary (None: the draft's logits are over the target's); ``upload``: host
+    int32 array -> the same on the round's device; ``read``: a device tensor -> its host copy
+    on the way (``Backend.read_async``)."""
 
     def __init__(
         self,
@@ -34,7 +68,7 @@ class RoundMasks:
         vocab_size: int,
         upload: Callable[[np.ndarray], torch.Tensor],
         read: Callable[[torch.Tensor], Any],
-        draft_to_target: np.ndarray | None = None,
+        draft_vocab: DraftVocab | None = None,
     ):
         self.matchers = list(matchers)
         self.width = mask_width(vocab_size)
@@ -42,10 +76,16 @@ class RoundMasks:
         self.read = read
         self._tree_read: Any = None
         self._tree_shape: tuple[int, int] = (0, 0)
-        self.draft_to_target = draft_to_target
-        self.seconds = 0.0  # host time spent building masks
+        self.draft_vocab = draft_vocab
+        # Host seconds spent on the grammar for this round: the matchers' commits of the
+        # last round's tokens and their next masks (the scheduler's, between rounds), and
+        # this round's masks. Waits for the device (reading the draft) are not counted.
+        self.seconds = sum(m.take_seconds() for m in self.matchers if m is not None)
         self._root: np.ndarray | None = None
         self._lanes: list[list[list[int]]] = []  # per request, per lane: its draft path
+        # per request: the masks computed this round by draft path (None: no output reaches
+        # the path's node), so that a lane's mask serves its tree node too
+        self._known: list[dict[tuple[int, ...], np.ndarray | None]] = [{} for _ in matchers]
 
     def root(self) -> torch.Tensor:  # [b, W] int32 on the device
         """The mask of each request's next token (after its newest committed one)."""
@@ -53,7 +93,11 @@ class RoundMasks:
 
     def root_draft(self) -> torch.Tensor:  # [b, W'] int32 over the draft's vocabulary
         """:meth:`root` over the draft's own vocabulary (for the draft's first top-K)."""
-        return self.upload(self._to_draft(self._root_masks()))
+        root = self._root_masks()
+        t = time.perf_counter()
+        out = self._to_draft(root)
+        self.seconds += time.perf_counter() - t
+        return self.upload(out)
 
     def _root_masks(self) -> np.ndarray:
         if self._root is None:
@@ -62,6 +106,7 @@ class RoundMasks:
             for i, m in enumerate(self.matchers):
                 if m is not None:
                     out[i] = m.next_mask()
+                    self.seconds += m.take_seconds()  # where the scheduler had not asked
             self._root = out
             self.seconds += time.perf_counter() - t
         return self._root
@@ -76,27 +121,25 @@ class RoundMasks:
         """The masks of the draft's next token at each lane of level ``step``: lane ``j`` of
         a level after the first continues lane ``(parents[:, j] - K - K*K*(step-1)) // K`` of
         the level before (select_top_k's candidate ids)."""
-        t = time.perf_counter()
         b, K = len(self.matchers), topk
-        toks = tokens.view(b, K).tolist()
+        toks = tokens.view(b, K).tolist()  # waits for the draft level
+        par = None if step == 0 else parents.tolist()
+        t = time.perf_counter()
         if step == 0:
             self._lanes = [[[tok] for tok in row] for row in toks]
         else:
             base = K + K * K * (step - 1)
-            par = parents.tolist()
             self._lanes = [
                 [self._lanes[i][(par[i][j] - base) // K] + [toks[i][j]] for j in range(K)]
                 for i in range(b)
             ]
         out = np.full((b * K, self.width), -1, dtype=np.int32)
         for i, m in enumerate(self.matchers):
-            if m is None:
-                continue
-            for j, path in enumerate(self._lanes[i]):
-                if not m.fill_after(path, out[i * K + j]):
-                    out[i * K + j] = -1
+            if m is not None:
+                self._fill(i, m, [(i * K + j, path) for j, path in enumerate(self._lanes[i])], out)
+        out = self._to_draft(out)
         self.seconds += time.perf_counter() - t
-        return self.upload(self._to_draft(out))
+        return self.upload(out)
 
     def start_tree(
         self,
@@ -113,12 +156,11 @@ class RoundMasks:
 
     def tree(self) -> torch.Tensor:  # [b * N, W] int32 on the device
         """The mask of the token after every node of each request's tree (the root's is
-        :meth:`root`'s), walked depth first from the root, the matcher rolled back after
-        each branch."""
+        :meth:`root`'s), walked depth first from the root; the lanes' masks are reused."""
         root = self._root_masks()
-        t = time.perf_counter()
         b, n = self._tree_shape
-        flat = self._tree_read.wait().tolist()
+        flat = self._tree_read.wait().tolist()  # waits for the draft
+        t = time.perf_counter()
         self._tree_read = None
         rows = [flat[k * b * n : (k + 1) * b * n] for k in range(3)]
         toks, child, sib = ([r[i * n : (i + 1) * n] for i in range(b)] for r in rows)
@@ -127,26 +169,63 @@ class RoundMasks:
             if m is None:
                 continue
             out[i * n] = root[i]
-            stack = [(c, [toks[i][c]]) for c in _children(child[i], sib[i], 0)]
+            nodes = []  # (row, path) of every node below the root, depth first
+            stack = [(c, [toks[i][c]]) for c in reversed(_children(child[i], sib[i], 0))]
             while stack:
                 node, path = stack.pop()
-                if not m.fill_after(path, out[i * n + node]):
-                    out[i * n + node] = -1
-                    continue  # nothing below a node no output reaches matters either
-                stack += [(c, path + [toks[i][c]]) for c in _children(child[i], sib[i], node)]
+                nodes.append((i * n + node, path))
+                below = reversed(_children(child[i], sib[i], node))
+                stack += [(c, path + [toks[i][c]]) for c in below]
+            self._fill(i, m, nodes, out)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
+    def _fill(
+        self,
+        i: int,
+        m: Matcher,
+        nodes: Sequence[tuple[int, list[int]]],  # (row of out, draft path)
+        out: np.ndarray,  # [R, W] int32, all ones where nothing is written
+    ) -> None:
+        """Request ``i``'s masks after each path into its row: known ones copied, the rest
+        computed in one walk of the matcher (in path order, so that neighbours share their
+        prefix), nothing computed below a node no output reaches."""
+        known = self._known[i]
+        todo: dict[tuple[int, ...], int] = {}  # path -> the row computing it
+        copies: list[tuple[int, tuple[int, ...]]] = []
+        for row, path in nodes:
+            key = tuple(path)
+            if key in known:
+                if known[key] is not None:
+                    out[row] = known[key]
+            elif _unreachable(known, key):
+                known[key] = None
+            elif key in todo:
+                copies.append((row, key))
+            else:
+                todo[key] = row
+        if todo:
+            keys = sorted(todo)
+            rows = [todo[k] for k in keys]
+            ok = m.fill_paths([list(k) for k in keys], out, rows)
+            for key, row, good in zip(keys, rows, ok):
+                if good:
+                    known[key] = out[row]
+                else:
+                    known[key] = None
+                    out[row] = -1
+        for row, key in copies:
+            if known[key] is not None:
+                out[row] = known[key]
+
     def _to_draft(self, masks: np.ndarray) -> np.ndarray:  # [n, W] -> [n, W'] int32
         """Target-vocabulary masks as masks over the draft head's own vocabulary."""
-        if self.draft_to_target is None:
-            return masks
-        bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")
-        picked = bits[:, self.draft_to_target]
-        words = mask_width(picked.shape[1])
-        packed = np.zeros((masks.shape[0], words * 4), dtype=np.uint8)
-        packed[:, : (picked.shape[1] + 7) // 8] = np.packbits(picked, axis=1, bitorder="little")
-        return packed.view(np.int32)
+        return masks if self.draft_vocab is None else self.draft_vocab.to_draft(masks)
+
+
+def _unreachable(known: dict[tuple[int, ...], np.ndarray | None], key: tuple[int, ...]) -> bool:
+    """Whether a known path above ``key`` leads to a node no output reaches."""
+    return any(known.get(key[:d], 0) is None for d in range(1, len(key)))
 
 
 def _children(first_child: list[int], next_sibling: list[int], node: int) -> list[int]:

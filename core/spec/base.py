@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from polyspec.backend import Backend, ForwardMode
-from polyspec.constrain import Matcher, RoundMasks
+from polyspec.constrain import DraftVocab, Matcher, RoundMasks
 from polyspec.runtime.batch_builder import BatchBuilder
 from polyspec.runtime.executor import Launched, RoundExecutor
 from polyspec.runtime.graphs import CapturedForwards, GraphBuckets, block_slots, static_batch
@@ -219,13 +219,13 @@ class WorkerBase:
             return None
         return RoundMasks(
             [s.matcher for s in sts], self.target.config.vocab_size, self._upload_mask,
-            self.backend.read_async, self._draft_to_target(),
+            self.backend.read_async, self._draft_vocab(),
         )  # fmt: skip
 
     def _upload_mask(self, masks: np.ndarray) -> torch.Tensor:  # [n, W] int32 host -> device
         return torch.from_numpy(masks).to(self.device)
 
-    def _draft_to_target(self) -> np.ndarray | None:
+    def _draft_vocab(self) -> DraftVocab | None:
         """The draft's vocabulary as target ids, when its logits are over a vocabulary of
         its own (an EAGLE-3 head's reduced one); None: over the target's."""
         return None

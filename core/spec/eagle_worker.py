@@ -11,6 +11,7 @@ import torch
 
 from polyspec.backend import draft_lane_width
 from polyspec.config import SpeculativeConfig
+from polyspec.constrain import DraftVocab
 from polyspec.errors import ConfigError
 from polyspec.runtime.executor import Launched
 from polyspec.runtime.kv_cache import OutOfKVSlots
@@ -176,14 +177,14 @@ class EagleWorker(WorkerBase):
             inputs.update(zip(("topk_p", "topk_index", "hidden"), state))
         return inputs
 
-    def _draft_to_target(self):
+    def _draft_vocab(self) -> DraftVocab | None:
         """The head's reduced vocabulary as target ids (an EAGLE-3 head's ``d2t``), or None."""
         d2t = getattr(self.draft, "draft_to_target", None)
         if d2t is None:
             return None
-        if getattr(self, "_d2t_host", None) is None:
-            self._d2t_host = d2t.cpu().numpy()
-        return self._d2t_host
+        if getattr(self, "_draft_vocab_map", None) is None:  # once: the head's map is fixed
+            self._draft_vocab_map = DraftVocab(d2t.cpu().numpy())
+        return self._draft_vocab_map
 
     def _keep_state(self, launched: Launched) -> None:
         if not self.root_forward:

@@ -786,7 +786,8 @@ def _bitmask_case(g: torch.Generator, rows: int, vocab: int, width: int):
 
 def test_apply_token_bitmask_matches_reference(backend):
     """-inf exactly where the row's bit is clear (and past 32 * W), every other logit
-    unchanged, an all-ones row untouched; widths shorter and longer than the vocabulary."""
+    unchanged, an all-ones row untouched; widths shorter and longer than the vocabulary,
+    batches with and without an all-ones row, logits that are a view into wider rows."""
     from polyspec.kernels import reference
 
     g = _gen(SEED + 51)
@@ -801,3 +802,14 @@ def test_apply_token_bitmask_matches_reference(backend):
             got = _dev(backend, logits)
             backend.kernels.apply_token_bitmask(got, _dev(backend, mask))
             assert torch.equal(_cpu(got), expected), f"{dtype} {rows}x{vocab} W={width}"
+            # no all-ones row in the batch
+            got = _dev(backend, logits[1:])
+            backend.kernels.apply_token_bitmask(got, _dev(backend, mask[1:]))
+            assert torch.equal(_cpu(got), expected[1:]), f"{dtype} {rows - 1}x{vocab} W={width}"
+            # logits that are columns of a wider tensor: written in place, nothing beside
+            wide = _dev(backend, torch.zeros(rows, vocab + 5, dtype=dtype))
+            wide[:, 2 : 2 + vocab] = _dev(backend, logits)
+            backend.kernels.apply_token_bitmask(wide[:, 2 : 2 + vocab], _dev(backend, mask))
+            wide = _cpu(wide)
+            assert torch.equal(wide[:, 2 : 2 + vocab], expected), f"{dtype} a strided view"
+            assert not wide[:, :2].any() and not wide[:, 2 + vocab :].any()

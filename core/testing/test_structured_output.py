@@ -2,7 +2,8 @@
 
 - Greedy: speculative output equals plain output under the same constraint, token for token
   (float32), for chains and trees, EAGLE-3 and standalone drafts, in batches that mix
-  constrained and unconstrained requests (the unconstrained ones equal their own plain output).
+  constrained and unconstrained requests (the unconstrained ones equal their own plain output);
+  in bfloat16 too where the backend claims row-invariant bf16 forwards.
 - Sampling: seeded speculative runs follow the constrained target distribution, computed
   exactly by enumerating every path under masks decided by an independent oracle (a
   character-level check of the regex, not the grammar engine), by a chi-square test.
@@ -55,7 +56,7 @@ REGEX = r"[a-e]{2}@(x|yz)\.(com|org)"
 CHOICES = ["alpha", "beta gamma", 'say "hi"']
 
 
-def _llm(backend, backend_name, tiny, algorithm=None, **spec):
+def _llm(backend, backend_name, tiny, algorithm=None, dtype="float32", **spec):
     from polyspec.engine.llm import LLM
 
     draft = speculative = None
@@ -65,7 +66,7 @@ def _llm(backend, backend_name, tiny, algorithm=None, **spec):
         speculative = SpeculativeConfig(algorithm=algo, **spec)
     return LLM(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
-        dtype="float32", max_batch_size=64, max_context=160, page_size=default_page_size(backend),
+        dtype=dtype, max_batch_size=64, max_context=160, page_size=default_page_size(backend),
     )  # fmt: skip
 
 
@@ -139,6 +140,30 @@ def test_constrained_greedy_spec_equals_plain(
         if p.constrained:
             _check_output(p, w.text, w.finish_reason)
             _check_output(p, g.text, g.finish_reason)
+    assert spec.worker.constrained_rounds > 0
+    accepted = [n for p, o in zip(params, got) if p.constrained for n in o.stats.accepted_per_round]
+    assert max(accepted) > 1, "no constrained round accepted a draft token: nothing proven"
+
+
+@pytest.mark.parametrize("algorithm", ["self", "eagle3"])
+def test_constrained_greedy_spec_equals_plain_in_bf16(
+    backend, backend_name, tiny_models, algorithm
+):
+    """Where the backend claims row-invariant bf16 forwards (a verify row's logits do not
+    depend on the rows beside it): greedy speculative == greedy plain under each constraint
+    in bf16, token for token, with no allowance for near-ties."""
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    if "bfloat16" not in backend.capabilities.dtypes or not backend.row_invariant(torch.bfloat16):
+        pytest.skip("backend makes no row-invariance claim for bfloat16")
+    plain = _llm(backend, backend_name, tiny_models, dtype="bfloat16")
+    spec = _llm(backend, backend_name, tiny_models, algorithm, "bfloat16", topk=2, num_steps=3)
+    prompts, params = _batch()
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = spec.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for p, o in zip(params, got):
+        if p.constrained:
+            _check_output(p, o.text, o.finish_reason)
     assert spec.worker.constrained_rounds > 0
     accepted = [n for p, o in zip(params, got) if p.constrained for n in o.stats.accepted_per_round]
     assert max(accepted) > 1, "no constrained round accepted a draft token: nothing proven"

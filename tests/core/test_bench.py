@@ -95,6 +95,44 @@ def test_bench_standalone_self_draft_accepts_everything(tiny, tmp_path):
     assert rep["settings"]["batch_size"] == 2
 
 
+def test_bench_json_schema(tiny, tmp_path, capsys):
+    """--json-schema constrains both systems (the target as its own draft: drafts are
+    accepted under the grammar, and spec equals plain) and reports the mask time per round;
+    the unconstrained transformers baseline is skipped, and a file that is not JSON is a
+    clear error."""
+    pytest.importorskip("llguidance", reason="structured output needs polyspec[grammar]")
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--draft", str(tiny["target"]), "--algorithm", "standalone", "--num-steps", "2",
+        "--num-prompts", "2", "--max-new-tokens", "12", "--json-schema", str(schema),
+    )  # fmt: skip
+    assert rep["outputs_identical"] is True
+    assert rep["skipped"] == {
+        "transformers": "--json-schema (the transformers baseline is unconstrained)"
+    }
+    settings = rep["settings"]
+    assert settings["json_schema"] == str(schema)
+    assert set(settings["mask_ms_per_round"]) == {"plain", "spec"}
+    assert all(ms > 0 for ms in settings["mask_ms_per_round"].values())
+    assert rep["systems"]["spec"]["mean_acceptance_length"] > 1.0  # drafts accepted
+    assert "grammar mask time per constrained round (ms, host): plain" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["bench", "--dataset", str(tiny["data"]), "--json-schema", str(bad)]) == 2
+    assert f"--json-schema {bad}" in capsys.readouterr().err
+
+
 def test_bench_plain_only_sampling(tiny, tmp_path):
     rep = _bench(
         tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),

@@ -124,7 +124,7 @@ def test_draft_vocabulary_masks():
     """A target-vocabulary mask read through an EAGLE-3 head's d2t map."""
     import torch
 
-    from polyspec.constrain import RoundMasks
+    from polyspec.constrain import DraftVocab, RoundMasks
 
     vocab = 100
     allowed = {3, 31, 32, 64, 99}
@@ -132,9 +132,83 @@ def test_draft_vocabulary_masks():
     for t in allowed:
         row.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
     d2t = np.array([0, 3, 5, 31, 32, 33, 64, 98, 99] + list(range(40, 70)), dtype=np.int64)
-    masks = RoundMasks([None], vocab, torch.from_numpy, lambda t: t)
-    masks.draft_to_target = d2t
-    out = masks._to_draft(row[None, :])
-    assert out.shape == (1, (len(d2t) + 31) // 32) and out.dtype == np.int32
-    bits = np.unpackbits(out.view(np.uint8), bitorder="little")[: len(d2t)]
-    assert [int(d2t[j]) for j in np.flatnonzero(bits)] == [3, 31, 32, 64, 99, 64]
+    masks = RoundMasks([None], vocab, torch.from_numpy, lambda t: t, DraftVocab(d2t))
+    out = masks._to_draft(np.stack([row, np.full(4, -1, dtype=np.int32)]))
+    assert out.shape == (2, (len(d2t) + 31) // 32) and out.dtype == np.int32
+    bits = np.unpackbits(out.view(np.uint8), axis=1, bitorder="little")
+    assert [int(d2t[j]) for j in np.flatnonzero(bits[0])] == [3, 31, 32, 64, 99, 64]
+    # an unconstrained row allows every draft token and nothing past the draft's vocabulary
+    assert np.flatnonzero(bits[1]).tolist() == list(range(len(d2t)))
+
+
+def test_round_masks_compute_each_node_once(llm):
+    """A round's masks equal masks computed afresh for every node's path (a refused token
+    and the grammar's end give all-ones rows, and so does everything below them), while
+    each mask is computed once: the tree takes its lanes' masks instead of walking them
+    again, and nothing below an unreachable node is computed."""
+    import torch
+
+    from polyspec.constrain import ConstraintViolation, RoundMasks
+
+    tok, cache = llm.tokenizer, llm.scheduler.grammars
+    constraint = ("regex", "[ab][xy]z")
+    ids = {}
+    for ch in "abqxyz":
+        (ids[ch],) = tok.encode(ch, add_special_tokens=False)
+    m = cache.matcher(constraint)
+    m.next_mask()
+    computed = []
+    compute = m._compute
+
+    def counting(out):  # the real computation, counted
+        computed.append(1)
+        compute(out)
+
+    m._compute = counting
+    masks = RoundMasks([m, None], cache.vocab_size, torch.from_numpy, llm.backend.read_async)
+    K = 2
+    # level 0: lanes "a" and "q" (refused); level 1: both lanes continue "a"
+    lane0 = masks.lanes(0, torch.tensor([ids["a"], ids["q"], 0, 0]), None, K)
+    lane1 = masks.lanes(1, torch.tensor([ids["x"], ids["y"], 0, 0]), torch.tensor([[2, 3]] * 2), K)
+    lanes_computed = len(computed)
+    # the tree: 1 a, 2 b, 3 q under the root; 4 x, 5 y under a; 6 x under b; 7 x under q;
+    # 8 z (the grammar's end), 9 x (refused) under a-x
+    tokens = [0, ids["a"], ids["b"], ids["q"], ids["x"], ids["y"], ids["x"], ids["x"]]
+    tokens += [ids["z"], ids["x"]]
+    first_child = [1, 4, 6, 7, 8, -1, -1, -1, -1, -1]
+    next_sibling = [-1, 2, 3, -1, 5, -1, -1, -1, 9, -1]
+    n = len(tokens)
+    none = [-1] * n
+    masks.start_tree(
+        torch.tensor([tokens, [0] * n]), torch.tensor([first_child, none]),
+        torch.tensor([next_sibling, none]),
+    )  # fmt: skip
+    tree = masks.tree().numpy()
+    parents = {c: p for p, c in enumerate(first_child) if c != -1}
+    for node, sib in enumerate(next_sibling):
+        if sib != -1:
+            parents[sib] = parents[node]
+
+    def path(node):
+        return [] if node == 0 else path(parents[node]) + [tokens[node]]
+
+    def fresh(p):  # the mask after path p from a new matcher, all ones where unreachable
+        f = cache.matcher(constraint)
+        try:
+            if f.advance(p) == len(p) and not f.done:
+                return f.next_mask()
+        except ConstraintViolation:
+            pass
+        return np.full(tree.shape[1], -1, dtype=np.int32)
+
+    for node in range(n):
+        assert np.array_equal(tree[node], fresh(path(node))), node
+    assert (tree[n:] == -1).all()  # the unconstrained request
+    lane_paths = [["a"], ["q"], ["a", "x"], ["a", "y"]]
+    lane_rows = np.concatenate([lane0.numpy()[:K], lane1.numpy()[:K]])
+    for row, p in zip(lane_rows, lane_paths):
+        assert np.array_equal(row, fresh([ids[c] for c in p])), p
+    assert (lane0.numpy()[K:] == -1).all() and (lane1.numpy()[K:] == -1).all()
+    # lanes: a, a-x, a-y (q is refused); the tree: b and b-x only
+    assert (lanes_computed, len(computed)) == (3, 5)
+    assert masks.seconds > 0

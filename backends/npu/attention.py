@@ -406,7 +406,7 @@ def _captured_rows(
     """The operator lengths of a captured forward for the engine's host parameters: Q queries
     in every row and ``prefix + Q`` keys (the causal diagonal at the end of the row's keys, so
     a row's real tokens see what they see eagerly); DRAFT_DECODE (``lanes`` = K): one query
-    per (request, lane) row and ``prefix + lane_lens`` keys."""
+    per (request, lane) row and ``prefix + lane_lens`` keys (at least 1)."""
 
     def replay_lengths(host_params: Mapping[str, Any]) -> OperatorLengths:
         given = host_lengths(host_params)
@@ -420,7 +420,8 @@ def _captured_rows(
             return OperatorLengths([q] * bs, [p + q for p in prefix])
         if given.lane_lens is None or len(given.lane_lens) != bs:
             raise ValueError("npu attention: a captured DRAFT_DECODE needs lane_lens per row")
-        kv = [p + int(w) for p, w in zip(prefix, given.lane_lens) for _ in range(lanes)]
+        # a padding request's lanes (no lane slot) see one key, so their output stays finite
+        kv = [max(p + int(w), 1) for p, w in zip(prefix, given.lane_lens) for _ in range(lanes)]
         return OperatorLengths([1] * len(kv), kv)
 
     return replay_lengths

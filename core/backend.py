@@ -135,6 +135,15 @@ class BackendCapabilities:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class HostLengths:
+    """The host lists of one forward (as :class:`ForwardBatch`'s ``*_cpu`` fields)."""
+
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    lane_lens: list[int] | None = None  # DRAFT_DECODE only
+
+
 @dataclasses.dataclass
 class ForwardBatch:
     """What one model forward computes, in backend-neutral terms.
@@ -147,7 +156,9 @@ class ForwardBatch:
     Index tensors are in the backend's index dtype (``capabilities.index_dtype``). The ``*_cpu``
     host lists equal their device tensors and are filled for every eager forward, so building
     metadata never needs a device-to-host read; in a captured forward they are None and a
-    backend that needs host lengths gets them through :meth:`GraphRunner.prepare`.
+    backend that needs host lengths gets them through :meth:`GraphRunner.prepare`: the forward's
+    :attr:`host_lengths` turns the parameters the engine passes to ``prepare`` before each
+    replay into this forward's host lists.
     """
 
     mode: ForwardMode
@@ -164,7 +175,12 @@ class ForwardBatch:
     lane_locs: torch.Tensor | None = None  # DRAFT_DECODE: [bs, K, W] slots of each lane
     lane_lens: torch.Tensor | None = None  # DRAFT_DECODE: [bs] lane slots visible this step
     lane_lens_cpu: list[int] | None = None  # DRAFT_DECODE: host copy of lane_lens
-    topk: int = 1  # DRAFT_DECODE: K lanes per request
+    topk: int = 1  # DRAFT_DECODE: K lanes per request; TARGET_VERIFY: the tree's K (1: a chain)
+    host_lengths: Callable[[Mapping[str, Any]], HostLengths] | None = None
+    """Captured forwards only: ``host_lengths(host_params)`` gives this forward's host lists
+    (one entry per row of the captured batch, padding rows included) for the ``host_params``
+    of :meth:`GraphRunner.prepare` (``{}``: the capture's own inputs, all padding rows). A
+    backend with ``graph_needs_prepare`` keeps it and calls it in ``prepare``."""
 
     @property
     def batch_size(self) -> int:
@@ -324,7 +340,14 @@ class GraphRunner(abc.ABC):
 
     def prepare(self, key: Any, host_params: Mapping[str, Any]) -> None:
         """Update host-side parameters of a captured graph before replay (Ascend graphs need
-        the new sequence lengths). The default does nothing."""
+        the new sequence lengths). The default does nothing.
+
+        The engine calls it (where ``graph_needs_prepare``) before every replay with
+        ``{"batch_size": bs, "max_prefix_len": <the key's prefix bucket>}`` and the replay's
+        per-request host lists (``bs`` entries each, padding rows left out): a decode round
+        passes ``"seq_lens"`` (committed lengths), a captured prefill ``"prefix_lens"`` and
+        ``"extend_lens"``. Each captured forward's :attr:`ForwardBatch.host_lengths` maps
+        these to that forward's lists."""
 
     @abc.abstractmethod
     def replay(self, key: Any, new_inputs: Mapping[str, torch.Tensor]) -> Any:

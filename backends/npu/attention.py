@@ -18,13 +18,21 @@ reach the operator as host lists (``actual_seq_lengths``: cumulative query ends 
 sync per layer. A verify forward is a chain when its tree mask is the causal one; that is
 checked once per forward on the host (``ForwardBatch`` carries no topk for TARGET_VERIFY).
 
-Graph capture (:meth:`NPUAttention.build_static_metadata`): the engine captures whole decode
-rounds whose lengths are computed on the device, and ``GraphRunner.prepare`` carries no
-per-request host lengths, so a captured forward passes host arguments fixed by its shapes
-(``actual_seq_lengths`` = Q, ``actual_seq_lengths_kv`` = the bucket's key range for every row)
-and states the real lengths in an explicit device mask: BSND, ``sparse_mode=0``, block tables
-gathered from ``req_to_token`` inside the graph (``ceil((max_prefix_len + Q) / P)`` blocks,
-headroom for the block's own tokens). Replays then need no task update.
+Graph capture (:meth:`NPUAttention.build_static_metadata`): the same operator and modes, on
+the captured batch's fixed layout of Q queries per row (padding requests last, with prefix 0):
+TND with ``sparse_mode=3`` for every mode but tree verification (a row sees ``prefix + Q``
+keys, the causal diagonal aligned to its end, so a row's real queries see what they see
+eagerly; the queries past a row's real tokens are padding whose outputs are discarded), BSND
+with ``sparse_mode=0`` and the explicit device-built mask where the verify tree's topk > 1
+(``ForwardBatch.topk``). The block tables are device tensors gathered from ``req_to_token``
+inside the graph (``ceil((max_prefix_len + Q) / P)`` columns: the prefix bucket plus headroom
+for the block's own tokens), so every replay reads the current ones. The host lengths are
+graph task parameters: under capture each layer's operator runs as its ``.out`` overload in
+a task group of its own behind an ``ExternalEvent`` (vllm-ascend's pattern), and
+:meth:`~polyspec.backends.npu.graph.NPUGraphRunner.prepare` re-issues every such task with the
+``actual_seq_lengths`` / ``actual_seq_lengths_kv`` computed from the engine's host parameters
+through ``ForwardBatch.host_lengths`` (and the same block table, mask and buffers), then
+records the event.
 
 float32 models: the fused operator takes float16 / bfloat16 only, so a float32 pool uses the
 portable gather + SDPA attention of ``polyspec.backends.common`` on the NPU (exact, slower); it
@@ -34,14 +42,21 @@ is what the conformance suite's float32 lossless tests run.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from polyspec.backend import AttentionBackend, AttentionMetadata, ForwardBatch, ForwardMode
+from polyspec.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    ForwardBatch,
+    ForwardMode,
+    HostLengths,
+)
 from polyspec.backends.common import SDPAAttention
 
+from . import graph as graph_tasks
 from .kv_pool import NPUKVPool, store_paged
 from .runtime import import_torch_npu
 
@@ -56,8 +71,8 @@ CAUSAL, TREE = 3, 0
 
 
 @dataclasses.dataclass
-class HostLengths:
-    """The host-side length arguments of one forward, per operator row."""
+class OperatorLengths:
+    """The operator's host-side length arguments of one forward, per operator row."""
 
     query_lens: list[int]  # per row: queries
     kv_lens: list[int]  # per row: keys visible
@@ -69,16 +84,16 @@ def host_lengths(
     extend_lens: Sequence[int],
     lane_lens: Sequence[int] | None,
     topk: int,
-) -> HostLengths:
+) -> OperatorLengths:
     """Lengths the operator needs, from the batch's host lists."""
     if mode is ForwardMode.DRAFT_DECODE:
         if lane_lens is None:
             raise ValueError("npu attention: DRAFT_DECODE needs lane_lens_cpu")
         kv = [p + w for p, w in zip(prefix_lens, lane_lens) for _ in range(topk)]
-        return HostLengths([1] * len(kv), kv)
+        return OperatorLengths([1] * len(kv), kv)
     if mode is ForwardMode.DECODE:
-        return HostLengths([1] * len(prefix_lens), [p + 1 for p in prefix_lens])
-    return HostLengths(list(extend_lens), [p + e for p, e in zip(prefix_lens, extend_lens)])
+        return OperatorLengths([1] * len(prefix_lens), [p + 1 for p in prefix_lens])
+    return OperatorLengths(list(extend_lens), [p + e for p, e in zip(prefix_lens, extend_lens)])
 
 
 def cumulative(lens: Sequence[int]) -> list[int]:
@@ -96,13 +111,15 @@ class NPUMetadata(AttentionMetadata):
 
     mode: ForwardMode
     out_cache_loc: torch.Tensor  # [T] int32 slots receiving the new K/V
-    lengths: HostLengths
+    lengths: OperatorLengths
     block_table: torch.Tensor | None  # [rows, max_blocks] int32
     sparse_mode: int  # CAUSAL (TND) or TREE (BSND, explicit mask)
     atten_mask: torch.Tensor | None  # bool, True = masked
     rows: int  # operator batch rows: requests, or requests * K for DRAFT_DECODE
     queries_per_row: int  # BSND query length (N, tree verification)
     portable: AttentionMetadata | None = None  # float32: the SDPA path's metadata
+    # captured forwards: the operator's host lengths for GraphRunner.prepare's host parameters
+    replay_lengths: Callable[[Mapping[str, Any]], OperatorLengths] | None = None
 
 
 class NPUAttention(AttentionBackend):
@@ -161,9 +178,10 @@ class NPUAttention(AttentionBackend):
         )  # fmt: skip
 
     def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> NPUMetadata:
-        """Metadata of a captured forward, from device tensors only (module docstring, "Graph
-        capture"): BSND with an explicit mask over a bucket-sized key range, so the operator's
-        host arguments depend on the shapes alone and stay valid at every replay."""
+        """Metadata of a captured forward (module docstring, "Graph capture"): device tensors
+        for the block table and the tree mask, host lengths from ``batch.host_lengths``
+        (``{}``: the batch as captured; the graph runner's ``prepare`` re-issues them for
+        each replay)."""
         bs, t = batch.batch_size, batch.num_tokens
         if bs < 1 or t % bs:
             raise ValueError(
@@ -173,44 +191,54 @@ class NPUAttention(AttentionBackend):
         out_cache_loc = batch.out_cache_loc.to(torch.int32)
         if not self.use_fused:
             return NPUMetadata(
-                batch.mode, out_cache_loc, HostLengths([], []), None, TREE, None, bs, 1,
+                batch.mode, out_cache_loc, OperatorLengths([], []), None, TREE, None, bs, 1,
                 portable=self.portable.build_static_metadata(batch, max_prefix_len),
             )  # fmt: skip
+        if batch.host_lengths is None:
+            raise ValueError(
+                "npu attention: a captured forward needs ForwardBatch.host_lengths (the "
+                "operator's sequence lengths are host task parameters, re-issued by "
+                "GraphRunner.prepare before each replay: capabilities.graph_needs_prepare)"
+            )
         if batch.mode is ForwardMode.DRAFT_DECODE:
             return self._static_lanes(batch, max_prefix_len, out_cache_loc)
         ps, q = self.page_size, t // bs
-        dev = out_cache_loc.device
         kv_max = -(-(int(max_prefix_len) + q) // ps) * ps  # keys any row of the bucket may see
         table = _table_columns(batch, kv_max // ps, ps)  # [bs, kv_max / P]
+        replay_lengths = _captured_rows(batch.host_lengths, bs, q, lanes=None)
+        lengths = replay_lengths({})
+        if batch.mode is not ForwardMode.TARGET_VERIFY or batch.topk == 1:
+            return NPUMetadata(
+                batch.mode, out_cache_loc, lengths, table, CAUSAL,
+                self._causal_mask(out_cache_loc.device), bs, q, replay_lengths=replay_lengths,
+            )  # fmt: skip
+        tree = batch.tree_mask
+        if tree is None or tuple(tree.shape) != (bs, q, q):
+            raise ValueError(
+                f"npu attention: TARGET_VERIFY needs tree_mask bool [bs, N, N] = [{bs}, {q}, {q}]"
+            )
+        dev = out_cache_loc.device
         prefix = batch.prefix_lens.to(torch.int64)[:, None, None]  # [bs, 1, 1]
         extend = batch.extend_lens.to(torch.int64)[:, None, None]
         col = torch.arange(kv_max, device=dev)[None, None, :]  # [1, 1, KV]
         row = torch.arange(q, device=dev)[None, :, None]  # [1, Q, 1]
-        if batch.mode is ForwardMode.TARGET_VERIFY:
-            tree = batch.tree_mask
-            if tree is None or tuple(tree.shape) != (bs, q, q):
-                raise ValueError(
-                    f"npu attention: TARGET_VERIFY needs tree_mask bool [bs, N, N] = "
-                    f"[{bs}, {q}, {q}]"
-                )
-            rel = col - prefix  # [bs, 1, KV]: tree node of a key column
-            in_tree = (rel >= 0) & (rel < q)
-            node = rel.clamp(0, q - 1).expand(bs, q, kv_max)
-            visible = (col < prefix) | (in_tree & tree.bool().gather(2, node))
-        else:
-            visible = col < prefix + row + 1  # causal with the prefix
+        rel = col - prefix  # [bs, 1, KV]: tree node of a key column
+        in_tree = (rel >= 0) & (rel < q)
+        node = rel.clamp(0, q - 1).expand(bs, q, kv_max)
+        visible = (col < prefix) | (in_tree & tree.bool().gather(2, node))
         padding = row >= extend  # [bs, Q, 1]: a padding query sees key 0 only (finite output)
         visible = torch.where(padding, col == 0, visible)  # [bs, Q, KV]
         return NPUMetadata(
-            batch.mode, out_cache_loc, HostLengths([q] * bs, [kv_max] * bs), table, TREE,
-            (~visible).unsqueeze(1).contiguous(), bs, q,
+            batch.mode, out_cache_loc, lengths, table, TREE, (~visible).unsqueeze(1).contiguous(),
+            bs, q, replay_lengths=replay_lengths,
         )  # fmt: skip
 
     def _static_lanes(
         self, batch: ForwardBatch, max_prefix_len: int, out_cache_loc: torch.Tensor
     ) -> NPUMetadata:
         """DRAFT_DECODE under capture: row (b, l) reads the request's prefix blocks, then lane
-        l's blocks (page-aligned prefixes), and sees ``prefix + lane_lens`` keys."""
+        l's blocks (page-aligned prefixes), and sees ``prefix + lane_lens`` keys (TND,
+        ``sparse_mode=3``, one query per row)."""
         ps, k = self.page_size, batch.topk
         if batch.lane_locs is None or batch.lane_lens is None:
             raise ValueError("npu attention: DRAFT_DECODE needs lane_locs and lane_lens")
@@ -218,14 +246,10 @@ class NPUAttention(AttentionBackend):
         prefix_blocks = _table_columns(batch, max(-(-int(max_prefix_len) // ps), 1), ps)
         n_prefix = batch.prefix_lens.to(torch.int64) // ps  # [bs] (page-aligned prefixes)
         table = _lane_table(prefix_blocks, n_prefix, batch.lane_locs, ps, k)  # [bs*K, C]
-        kv_max = table.shape[1] * ps
-        col = torch.arange(kv_max, device=table.device)[None, :]  # [1, KV]
-        seen = batch.prefix_lens.to(torch.int64) + batch.lane_lens.to(torch.int64)  # [bs]
-        visible = col < seen[:, None]  # [bs, KV]
-        visible = visible[:, None, :].expand(bs, k, kv_max).reshape(bs * k, 1, 1, kv_max)
+        replay_lengths = _captured_rows(batch.host_lengths, bs, 1, lanes=k)
         return NPUMetadata(
-            batch.mode, out_cache_loc, HostLengths([1] * (bs * k), [kv_max] * (bs * k)), table,
-            TREE, (~visible).contiguous(), bs * k, 1,
+            batch.mode, out_cache_loc, replay_lengths({}), table, CAUSAL,
+            self._causal_mask(out_cache_loc.device), bs * k, 1, replay_lengths=replay_lengths,
         )  # fmt: skip
 
     def _is_chain(self, batch: ForwardBatch, extend: list[int]) -> bool:
@@ -310,12 +334,51 @@ class NPUAttention(AttentionBackend):
             query = q.reshape(m.rows, m.queries_per_row, self.num_heads, self.head_dim)
         else:
             query = q.contiguous()  # TND
+        if graph_tasks.capturing():
+            return self._captured_call(torch_npu, query, key, value, m).reshape(q.shape)
         out, _ = torch_npu.npu_fused_infer_attention_score(
             query, key, value, **self.fia_kwargs(m, m.lengths)
         )
         return out.reshape(q.shape)
 
-    def fia_kwargs(self, m: NPUMetadata, lengths: HostLengths) -> dict[str, Any]:
+    def _captured_call(self, torch_npu, query, key, value, m: NPUMetadata) -> torch.Tensor:
+        """The operator inside an NPU graph capture, as an updatable task: an
+        ``ExternalEvent`` the replay waits on, then ``.out`` with a preallocated workspace in a
+        task group of its own (vllm-ascend's ``compilation/acl_graph.py`` pattern; torch_npu's
+        ``test_ifa_update``). The graph runner's ``prepare`` re-issues it with new lengths."""
+        if m.replay_lengths is None:
+            raise RuntimeError(
+                "npu attention: eager metadata inside an NPU graph capture (its host lengths "
+                "would be baked into the graph); build it with build_static_metadata"
+            )
+        npu = torch.npu
+        stream = npu.current_stream()
+        event = npu.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        kwargs = self.fia_kwargs(m, m.lengths)
+        workspace = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
+            query, key, value, **kwargs
+        )
+        out = torch.empty_like(query)
+        lse = torch.empty(1, dtype=torch.float32, device=query.device)
+        npu.graph_task_group_begin(stream)
+        torch_npu.npu_fused_infer_attention_score.out(
+            query, key, value, workspace=workspace, out=[out, lse], **kwargs
+        )
+        handle = npu.graph_task_group_end(stream)
+
+        def reissue(host_params: Mapping[str, Any]) -> None:
+            lengths = m.replay_lengths(host_params)
+            torch_npu.npu_fused_infer_attention_score.out(
+                query, key, value, workspace=workspace, out=[out, lse],
+                **self.fia_kwargs(m, lengths),
+            )  # fmt: skip
+
+        graph_tasks.record(graph_tasks.AttentionTask(handle, event, reissue))
+        return out
+
+    def fia_kwargs(self, m: NPUMetadata, lengths: OperatorLengths) -> dict[str, Any]:
         """Keyword arguments of the fused operator for ``m`` with host ``lengths``."""
         kwargs: dict[str, Any] = dict(
             block_table=m.block_table,
@@ -332,6 +395,36 @@ class NPUAttention(AttentionBackend):
         else:
             kwargs.update(input_layout="TND", actual_seq_lengths=cumulative(lengths.query_lens))
         return kwargs
+
+
+def _captured_rows(
+    host_lengths: Callable[[Mapping[str, Any]], HostLengths],
+    bs: int,
+    q: int,
+    lanes: int | None,
+) -> Callable[[Mapping[str, Any]], OperatorLengths]:
+    """The operator lengths of a captured forward for the engine's host parameters: Q queries
+    in every row and ``prefix + Q`` keys (the causal diagonal at the end of the row's keys, so
+    a row's real tokens see what they see eagerly); DRAFT_DECODE (``lanes`` = K): one query
+    per (request, lane) row and ``prefix + lane_lens`` keys (at least 1)."""
+
+    def replay_lengths(host_params: Mapping[str, Any]) -> OperatorLengths:
+        given = host_lengths(host_params)
+        prefix = [int(x) for x in given.prefix_lens]
+        if len(prefix) != bs:
+            raise ValueError(
+                f"npu attention: host_lengths gave {len(prefix)} prefix lengths for the "
+                f"captured batch's {bs} rows"
+            )
+        if lanes is None:
+            return OperatorLengths([q] * bs, [p + q for p in prefix])
+        if given.lane_lens is None or len(given.lane_lens) != bs:
+            raise ValueError("npu attention: a captured DRAFT_DECODE needs lane_lens per row")
+        # a padding request's lanes (no lane slot) see one key, so their output stays finite
+        kv = [max(p + int(w), 1) for p, w in zip(prefix, given.lane_lens) for _ in range(lanes)]
+        return OperatorLengths([1] * len(kv), kv)
+
+    return replay_lengths
 
 
 def _table_columns(batch: ForwardBatch, blocks: int, ps: int) -> torch.Tensor:  # [bs, blocks]

@@ -109,5 +109,5 @@ class NPUBackend(Backend):
         return NPUAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale, PAGE_SIZE)
 
     def make_graph_runner(self) -> NPUGraphRunner:
-        """An NPU graph runner (no prepare: captured attention takes shape-only host values)."""
+        """An NPU graph runner (its ``prepare`` updates the captured attention tasks)."""
         return NPUGraphRunner(self.capabilities.max_graph_shapes or 16)

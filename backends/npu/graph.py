@@ -1,10 +1,16 @@
-"""NPU graph runner: ``torch.npu.NPUGraph`` capture and replay.
+"""NPU graph runner: ``torch.npu.NPUGraph`` capture, task updates in ``prepare``, replay.
 
-A captured forward's attention takes only shape-determined host arguments (its metadata is
-built by :meth:`~polyspec.backends.npu.attention.NPUAttention.build_static_metadata`: BSND, an
-explicit device mask over the bucket's key range), so a replay needs no task update and no
-``prepare``: everything that changes between replays lives in device buffers that the graph
-reads (the static inputs, the request table, the KV pool).
+Ascend graphs bake an operator's host arguments into the captured task. The fused attention
+takes its sequence lengths as host lists, so under capture each of its calls is an updatable
+task (:class:`AttentionTask`, recorded by
+:meth:`~polyspec.backends.npu.attention.NPUAttention.forward` while :func:`capturing`): a task
+group behind an ``ExternalEvent``. :meth:`NPUGraphRunner.prepare` re-issues every task of the
+graph with the lengths of the engine's host parameters (``graph_task_update_begin`` /
+``graph_task_update_end`` on an update stream) and records its event; a replay without a
+``prepare`` since the previous one raises here (on hardware it would wait on the events
+forever). Everything else that changes between replays lives in device buffers the graph
+reads (the static inputs, the request table and the block tables gathered from it inside the
+graph, the KV pool).
 
 Rules shared with every graph runner: inputs only through the static buffers given at capture
 (copied into on replay, the rest zeroed), only captured keys replay, at most ``max_shapes``
@@ -31,10 +37,36 @@ from .runtime import import_torch_npu
 
 
 @dataclasses.dataclass
+class AttentionTask:
+    """One captured attention call: its task-group handle, the ``ExternalEvent`` the replay
+    waits on, and ``reissue(host_params)``, which calls the operator's ``.out`` again with the
+    captured tensors and the lengths for ``host_params`` (inside an update)."""
+
+    handle: Any
+    event: Any
+    reissue: Callable[[Mapping[str, Any]], None]
+
+
+_recording: list[list[AttentionTask]] = []  # the task list of the capture in progress
+
+
+def capturing() -> bool:
+    """Whether an :class:`NPUGraphRunner` capture is recording (attention calls are tasks)."""
+    return bool(_recording)
+
+
+def record(task: AttentionTask) -> None:
+    """Add ``task`` to the capture in progress."""
+    _recording[-1].append(task)
+
+
+@dataclasses.dataclass
 class _Captured:
     graph: Any  # torch.npu.NPUGraph
     inputs: Mapping[str, torch.Tensor]
     outputs: Any
+    tasks: list[AttentionTask]
+    prepared: bool = False
 
 
 class NPUGraphRunner(GraphRunner):
@@ -45,6 +77,7 @@ class NPUGraphRunner(GraphRunner):
         self.max_shapes = max_shapes
         self._graphs: dict[Any, _Captured] = {}
         self._pool: Any = None
+        self._update_stream: Any = None
 
     def capture(
         self,
@@ -69,12 +102,36 @@ class NPUGraphRunner(GraphRunner):
             fn(inputs)  # warm-up: lazy initialisation happens outside the capture
         npu.current_stream().wait_stream(side)
         graph = npu.NPUGraph()
-        with npu.graph(graph, pool=self._pool):
-            outputs = fn(inputs)
+        tasks: list[AttentionTask] = []
+        _recording.append(tasks)
+        try:
+            with npu.graph(graph, pool=self._pool):
+                outputs = fn(inputs)
+        finally:
+            _recording.pop()
         if self._pool is None:
             self._pool = graph.pool()
-        self._graphs[key] = _Captured(graph, inputs, outputs)
+        self._graphs[key] = _Captured(graph, inputs, outputs, tasks)
         return outputs
+
+    def prepare(self, key: Any, host_params: Mapping[str, Any]) -> None:
+        """Re-issue every attention task of ``key`` with the lengths of ``host_params`` (the
+        engine's ``{"batch_size", "max_prefix_len", ...}`` and per-request host lists), then
+        record each task's event so that the next replay runs."""
+        graph = self._get(key)
+        if not isinstance(host_params, Mapping):
+            raise TypeError(f"npu graph runner: prepare({key!r}) needs a mapping")
+        npu = torch.npu
+        if self._update_stream is None:
+            self._update_stream = npu.Stream()
+        stream = self._update_stream
+        with npu.stream(stream):
+            for task in graph.tasks:
+                npu.graph_task_update_begin(stream, task.handle)
+                task.reissue(host_params)
+                npu.graph_task_update_end(stream)
+                task.event.record(stream)
+        graph.prepared = True
 
     def can_run(self, key: Any) -> bool:
         """True when ``key`` was captured."""
@@ -85,8 +142,15 @@ class NPUGraphRunner(GraphRunner):
         static outputs."""
         graph = self._get(key)
         check_inputs(key, new_inputs, graph.inputs)
+        if graph.tasks and not graph.prepared:
+            raise RuntimeError(
+                f"npu graph runner: replay of {key!r} without prepare(): its {len(graph.tasks)} "
+                f"attention tasks need this replay's host lengths (capabilities."
+                f"graph_needs_prepare)"
+            )
         copy_inputs(new_inputs, graph.inputs)
         graph.graph.replay()
+        graph.prepared = False
         return graph.outputs
 
     def _get(self, key: Any) -> _Captured:

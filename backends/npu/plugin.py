@@ -20,6 +20,7 @@ PAGE_SIZE = 128
 
 CAPABILITIES = BackendCapabilities(
     graph_capture=True,
+    graph_needs_prepare=True,
     static_metadata=True,
     max_graph_shapes=16,
     tree_attention=True,
@@ -31,9 +32,9 @@ CAPABILITIES = BackendCapabilities(
 )
 """Ascend: int32 indices, 128-slot pages. The attention reads the host-side sequence lengths
 every eager ``ForwardBatch`` carries. float32 models run the portable attention path (the fused
-operator takes float16 / bfloat16). NPU graphs (at most 16: each holds device memory) replay
-without a prepare: captured attention reads its lengths from device tensors through an
-explicit mask (docs/backends/npu.md)."""
+operator takes float16 / bfloat16). NPU graphs (at most 16: each holds device memory) need a
+prepare before each replay: it re-issues the captured attention tasks with the replay's host
+sequence lengths (docs/backends/npu.md)."""
 
 MIN_TORCH_NPU = (2, 10, 0)
 """The torch_npu release the backend is written and simulated against (vllm-ascend's pin:

@@ -77,7 +77,9 @@ class RoundExecutor:
         the host now. ``eager``: run it eagerly whatever the batch (a round that works with
         the host in the middle, as a constrained round does)."""
         bs = next(iter(inputs.values())).shape[0]
-        launched = None if eager else self._replay(key, name, fn, inputs, max_prefix, copy)
+        launched = None
+        if not eager:
+            launched = self._replay(key, name, fn, inputs, max_prefix, copy, _host_params(host))
         if launched is not None:
             return launched
         # No bucket, or the backend's graph budget is spent: the exact batch, eagerly. Its
@@ -91,16 +93,21 @@ class RoundExecutor:
         """Queue the round after ``launched`` with ``inputs`` computed on the device from its
         outputs, before the host has read them (``EngineConfig.overlap_rounds``). Only a
         replayed round is queued (an eager one needs its lengths on the host): None when
-        this batch does not replay."""
-        if not launched.captured:
+        this batch does not replay, or when the backend's graphs need the replay's host
+        lengths (``graph_needs_prepare``), which the host learns only from ``launched``."""
+        if not launched.captured or self.graphs.needs_prepare:
             return None
-        return self._replay(launched.key, launched.name, launched.fn, inputs, max_prefix, True)
+        return self._replay(
+            launched.key, launched.name, launched.fn, inputs, max_prefix, True, None
+        )
 
-    def _replay(self, key, name, fn, inputs, max_prefix: int, copy: bool) -> Launched | None:
+    def _replay(
+        self, key, name, fn, inputs, max_prefix: int, copy: bool, host_params
+    ) -> Launched | None:
         bs = next(iter(inputs.values())).shape[0]
         if not self.captures(bs, max_prefix):
             return None
-        out = self.graphs.run(name, bs, max_prefix, inputs, _captured(fn))
+        out = self.graphs.run(name, bs, max_prefix, inputs, _captured(fn), host_params)
         if out is None:  # the backend's graph budget is spent
             return None
         b = self.graphs.buckets.batch_bucket(bs)
@@ -122,3 +129,9 @@ def _captured(fn: RoundFn) -> Callable[[Mapping[str, torch.Tensor], int, int], A
 
     computation.__name__ = getattr(fn, "__name__", "round")
     return computation
+
+
+def _host_params(host: Any) -> dict[str, list[int]] | None:
+    """The ``GraphRunner.prepare`` lists of a round's host view: its committed lengths."""
+    seq_lens = getattr(host, "seq_lens", None)
+    return None if seq_lens is None else {"seq_lens": list(seq_lens)}

@@ -115,10 +115,14 @@ class CapturedForwards:
         max_prefix: int,
         inputs: Mapping[str, torch.Tensor],
         fn: Callable[[Mapping[str, torch.Tensor], int, int], Any],
+        host_params: Mapping[str, list[int]] | None = None,
     ) -> Any:
         """Replay ``name`` for the bucket of (``bs``, ``max_prefix``), capturing it first if
         needed; returns the static outputs (leading dims for the padded batch). Returns None
-        when the backend's graph budget (``max_graph_shapes``) is spent: run eagerly then."""
+        when the backend's graph budget (``max_graph_shapes``) is spent: run eagerly then.
+        ``host_params``: the replay's per-request host lists (``bs`` entries each), handed to
+        ``GraphRunner.prepare`` where the backend's graphs need it (its forwards'
+        ``ForwardBatch.host_lengths`` read them)."""
         b = self.buckets.batch_bucket(bs)
         p = self.buckets.prefix_bucket(max_prefix)
         if b is None or p is None:
@@ -134,7 +138,14 @@ class CapturedForwards:
             return None
         key = (name, b, p)
         if self.needs_prepare:
-            self.runner.prepare(key, {"batch_size": bs, "max_prefix_len": p})
+            if host_params is None:
+                raise ValueError(
+                    f"graph {name!r}: this backend's graphs need the replay's host lengths "
+                    f"(capabilities.graph_needs_prepare); pass host_params"
+                )
+            params = {"batch_size": bs, "max_prefix_len": p}
+            params.update({n: [int(x) for x in v] for n, v in host_params.items()})
+            self.runner.prepare(key, params)
         return self.runner.replay(key, inputs)
 
     def _capture(self, name: str, b: int, p: int) -> bool:
@@ -211,3 +222,12 @@ def block_slots(
     table_rows = req_to_token.index_select(0, rows.to(torch.int64))
     slots = torch.where(j[None, :] < lens[:, None], table_rows.gather(1, pos), 0)
     return slots.reshape(-1), pos.reshape(-1)
+
+
+def padded(host_params: Mapping[str, Any], name: str, rows: int) -> list[int]:
+    """``host_params[name]`` (one entry per live request; ``[]`` when absent: a capture's own
+    inputs) padded with zeros to the ``rows`` of a captured batch (padding requests hold 0)."""
+    values = [int(x) for x in host_params.get(name, ())]
+    if len(values) > rows:
+        raise ValueError(f"host parameter {name!r} has {len(values)} entries for {rows} rows")
+    return values + [0] * (rows - len(values))

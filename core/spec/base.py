@@ -7,16 +7,23 @@ import dataclasses
 import functools
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from polyspec.backend import Backend, ForwardMode
+from polyspec.backend import Backend, ForwardMode, HostLengths
 from polyspec.constrain import DraftVocab, Matcher, RoundMasks
 from polyspec.runtime.batch_builder import BatchBuilder
 from polyspec.runtime.executor import Launched, RoundExecutor
-from polyspec.runtime.graphs import CapturedForwards, GraphBuckets, block_slots, static_batch
+from polyspec.runtime.graphs import (
+    CapturedForwards,
+    GraphBuckets,
+    block_slots,
+    padded,
+    static_batch,
+)
 from polyspec.runtime.kv_cache import KVCacheManager
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.req_pool import ReqToTokenPool
@@ -429,7 +436,8 @@ class WorkerBase:
         if features is not None:
             spread = features.new_zeros(bs * width, *features.shape[1:])
             inputs["features"] = spread.index_copy_(0, keep_t, features)
-        out = graphs.run(f"{kind}_{width}", bs, max(starts), inputs, fn)
+        host_params = {"prefix_lens": list(starts), "extend_lens": list(lens)}
+        out = graphs.run(f"{kind}_{width}", bs, max(starts), inputs, fn, host_params)
         if out is None:
             return None
         first, second = out
@@ -447,6 +455,7 @@ class WorkerBase:
         slots, positions = block_slots(table, rows, starts, lens, width, self.arange(width))
         mode = ForwardMode.DRAFT_EXTEND if draft else ForwardMode.EXTEND
         batch = static_batch(mode, table, rows, starts, lens, s["input_ids"], positions, slots)
+        batch.host_lengths = functools.partial(_prefill_lengths, rows=bs)
         if draft:
             return runner.forward_draft(batch, s.get("features"), static_prefix=max_prefix)
         return runner.forward_target(batch, static_prefix=max_prefix)
@@ -465,6 +474,15 @@ class WorkerBase:
             if s.matcher is not None:
                 s.matcher.advance([t])
         return tokens
+
+
+def _prefill_lengths(host_params: Mapping[str, Any], rows: int) -> HostLengths:
+    """A captured prefill forward's ``ForwardBatch.host_lengths``: the replay's starts and
+    lengths (``GraphRunner.prepare``'s ``"prefix_lens"`` / ``"extend_lens"``), padding
+    requests 0."""
+    return HostLengths(
+        padded(host_params, "prefix_lens", rows), padded(host_params, "extend_lens", rows)
+    )
 
 
 def _round_width(tree: Tree) -> int:

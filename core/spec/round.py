@@ -46,9 +46,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from polyspec.backend import ForwardMode, KernelSet, TreeMaskMode
+from polyspec.backend import ForwardMode, HostLengths, KernelSet, TreeMaskMode
 from polyspec.constrain import RoundMasks
-from polyspec.runtime.graphs import block_slots, static_batch
+from polyspec.runtime.graphs import block_slots, padded, static_batch
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.sampling import greedy_ids, target_probs
 
@@ -197,20 +197,25 @@ class SpecRound:
 
     def _forward(
         self, runner: ModelRunner, mode: ForwardMode, rows, prefix, extend: int, live,
-        input_ids, positions, out_loc, max_prefix, host_prefix, features=None,
-        host_lane_lens=None, **extra,
+        input_ids, positions, out_loc, max_prefix, host, rule, features=None, **extra,
     ):  # fmt: skip
         """One forward of ``extend`` tokens per request (0 for padding requests) after
-        ``prefix`` [b]. ``host_prefix`` (and in DRAFT_DECODE ``host_lane_lens``): the same
-        lengths on the host, for an eager forward; None in a captured one."""
+        ``prefix`` [b]. ``rule(seq_lens)``: the same prefix lengths (and in DRAFT_DECODE the
+        lane lengths, else None) on the host, from the committed lengths: applied to
+        ``host.seq_lens`` for an eager forward, and kept as the captured forward's
+        ``host_lengths`` (applied to the lengths the engine passes to ``GraphRunner.prepare``
+        before each replay, padding requests holding 0 as on the device)."""
         batch = static_batch(
             mode, self.p.req_to_token, rows, prefix, live * extend, input_ids, positions,
             out_loc, **extra,
         )  # fmt: skip
-        if host_prefix is not None:
+        if host is not None:
+            host_prefix, host_lanes = rule(list(host.seq_lens))
             batch.prefix_lens_cpu = list(host_prefix)
             batch.extend_lens_cpu = [extend] * len(host_prefix)
-            batch.lane_lens_cpu = host_lane_lens
+            batch.lane_lens_cpu = host_lanes
+        else:
+            batch.host_lengths = _captured_lengths(rule, extend, int(rows.shape[0]))
         if runner is self.p.target_runner:
             return runner.forward_target(batch, static_prefix=max_prefix)
         return runner.forward_draft(batch, features, static_prefix=max_prefix)
@@ -221,10 +226,9 @@ class SpecRound:
         constrained round): its top-K among the tokens the grammar allows."""
         p = self.p
         slots, positions = block_slots(p.req_to_token, rows, seq_lens, live, 1, p.arange(1))
-        host_prefix = None if host is None else host.seq_lens
         logit_h, feature = self._forward(
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, roots,
-            positions, slots, max_prefix, host_prefix,
+            positions, slots, max_prefix, host, _committed,
         )  # fmt: skip
         if bitmask is None:
             return (*p.draft.topk(logit_h, p.state_topk), feature)
@@ -256,11 +260,16 @@ class SpecRound:
             out_locs = out_locs.permute(2, 0, 1).contiguous()  # [S-1, b, K]
             positions = (col + start[None, :])[:, :, None].expand(-1, -1, K).contiguous()
             lane_lens = (col + 1).to(rows.dtype)  # [S-1, b]
-            host_tails = host_prefix = None
-            if host is not None:  # the same lengths on the host, for eager forwards
-                lens = [n + 1 for n in host.seq_lens] if self.standalone else host.seq_lens
-                host_tails = [n % p.page_size for n in lens]
-                host_prefix = [n - t for n, t in zip(lens, host_tails)]
+            # the same lengths on the host (eager forwards, and the captured forwards' prepare)
+            grow, ps = (1 if self.standalone else 0), p.page_size
+
+            def lanes_rule(i: int):
+                def rule(seq_lens: list[int]) -> tuple[list[int], list[int]]:
+                    lens = [n + grow for n in seq_lens]
+                    return [n - n % ps for n in lens], [n % ps + i + 1 for n in lens]
+
+                return rule
+
         scores = None
         levels: tuple[list, list, list] = ([], [], [])
         stopped = drafted = None
@@ -277,9 +286,8 @@ class SpecRound:
                 lane_masks = masks.lanes(i, input_ids, level[2] if i else None, K)
             logit_h, hidden = self._forward(
                 p.draft_runner, ForwardMode.DRAFT_DECODE, rows, prefix, K, live, input_ids,
-                positions[i].view(-1), out_locs[i].view(-1), max_prefix, host_prefix, hidden,
-                None if host is None else [t + i + 1 for t in host_tails],
-                lane_locs=lane_locs, lane_lens=lane_lens[i], topk=K,
+                positions[i].view(-1), out_locs[i].view(-1), max_prefix, host, lanes_rule(i),
+                hidden, lane_locs=lane_locs, lane_lens=lane_lens[i], topk=K,
             )  # fmt: skip
             if lane_masks is None:
                 topk_p, topk_index = p.draft.topk(logit_h, K)
@@ -347,10 +355,11 @@ class SpecRound:
         slots, pos = block_slots(p.req_to_token, rows, seq_lens, live * n, n, p.arange(n))
         mode, extra = ForwardMode.DECODE, {}
         if tree_mask is not None:
-            mode, pos, extra = ForwardMode.TARGET_VERIFY, positions, {"tree_mask": tree_mask}
+            mode, pos = ForwardMode.TARGET_VERIFY, positions
+            extra = {"tree_mask": tree_mask, "topk": self.tree.topk}
         hidden, aux = self._forward(
             p.target_runner, mode, rows, seq_lens, n, live, candidates.reshape(-1), pos, slots,
-            max_prefix, None if host is None else host.seq_lens, **extra,
+            max_prefix, host, _committed, **extra,
         )  # fmt: skip
         return p.target.compute_logits(hidden), (aux if p.use_aux else hidden)
 
@@ -420,8 +429,8 @@ class SpecRound:
         _, dst_loc, positions, path_node, _, last_index = locs
         logit_h, next_feat = self._forward(
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, self.tree.num_steps + 1,
-            live, predicts[path_node], positions, dst_loc, max_prefix,
-            None if host is None else host.seq_lens, feats[path_node],
+            live, predicts[path_node], positions, dst_loc, max_prefix, host, _committed,
+            feats[path_node],
         )  # fmt: skip
         topk_p, topk_index = p.draft.topk(logit_h[last_index], p.state_topk)
         return topk_p, topk_index, next_feat[last_index]
@@ -435,11 +444,34 @@ class SpecRound:
         path_node = locs[3].view(-1, S + 1)[:, :S].reshape(-1)  # depths 0..S-1
         start = seq_lens + 1
         slots, positions = block_slots(p.req_to_token, rows, start, live * S, S, p.arange(S))
-        host_prefix = None if host is None else [n + 1 for n in host.seq_lens]
         self._forward(
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, start, S, live,
-            predicts[path_node], positions, slots, max_prefix, host_prefix,
+            predicts[path_node], positions, slots, max_prefix, host, _after_root,
         )  # fmt: skip
+
+
+def _committed(seq_lens: list[int]) -> tuple[list[int], None]:
+    """A forward after the committed tokens: its prefixes are the committed lengths."""
+    return seq_lens, None
+
+
+def _after_root(seq_lens: list[int]) -> tuple[list[int], None]:
+    """A standalone draft's extend: its prefixes hold the root too."""
+    return [n + 1 for n in seq_lens], None
+
+
+def _captured_lengths(rule, extend: int, rows: int) -> Callable[[Mapping[str, Any]], HostLengths]:
+    """A captured forward's ``ForwardBatch.host_lengths``: ``rule`` applied to the replay's
+    committed lengths (``GraphRunner.prepare``'s ``"seq_lens"``) padded with zeros to the
+    graph's ``rows``; the padding requests extend by 0 tokens, as their ``live`` is 0."""
+
+    def host_lengths(host_params: Mapping[str, Any]) -> HostLengths:
+        live = len(host_params.get("seq_lens", ()))
+        prefix, lanes = rule(padded(host_params, "seq_lens", rows))
+        extend_lens = [extend] * live + [0] * (rows - live)
+        return HostLengths(list(prefix), extend_lens, None if lanes is None else list(lanes))
+
+    return host_lengths
 
 
 def _lap(host: HostView | None, phase: str) -> None:

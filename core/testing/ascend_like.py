@@ -15,9 +15,16 @@ enforced loudly so that an engine path that would break on Ascend breaks here fi
 * **page size 128 only** (``page_sizes=(128,)``): the KV cache is read through block tables, so
   every request's slots must be whole, consecutive 128-slot pages (checked per forward) and a
   DRAFT_DECODE lane's shared prefix must end on a page boundary.
-* **graphs need a prepare step** (``graph_needs_prepare=True``): replaying a captured graph
-  without a :meth:`AscendLikeGraphRunner.prepare` since the previous replay raises, as Ascend
-  graphs need their host-side sequence lengths updated before each replay.
+* **graphs need a prepare step** (``graph_needs_prepare=True``, ``static_metadata=True``, so
+  the engine captures its rounds and prefills here): replaying a captured graph without a
+  :meth:`AscendLikeGraphRunner.prepare` since the previous replay raises, as Ascend graphs
+  need their host-side sequence lengths updated before each replay. ``prepare`` takes the
+  engine's parameters only in the contract's form (``batch_size`` within the key's batch
+  bucket, ``max_prefix_len``, per-request host lists of ``batch_size`` ints); and every
+  captured forward's ``ForwardBatch.host_lengths``, applied to the parameters of the replay
+  that runs it (``{}`` at capture), must give exactly that forward's device lengths
+  (``prefix_lens``, ``extend_lens``, DRAFT_DECODE's ``lane_lens``): the lengths a real
+  backend's ``prepare`` would hand to its captured attention.
 * **few graph shapes** (``max_graph_shapes=8``): capturing a ninth key raises.
 * **fp32-only sampling**: ``top_k_top_p_renorm``, ``sample`` and ``verify_tree_sampling``
   reject other floating dtypes (the contract passes sampling probabilities in float32).
@@ -58,6 +65,7 @@ MAX_GRAPH_SHAPES = 8
 ASCEND_LIKE_CAPABILITIES = BackendCapabilities(
     graph_capture=True,
     graph_needs_prepare=True,
+    static_metadata=True,
     max_graph_shapes=MAX_GRAPH_SHAPES,
     tree_attention=True,
     page_sizes=(PAGE_SIZE,),
@@ -190,15 +198,7 @@ class AscendLikeAttention(SDPAAttention):
     def build_metadata(self, batch: ForwardBatch) -> SDPAMetadata:
         """Check int32 indices, host lengths and the page structure, then build as SDPA does."""
         where = f"ascend-like attention ({batch.mode.value})"
-        for name in (
-            "out_cache_loc",
-            "req_pool_indices",
-            "req_to_token",
-            "prefix_lens",
-            "extend_lens",
-            "lane_locs",
-            "lane_lens",
-        ):
+        for name in _INDEX_FIELDS:
             require_int32(where, name, getattr(batch, name))
         _check_host_list(where, "prefix_lens", batch.prefix_lens_cpu, batch.prefix_lens)
         _check_host_list(where, "extend_lens", batch.extend_lens_cpu, batch.extend_lens)
@@ -209,9 +209,75 @@ class AscendLikeAttention(SDPAAttention):
         _check_pages(where, batch)
         return super().build_metadata(batch)
 
+    def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> SDPAMetadata:
+        """Check int32 indices and that ``batch.host_lengths`` of the current replay's host
+        parameters (:func:`replay_host_params`) equals the device lengths, then the page
+        structure with those lists; then build as SDPA does."""
+        where = f"ascend-like captured attention ({batch.mode.value})"
+        for name in _INDEX_FIELDS:
+            require_int32(where, name, getattr(batch, name))
+        if batch.host_lengths is None:
+            raise ValueError(
+                f"{where}: ForwardBatch.host_lengths is missing; a backend with "
+                f"graph_needs_prepare computes a captured forward's host sequence lengths from "
+                f"the parameters of GraphRunner.prepare through it"
+            )
+        params = replay_host_params()
+        lengths = batch.host_lengths(params)
+        _check_host_list(where, "prefix_lens", lengths.prefix_lens, batch.prefix_lens, params)
+        _check_host_list(where, "extend_lens", lengths.extend_lens, batch.extend_lens, params)
+        if batch.mode is ForwardMode.DRAFT_DECODE:
+            if batch.lane_lens is None:
+                raise ValueError(f"{where}: DRAFT_DECODE needs lane_lens [bs]")
+            _check_host_list(where, "lane_lens", lengths.lane_lens, batch.lane_lens, params)
+        checked = dataclasses.replace(
+            batch,
+            prefix_lens_cpu=list(lengths.prefix_lens),
+            extend_lens_cpu=list(lengths.extend_lens),
+            lane_lens_cpu=lengths.lane_lens,
+        )
+        _check_pages(where, checked)
+        return super().build_static_metadata(batch, max_prefix_len)
 
-def _check_host_list(where: str, name: str, host: list[int] | None, dev: torch.Tensor) -> None:
-    """``host`` must be a list equal to ``dev`` [bs] (costs a sync: this is a test backend)."""
+
+_INDEX_FIELDS = (
+    "out_cache_loc",
+    "req_pool_indices",
+    "req_to_token",
+    "prefix_lens",
+    "extend_lens",
+    "lane_locs",
+    "lane_lens",
+)
+
+_replaying: list[Mapping[str, Any]] = []  # the host parameters of the replay in progress
+
+
+def replay_host_params() -> Mapping[str, Any]:
+    """The parameters the running :class:`AscendLikeGraphRunner` replay was prepared with;
+    ``{}`` during a capture and outside any replay (a forward's own inputs)."""
+    return _replaying[-1] if _replaying else {}
+
+
+def _check_host_list(
+    where: str,
+    name: str,
+    host: list[int] | None,
+    dev: torch.Tensor,
+    params: Mapping[str, Any] | None = None,
+) -> None:
+    """``host`` must be a list equal to ``dev`` [bs] (costs a sync: this is a test backend).
+    ``params``: a captured forward's, whose host lists come from ``host_lengths(params)``."""
+    if params is not None:
+        values = [int(x) for x in dev.tolist()]
+        if host is None or [int(x) for x in host] != values:
+            raise ValueError(
+                f"{where}: ForwardBatch.host_lengths({dict(params)}) gives {name} = "
+                f"{None if host is None else list(host)}, but the captured forward's device "
+                f"tensor {name} = {values}; the engine's GraphRunner.prepare parameters must "
+                f"describe the batch the replay runs"
+            )
+        return
     if host is None:
         raise ValueError(
             f"{where}: ForwardBatch.{name}_cpu is missing; this backend needs host-side sequence "
@@ -232,8 +298,10 @@ def _check_pages(where: str, batch: ForwardBatch) -> None:
     ``block_table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``."""
     prefix = list(batch.prefix_lens_cpu or [])
     extend = list(batch.extend_lens_cpu or [])
+    # A captured batch's padding requests (extend 0) attend for discarded outputs only: their
+    # rows (row 0 of the request table) need no page layout.
     if batch.mode is ForwardMode.DRAFT_DECODE:
-        lengths = prefix
+        lengths = [p if e > 0 else 0 for p, e in zip(prefix, extend)]
         if any(p % PAGE_SIZE for p in prefix):
             raise ValueError(
                 f"{where}: a lane's shared prefix must end on a page boundary (page size "
@@ -247,9 +315,12 @@ def _check_pages(where: str, batch: ForwardBatch) -> None:
                 f"{where}: lane_locs must be [bs, K, W] with W a whole number of {PAGE_SIZE}-slot "
                 f"pages, got {got}"
             )
-        _check_page_table(where, "lane_locs", lanes.reshape(-1, lanes.shape[2]).long(), None)
+        # the lanes of live requests (a captured batch's padding requests, extend 0, read none)
+        live = torch.tensor([e > 0 for e in extend], device=lanes.device)  # [bs]
+        used = live[:, None, None].expand(lanes.shape).reshape(-1, lanes.shape[2])
+        _check_page_table(where, "lane_locs", lanes.reshape(-1, lanes.shape[2]).long(), used)
     else:
-        lengths = [p + e for p, e in zip(prefix, extend)]
+        lengths = [p + e if e > 0 else 0 for p, e in zip(prefix, extend)]
     if not lengths or max(lengths) == 0:
         return
     width = min(-(-max(lengths) // PAGE_SIZE) * PAGE_SIZE, batch.req_to_token.shape[1])
@@ -316,19 +387,39 @@ class AscendLikeGraphRunner(EagerGraphRunner):
         return super().capture(key, fn, static_inputs)
 
     def prepare(self, key: Any, host_params: Mapping[str, Any]) -> None:
-        """Record the host-side parameters (ints or lists of ints, e.g. sequence lengths) the
-        next replay of ``key`` runs with."""
-        self._get(key)
-        if not isinstance(host_params, Mapping) or not host_params:
+        """Record the host-side parameters the next replay of ``key`` runs with, in the
+        contract's form (``GraphRunner.prepare``): ``batch_size`` (an int from 1 to the
+        captured rows), ``max_prefix_len`` (an int), and per-request host lists of
+        ``batch_size`` non-negative ints. The replay's captured forwards check their
+        ``host_lengths`` against them (:meth:`AscendLikeAttention.build_static_metadata`)."""
+        graph = self._get(key)
+        where = f"ascend-like graph runner: prepare({key!r})"
+        if not isinstance(host_params, Mapping):
+            raise TypeError(f"{where} needs a mapping, got {type(host_params).__name__}")
+        rows = _captured_rows(graph.inputs)
+        bs = host_params.get("batch_size")
+        if type(bs) is not int or not 1 <= bs <= rows:
             raise ValueError(
-                f"ascend-like graph runner: prepare({key!r}) needs a non-empty mapping of host "
-                f"parameters (e.g. {{'actual_seq_lengths': [...]}})"
+                f"{where}: batch_size must be an int in [1, {rows}] (the captured rows), got {bs!r}"
             )
-        for name, value in host_params.items():
-            if isinstance(value, torch.Tensor):
+        if type(host_params.get("max_prefix_len")) is not int:
+            raise ValueError(f"{where}: max_prefix_len must be an int (the prefix bucket)")
+        lists = {n: v for n, v in host_params.items() if n not in ("batch_size", "max_prefix_len")}
+        if not lists:
+            raise ValueError(
+                f"{where}: no per-request host lists (e.g. seq_lens): the captured attention "
+                f"needs the replay's sequence lengths on the host"
+            )
+        for name, value in lists.items():
+            if isinstance(value, torch.Tensor) or not isinstance(value, list | tuple):
                 raise TypeError(
-                    f"ascend-like graph runner: host parameter {name!r} is a tensor; pass host "
-                    f"values (int or list of int): Ascend reads them on the host at replay"
+                    f"{where}: host parameter {name!r} must be a list of int, got "
+                    f"{type(value).__name__}: Ascend reads them on the host at replay"
+                )
+            if len(value) != bs or any(type(x) is not int or x < 0 for x in value):
+                raise ValueError(
+                    f"{where}: host parameter {name!r} must hold batch_size = {bs} non-negative "
+                    f"ints, got {list(value)}"
                 )
         self._prepared[key] = _Prepared(dict(host_params))
 
@@ -343,9 +434,18 @@ class AscendLikeGraphRunner(EagerGraphRunner):
                 f"graphs need their host-side parameters (sequence lengths) updated before "
                 f"every replay (capabilities.graph_needs_prepare)"
             )
-        out = super().replay(key, new_inputs)
-        del self._prepared[key]
-        return out
+        _replaying.append(self._prepared.pop(key).host_params)
+        try:
+            return super().replay(key, new_inputs)
+        finally:
+            _replaying.pop()
+
+
+def _captured_rows(inputs: Mapping[str, torch.Tensor]) -> int:
+    """The request rows of a captured computation (``CapturedForwards``' inputs: a ``[b, ...]``
+    per-request ``host`` tensor; otherwise the leading dimension of the first input)."""
+    t = inputs.get("host", next(iter(inputs.values()), None))
+    return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() else 1
 
 
 class AscendLikeBackend(Backend):

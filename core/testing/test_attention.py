@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from polyspec.backend import Backend, ForwardBatch, ForwardMode
+from polyspec.backend import Backend, ForwardBatch, ForwardMode, HostLengths
 from polyspec.testing.plugin import (
     NATIVE_PAGE_SIZE,
     default_page_size,
@@ -284,7 +284,25 @@ def on_device(batch: ForwardBatch, be: Backend, host_lists: bool = True) -> Forw
         lane_lens_cpu=None
         if batch.lane_lens is None or not host_lists
         else batch.lane_lens.tolist(),
+        host_lengths=None if host_lists else captured_lengths(batch),
     )
+
+
+def captured_lengths(batch: ForwardBatch):
+    """A captured forward's ``host_lengths`` for ``batch`` as it is (``{}``, the capture's own
+    inputs, is what a backend evaluates outside a graph runner's replay)."""
+    lengths = HostLengths(
+        batch.prefix_lens.tolist(),
+        batch.extend_lens.tolist(),
+        None if batch.lane_lens is None else batch.lane_lens.tolist(),
+    )
+
+    def host_lengths(host_params):
+        if host_params:
+            raise AssertionError(f"no prepare in this test, got host parameters {host_params}")
+        return lengths
+
+    return host_lengths
 
 
 def random_tree_mask(n: int, gen: torch.Generator, chain: bool) -> torch.Tensor:
@@ -324,9 +342,10 @@ def build_batch(
     for b, r in enumerate(reqs.rows):
         locs += rt[r, prefix[b] : prefix[b] + extend[b]].tolist()
         positions += list(range(prefix[b], prefix[b] + extend[b]))
-    tree_mask = None
+    tree_mask, topk = None, 1
     if mode is ForwardMode.TARGET_VERIFY:
         tree_mask = torch.stack([random_tree_mask(extend[0], gen, chain) for _ in prefix])
+        topk = 1 if chain else 2  # a chain's tree mask is causal; a tree's (K > 1) is not
     t = len(locs)
     return ForwardBatch(
         mode=mode,
@@ -338,6 +357,7 @@ def build_batch(
         prefix_lens=torch.tensor(prefix, dtype=torch.int64),
         extend_lens=torch.tensor(extend, dtype=torch.int64),
         tree_mask=tree_mask,
+        topk=topk,
     )
 
 

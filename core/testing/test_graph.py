@@ -24,9 +24,11 @@ def static_buffers(backend) -> dict[str, torch.Tensor]:
 
 
 def replay(backend, runner, key, inputs):
-    """Replay, calling prepare first where the backend's graphs need it."""
+    """Replay, calling prepare first where the backend's graphs need it (in the contract's
+    form: ``GraphRunner.prepare``)."""
     if backend.capabilities.graph_needs_prepare:
-        runner.prepare(key, {"num_tokens": int(inputs["x"].shape[0])})
+        n = int(inputs["x"].shape[0])
+        runner.prepare(key, {"batch_size": n, "max_prefix_len": 0, "seq_lens": [0] * n})
     return runner.replay(key, inputs)
 
 

@@ -169,9 +169,20 @@ def test_graph_replay_needs_prepare_and_shapes_are_limited(be):
     out = runner.capture("b4", _compute, {"x": x})
     with pytest.raises(RuntimeError, match="without prepare"):
         runner.replay("b4", {"x": torch.ones(4)})
+    good = {"batch_size": 4, "max_prefix_len": 256, "seq_lens": [7, 0, 3, 1]}
     with pytest.raises(TypeError, match="host parameter"):
-        runner.prepare("b4", {"actual_seq_lengths": torch.tensor([4])})
-    runner.prepare("b4", {"actual_seq_lengths": [4]})
+        runner.prepare("b4", {**good, "seq_lens": torch.tensor([7, 0, 3, 1])})
+    for bad, match in (
+        ({"max_prefix_len": 256, "seq_lens": [1]}, "batch_size"),
+        ({**good, "batch_size": 5}, "batch_size"),  # more than the captured rows
+        ({**good, "max_prefix_len": None}, "max_prefix_len"),
+        ({"batch_size": 4, "max_prefix_len": 256}, "no per-request host lists"),
+        ({**good, "seq_lens": [7, 0, 3]}, "batch_size = 4"),
+        ({**good, "seq_lens": [7, 0, 3, -1]}, "non-negative"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            runner.prepare("b4", bad)
+    runner.prepare("b4", good)
     runner.replay("b4", {"x": torch.ones(4)})
     assert out["y"].tolist() == [2.0] * 4
     with pytest.raises(RuntimeError, match="without prepare"):  # a prepare is used up
@@ -180,3 +191,45 @@ def test_graph_replay_needs_prepare_and_shapes_are_limited(be):
         runner.capture(f"k{i}", _compute, {"x": torch.zeros(4)})
     with pytest.raises(RuntimeError, match="graph shapes"):
         runner.capture("one-too-many", _compute, {"x": torch.zeros(4)})
+
+
+def test_captured_forward_host_lengths_must_match_the_replay(be):
+    """A captured forward's ``host_lengths`` of the prepared parameters must give its device
+    lengths: the engine's side of the contract a real prepare relies on."""
+    from polyspec.backend import HostLengths
+    from polyspec.runtime.graphs import padded
+
+    pool = be.make_kv_pool(5 * PAGE_SIZE, 1, 1, 16, torch.float32)
+    attn = be.make_attention(pool, 2, 1, 16, 0.25)
+    table = torch.arange(PAGE_SIZE, 5 * PAGE_SIZE, dtype=I32).view(2, 2 * PAGE_SIZE)
+
+    def rule(params):  # the engine's form: committed lengths of the live requests, then 0
+        live = len(params.get("seq_lens", ()))
+        return HostLengths(padded(params, "seq_lens", 2), [1] * live + [0] * (2 - live))
+
+    def decode(s, host_lengths=rule):
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=torch.zeros(2, dtype=I64),
+            positions=torch.zeros(2, dtype=I64),
+            out_cache_loc=torch.zeros(2, dtype=I32),
+            req_pool_indices=torch.tensor([0, 1], dtype=I32),
+            req_to_token=table,
+            prefix_lens=s["host"][:, 1].to(I32),
+            extend_lens=(s["host"][:, 3] > 0).to(I32),
+            host_lengths=host_lengths,
+        )
+        attn.build_static_metadata(batch, 256)
+        return {"y": s["host"].float()}
+
+    zeros = {"host": torch.zeros(2, 4, dtype=I64)}
+    with pytest.raises(ValueError, match="host_lengths is missing"):
+        decode(zeros, host_lengths=None)
+    runner = be.make_graph_runner()
+    runner.capture("k", decode, zeros)  # at capture: {} describes the zero inputs
+    one = {"host": torch.tensor([[0, 5, 9, 1]])}  # one live request, committed length 5
+    runner.prepare("k", {"batch_size": 1, "max_prefix_len": 256, "seq_lens": [5]})
+    runner.replay("k", one)
+    runner.prepare("k", {"batch_size": 1, "max_prefix_len": 256, "seq_lens": [6]})
+    with pytest.raises(ValueError, match=r"host_lengths\(.*prefix_lens = \[6, 0\]"):
+        runner.replay("k", one)

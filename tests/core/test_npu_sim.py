@@ -227,3 +227,53 @@ def test_simulator_is_removed_after_the_block():
     with simulated():
         assert "torch_npu" in sys.modules and hasattr(torch, "npu")
     assert "torch_npu" not in sys.modules and not hasattr(torch, "npu")
+
+
+def test_graph_runner_prepare_reissues_the_captured_attention_lengths(npu):
+    """NPUGraphRunner + a captured NPUAttention DECODE forward: a replay without prepare
+    raises; after prepare the replay equals the eager forward of the prepared lengths."""
+    from polyspec.backend import ForwardBatch, ForwardMode, HostLengths
+    from polyspec.backends.npu.attention import NPUAttention
+    from polyspec.backends.npu.graph import NPUGraphRunner
+    from polyspec.backends.npu.kv_pool import NPUKVPool
+    from polyspec.runtime.graphs import padded
+
+    pool = NPUKVPool(4 * P, 1, 2, 16, torch.bfloat16, "cpu")
+    g = torch.Generator().manual_seed(3)
+    pool.k_cache(0).copy_(torch.randn(4 * P, 2, 16, generator=g).to(torch.bfloat16))
+    pool.v_cache(0).copy_(torch.randn(4 * P, 2, 16, generator=g).to(torch.bfloat16))
+    attn = NPUAttention(pool, 4, 2, 16, 0.25, P)
+    table = torch.arange(P, 4 * P, dtype=torch.int32).view(1, 3 * P)  # request row 0
+
+    def batch(seq, host):
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=torch.zeros(1, dtype=torch.long),
+            positions=seq.long(), out_cache_loc=table[0].gather(0, seq.long()),
+            req_pool_indices=torch.zeros(1, dtype=torch.int32), req_to_token=table,
+            prefix_lens=seq, extend_lens=torch.ones(1, dtype=torch.int32), **host,
+        )  # fmt: skip
+
+    def lengths(params):
+        return HostLengths(padded(params, "seq_lens", 1), [1])
+
+    def captured(s):
+        b = batch(s["seq"], {"host_lengths": lengths})
+        meta = attn.build_static_metadata(b, 256)
+        return attn.forward(s["q"], s["k"], s["v"], 0, meta)
+
+    def inputs(seq):
+        x = torch.randn(3, 1, 4, 16, generator=g).to(torch.bfloat16)
+        return {"seq": torch.tensor([seq], dtype=torch.int32), "q": x[0], "k": x[1, :, :2],
+                "v": x[2, :, :2]}  # fmt: skip
+
+    runner = NPUGraphRunner(4)
+    static = {n: torch.zeros_like(t) for n, t in inputs(0).items()}
+    out = runner.capture("decode", captured, static)
+    new = inputs(200)
+    with pytest.raises(RuntimeError, match="without prepare"):
+        runner.replay("decode", new)
+    runner.prepare("decode", {"batch_size": 1, "max_prefix_len": 256, "seq_lens": [200]})
+    runner.replay("decode", new)
+    eager_b = batch(new["seq"], {"prefix_lens_cpu": [200], "extend_lens_cpu": [1]})
+    want = attn.forward(new["q"], new["k"], new["v"], 0, attn.build_metadata(eager_b))
+    assert torch.equal(out, want)

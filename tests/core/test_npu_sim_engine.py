@@ -5,7 +5,8 @@ the portable attention (the fused operator takes float16 / bfloat16). These test
 models, so every forward mode goes through ``npu_fused_infer_attention_score`` and
 ``npu_scatter_pa_kv_cache``: prefill (TND causal), decode, the draft's lanes, chain
 verification (TND causal) and tree verification (BSND, explicit mask), draft extend, and
-with graphs on the captured rounds (BSND, explicit mask) replayed as NPU graphs. The simulator
+with graphs on the captured rounds and prefills replayed as NPU graphs (the same layouts, each
+attention call a graph task whose lengths ``prepare`` updates before every replay). The simulator
 computes each operator row by row in float32, so a row's attention does not depend
 on the batch; greedy speculative output must equal plain greedy output token for token.
 """
@@ -61,21 +62,22 @@ def plain(sim, tiny):
 
 @pytest.mark.parametrize(
     "topk, num_steps, num_draft_tokens, graphs",
-    [(1, 3, 4, "off"), (2, 3, 6, "off"), (2, 3, 6, "on")],
+    [(1, 3, 4, "off"), (2, 3, 6, "off"), (1, 3, 4, "on"), (2, 3, 6, "on")],
 )
 def test_bf16_spec_greedy_equals_plain_greedy_through_the_fused_operator(
     sim, tiny, plain, topk, num_steps, num_draft_tokens, graphs
 ):
     sim.op_calls.clear()
-    replays = sim.replays
+    replays, updates = sim.replays, sim.task_updates
     spec = SpeculativeConfig(
         algorithm="eagle3", topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens
     )
     outs, llm = _generate(tiny, spec, tiny["eagle3"], graphs=graphs)
     assert outs == plain
-    # graphs on: the rounds replay NPU graphs (captured attention: BSND, explicit mask)
+    # graphs on: the rounds replay NPU graphs, each after its attention tasks were updated
     assert (sim.replays > replays) == (graphs == "on")
+    assert (sim.task_updates > updates) == (graphs == "on")
     assert llm.backend.device_type == "cpu"  # the simulator's device, not an NPU
     fia = "npu_fused_infer_attention_score"
-    assert sim.op_calls[(fia, "TND", 3)] > 0  # eager: prefill, decode, lanes, extend, chains
-    assert (sim.op_calls[(fia, "BSND", 0)] > 0) == (topk > 1 or graphs == "on")
+    assert sim.op_calls[(fia, "TND", 3)] > 0  # prefill, decode, lanes, extend, chains
+    assert (sim.op_calls[(fia, "BSND", 0)] > 0) == (topk > 1)  # tree verification only

@@ -111,7 +111,7 @@ def test_probe_reasons_name_the_fix(monkeypatch):
 
 
 def _vendor_attributes(tree: ast.AST) -> tuple[set[str], set[str], set[str]]:
-    """(torch_npu.X names, torch_npu.X.Y overloads Y, torch.npu.X names) used in ``tree``.
+    """(torch_npu.X names, torch_npu.X.Y overloads "X.Y", torch.npu.X names) used in ``tree``.
 
     Follows the local aliases the npu code uses: ``torch_npu = import_torch_npu()`` and
     ``npu = torch.npu``."""
@@ -138,7 +138,7 @@ def _vendor_attributes(tree: ast.AST) -> tuple[set[str], set[str], set[str]]:
         if base in npu_aliases:
             names.add(node.attr)
         elif isinstance(node.value, ast.Attribute) and ast.unparse(node.value.value) in npu_aliases:
-            overloads.add(node.attr)
+            overloads.add(f"{node.value.attr}.{node.attr}")
         elif base == "torch.npu" or base in dot_npu_aliases:
             dot_npu.add(node.attr)
     return names, overloads, dot_npu
@@ -363,3 +363,46 @@ def test_npu_metadata_for_extend_uses_cumulative_query_ends():
     assert not bool(m.atten_mask[1, 0])
     with pytest.raises(ValueError, match="extend_lens_cpu is missing"):
         attn.build_metadata(dataclasses.replace(batch, extend_lens_cpu=None))
+
+
+def test_npu_captured_metadata_takes_its_lengths_from_host_lengths():
+    """A captured forward: TND / sparse_mode=3 for a chain and BSND / sparse_mode=0 only for a
+    tree (ForwardBatch.topk > 1); Q queries a row and prefix + Q keys, from ``host_lengths``
+    of the capture ({}) and of the parameters a prepare hands over; none without it."""
+    from polyspec.backend import ForwardBatch, ForwardMode, HostLengths
+
+    attn = _npu_attention_on_cpu()
+    i32, n = torch.int32, 4
+    table = torch.zeros(3, 512, dtype=i32)
+    table[2, :256] = torch.arange(3 * 128, 5 * 128, dtype=i32)
+
+    def host_lengths(params):  # one live request of committed length seq_lens[0], one padding
+        seq = list(params.get("seq_lens", [130])) + [0]
+        return HostLengths(seq, [n, 0])
+
+    chain = torch.ones(n, n, dtype=torch.bool).tril()
+    batch = ForwardBatch(
+        mode=ForwardMode.TARGET_VERIFY, input_ids=torch.zeros(2 * n, dtype=torch.long),
+        positions=torch.zeros(2 * n, dtype=torch.long),
+        out_cache_loc=torch.cat([table[2, 130:134], torch.zeros(n, dtype=i32)]),
+        req_pool_indices=torch.tensor([2, 0], dtype=i32), req_to_token=table,
+        prefix_lens=torch.tensor([130, 0], dtype=i32), extend_lens=torch.tensor([n, 0], dtype=i32),
+        tree_mask=torch.stack([chain, chain]), topk=1, host_lengths=host_lengths,
+    )  # fmt: skip
+    m = attn.build_static_metadata(batch, 256)
+    kw = attn.fia_kwargs(m, m.lengths)
+    assert (
+        kw["input_layout"] == "TND" and kw["sparse_mode"] == 3 and kw["atten_mask"].shape[0] == 2048
+    )
+    assert kw["actual_seq_lengths"] == [n, 2 * n] and kw["actual_seq_lengths_kv"] == [134, n]
+    assert m.block_table.shape == (2, 3)  # ceil((256 + 4) / 128): the bucket plus headroom
+    later = attn.fia_kwargs(m, m.replay_lengths({"batch_size": 1, "seq_lens": [131]}))
+    assert later["actual_seq_lengths_kv"] == [135, n]  # what prepare re-issues
+    tree = dataclasses.replace(batch, topk=2)
+    mt = attn.build_static_metadata(tree, 256)
+    kwt = attn.fia_kwargs(mt, mt.lengths)
+    assert kwt["input_layout"] == "BSND" and kwt["sparse_mode"] == 0
+    assert kwt["actual_seq_lengths"] == [n, n] and kwt["actual_seq_lengths_kv"] == [134, n]
+    assert tuple(mt.atten_mask.shape) == (2, 1, n, 384)
+    with pytest.raises(ValueError, match="host_lengths"):
+        attn.build_static_metadata(dataclasses.replace(batch, host_lengths=None), 256)

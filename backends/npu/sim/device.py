@@ -246,6 +246,7 @@ class SimulatedNPU:
         self.group: TaskGroup | None = None
         self.updating: TaskGroup | None = None
         self.replays = 0
+        self.task_updates = 0  # completed graph_task_update_begin / end pairs
         self.op_calls: collections.Counter = collections.Counter()  # (op, variant) -> calls
         self._default = SimStream("default")
         self._current = self._default
@@ -340,6 +341,7 @@ class SimulatedNPU:
                 f"{len(self.updating.tasks)} tasks were re-issued"
             )
         self.updating = None
+        self.task_updates += 1
 
     # used by the simulated operators
     def issue(self, name: str, fn: Callable[..., None], params: dict[str, Any],

@@ -174,7 +174,13 @@ def test_build_killed_midway_then_next_run_builds(ws, sig, whole_group):
         assert WAITING in ws.stderr(second)
     if WAITING in ws.stderr(second):  # the killed run's compiler, held at the gate
         pids = ws.stderr(second).split(WAITING, 1)[1].split(", left running")[0]
-        assert {os.getsid(int(pid)) for pid in pids.split(", ")} == {first.pid}
+        sids = set()
+        for pid in pids.split(", "):
+            try:
+                sids.add(os.getsid(int(pid)))
+            except ProcessLookupError:  # a short-lived step of that build (ninja's shell) ended
+                pass
+        assert sids == {first.pid}  # the gated compiler is still there, and nothing else
         assert "left running by a killed build" in ws.stderr(second)
         Path(f"{ws.gate}.open").touch()
     out, err, seconds = ws.finish(second)

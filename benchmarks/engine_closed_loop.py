@@ -16,7 +16,8 @@ plain with the same flags and ``--algorithm none``):
   wall time each, and the time between steps;
 - the queued rounds (``overlap_rounds``): how many were queued and how many were used (the
   others were dropped because the batch changed);
-- the batch sizes the decode rounds ran at.
+- the batch sizes the decode rounds ran at, and the graphs captured during the run (a
+  capture on first use lands inside the timed run).
 
 A serving run slower than this load is the server's cost (HTTP, streaming, the GIL); a load
 much slower than the offline figure is the joins' cost.
@@ -69,6 +70,7 @@ def closed_loop(llm, prompts: list[list[int]], concurrency: int, params: Samplin
     sched, worker = llm.scheduler, llm.worker
     rec = _instrument(sched)
     queued0 = dict(worker.queued_rounds)
+    graphs0 = worker.graphs.num_captured if worker.graphs is not None else 0
     steps0 = loop.stats().steps_total
     todo = collections.deque(prompts)
     done = threading.Event()
@@ -111,6 +113,8 @@ def closed_loop(llm, prompts: list[list[int]], concurrency: int, params: Samplin
         "outside_steps_s": wall - busy,
         "queued": worker.queued_rounds["queued"] - queued0["queued"],
         "queued_used": worker.queued_rounds["used"] - queued0["used"],
+        "graphs_captured": (worker.graphs.num_captured if worker.graphs is not None else 0)
+        - graphs0,
         "mean_batch": sum(k * v for k, v in bs.items()) / max(rounds, 1),
         "batch_sizes": dict(sorted(bs.items())),
     }

@@ -123,6 +123,14 @@ def run(args: argparse.Namespace) -> int:
         llm, sampling, notes = engine_from_args(args)
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
+        if llm.worker.graphs is not None:  # capture now, not inside the first requests' time
+            print("polyspec serve: capturing graphs...", file=sys.stderr, flush=True)
+            warm = llm.warm_up()
+            print(
+                f"polyspec serve: captured {warm['graphs']} graphs in {warm['seconds']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         return llm, sampling
 
     print(

@@ -264,6 +264,10 @@ class EngineLoop:
         self._finished = Counter()
         self._hist: Counter = Counter()
         self._step_time = 0.0
+        # The scheduler's and the worker's counters run since they were built (a warm-up may
+        # have run on an earlier loop): this loop's totals start from here.
+        self._rounds0 = llm.scheduler.rounds
+        self._phase0 = dict(llm.worker.timer.seconds)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -420,12 +424,14 @@ class EngineLoop:
                 prompt_tokens_total=self._totals["prompt"],
                 generation_tokens_total=self._totals["generation"],
                 requests_finished_total=dict(self._finished),
-                rounds_total=sched.rounds,
+                rounds_total=sched.rounds - self._rounds0,
                 steps_total=self._totals["steps"],
                 acceptance_length_histogram=hist,
                 accepted_per_position=per_pos,
                 step_time_s_total=self._step_time,
-                phase_time_s_total=dict(worker.timer.seconds),
+                phase_time_s_total={
+                    k: v - self._phase0.get(k, 0.0) for k, v in worker.timer.seconds.items()
+                },
             )
 
     # -- the loop's thread ---------------------------------------------------------------------

@@ -61,6 +61,7 @@ class Tokenizer:
     ) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
+        self._template: Any = None  # chat_template compiled (jinja2.Template), on first use
         self.bos_token = bos_token
         self.eos_token = eos_token
         ids = list(eos_token_ids)
@@ -217,8 +218,10 @@ class Tokenizer:
                 "this tokenizer has no chat template (tokenizer_config.json chat_template or GGUF "
                 "tokenizer.chat_template); pass raw text to encode() instead"
             )
+        if self._template is None:  # compiled once: compiling costs milliseconds a request
+            self._template = _compile(self.chat_template)
         text = _render(
-            self.chat_template,
+            self._template,
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -237,8 +240,8 @@ def _read_optional_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _render(template: str, **context: Any) -> str:
-    """Render a chat template in a sandbox, with the helpers HF templates expect."""
+def _compile(template: str) -> Any:
+    """The chat template compiled in a sandbox, with the helpers HF templates expect."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -254,6 +257,16 @@ def _render(template: str, **context: Any) -> str:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
-        return env.from_string(template).render(**context)
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateError as e:
+        raise ModelLoadError(f"the chat template does not compile: {e}") from None
+
+
+def _render(template: Any, **context: Any) -> str:
+    """Render a compiled chat template (:func:`_compile`)."""
+    import jinja2
+
+    try:
+        return template.render(**context)
     except jinja2.exceptions.TemplateError as e:
         raise ModelLoadError(f"the chat template failed to render: {e}") from None

@@ -3,6 +3,7 @@ request's output equals what it produces alone under plain greedy decoding."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -92,3 +93,38 @@ def test_captured_rounds_under_churn(backend, backend_name, tiny_models, page_si
         assert ties <= 2
         assert llm.kv_slots_free == free
         assert llm.worker.graphs is not None and llm.worker.graphs.num_captured > 0
+
+
+def test_warm_up_captures_every_graph_the_churn_replays(backend, backend_name, tiny_models):
+    """``LLM.warm_up`` (what ``polyspec serve`` runs before it reports ready) leaves nothing to
+    capture: greedy and sampled requests coming and going at every batch size up to
+    ``max_batch_size``, with prompts of every prefill width and contexts across the prefix
+    buckets, capture no graph, and give the outputs of an engine that captured lazily."""
+    from polyspec.engine.llm import LLM
+
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    prompts, params = _mixed_requests(60, seed=5)
+    rng = random.Random(5)
+    params = [
+        dataclasses.replace(p, temperature=1.0, seed=i) if rng.random() < 0.3 else p
+        for i, p in enumerate(params)
+    ]
+    common = dict(
+        target=tiny_models["target"], backend=backend_name, dtype="float32", max_batch_size=6,
+        max_context=96, prefill_chunk_size=16, max_tokens_per_step=48, graphs="on",
+        draft=tiny_models["eagle3"],
+        speculative=SpeculativeConfig(algorithm="eagle3", topk=2, num_steps=3, num_draft_tokens=6,
+                                      batch_trees="4:3-1-4"),
+    )  # fmt: skip
+    lazy = LLM(**common)
+    want = lazy.generate(prompt_token_ids=prompts, sampling_params=params)
+    warm = LLM(**common)
+    done = warm.warm_up()
+    graphs = warm.worker.graphs
+    assert done["graphs"] == graphs.num_captured > lazy.worker.graphs.num_captured
+    got = warm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert graphs.num_captured == done["graphs"], "a graph was captured after the warm-up"
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    # the loop counts its own rounds: the warm-up's ran on an earlier one
+    assert warm.engine.stats().rounds_total == lazy.engine.stats().rounds_total

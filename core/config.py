@@ -164,15 +164,29 @@ class TreeCandidate:
 class BatchTree:
     """The draft tree of rounds with at least ``min_batch_size`` requests
     (``SpeculativeConfig.batch_trees``). ``num_draft_tokens`` None: the default for the tree,
-    as in :class:`SpeculativeConfig`."""
+    as in :class:`SpeculativeConfig`. ``num_steps`` 0: plain rounds (the target's next token
+    only; the draft reads it, so that a smaller batch can speculate again), with ``topk`` 1
+    and ``num_draft_tokens`` 1 or unset."""
 
     min_batch_size: int
     num_steps: int
-    topk: int
+    topk: int = 1
     num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("speculative.batch_trees min_batch_size", self.min_batch_size, 2)
+        if _is_int(self.num_steps) and self.num_steps == 0:
+            # a plain round verifies its root alone: one token, no top-K
+            for key, value in (("topk", self.topk), ("num_draft_tokens", self.num_draft_tokens)):
+                if value not in (1, None) or isinstance(value, bool):
+                    raise _invalid(
+                        f"speculative.batch_trees {key}",
+                        value,
+                        "a plain entry (num_steps = 0) has 1 or leaves it unset",
+                    )
+            object.__setattr__(self, "topk", 1)
+            object.__setattr__(self, "num_draft_tokens", 1)
+            return
         tree = SpeculativeConfig(  # the same checks as the main tree
             algorithm="eagle3",
             num_steps=self.num_steps,
@@ -182,27 +196,40 @@ class BatchTree:
         object.__setattr__(self, "num_draft_tokens", tree.num_draft_tokens)
 
     @property
+    def plain(self) -> bool:
+        """True for plain rounds (``num_steps`` 0)."""
+        return self.num_steps == 0
+
+    @property
     def label(self) -> str:
+        if self.plain:
+            return "plain"
         return f"S={self.num_steps} K={self.topk} N={self.num_draft_tokens}"
 
     @property
     def text(self) -> str:
-        """The form ``--batch-trees`` takes: ``MIN:S-K-N``."""
+        """The form ``--batch-trees`` takes: ``MIN:S-K-N``, or ``MIN:plain``."""
+        if self.plain:
+            return f"{self.min_batch_size}:plain"
         return f"{self.min_batch_size}:{self.num_steps}-{self.topk}-{self.num_draft_tokens}"
 
 
 def parse_batch_trees(text: str) -> tuple[BatchTree, ...]:
-    """``"8:3-3-8,24:3-2-6"`` (``MIN_BATCH:S-K-N``, comma-separated; "none" or "" for none)
-    -> batch trees. :raises ValueError: text not of that form."""
+    """``"8:3-3-8,24:3-2-6,64:plain"`` (``MIN_BATCH:S-K-N`` or ``MIN_BATCH:plain``,
+    comma-separated; "none" or "" for none) -> batch trees.
+    :raises ValueError: text not of that form."""
     text = text.strip()
     if text.lower() in ("", "none", "off"):
         return ()
     trees = []
     for part in text.split(","):
         head, sep, tree = part.strip().partition(":")
+        if sep and tree.strip().lower() == "plain":
+            trees.append(BatchTree(int(head), 0))
+            continue
         fields = tree.split("-")
         if not sep or len(fields) != 3:
-            raise ValueError(f"{part.strip()!r} is not MIN_BATCH:S-K-N")
+            raise ValueError(f"{part.strip()!r} is not MIN_BATCH:S-K-N or MIN_BATCH:plain")
         bs, s, k, n = int(head), *map(int, fields)
         trees.append(BatchTree(bs, s, k, n))
     return tuple(trees)
@@ -212,8 +239,8 @@ def _as_batch_trees(value: Any) -> tuple[BatchTree, ...]:
     """A list of :class:`BatchTree` (or of their fields as mappings), or the text form."""
     key = "speculative.batch_trees"
     allowed = (
-        "must be MIN_BATCH:S-K-N entries (e.g. '8:3-3-8,24:3-2-6') or a list of "
-        "{min_batch_size, num_steps, topk, num_draft_tokens}"
+        "must be MIN_BATCH:S-K-N or MIN_BATCH:plain entries (e.g. '8:3-3-8,64:plain') or a "
+        "list of {min_batch_size, num_steps, topk, num_draft_tokens} (num_steps 0: plain)"
     )
     if isinstance(value, str):
         try:
@@ -271,15 +298,19 @@ class SpeculativeConfig:
     tree_choice`): where rounds run eagerly, the engine times the target and draft forwards
     at each candidate's widths on this machine and keeps the tree with the most tokens per
     second predicted from its acceptance; ``num_steps`` / ``topk`` / ``num_draft_tokens`` then
-    become that tree's. Filled from the head's ``polyspec.json`` when no tree setting is given
+    become that tree's. Where rounds replay captured graphs, it times whole rounds of each
+    candidate and plain rounds at a few batch sizes and keeps the best per batch size, as the
+    main tree and ``batch_trees``. Filled from the head's ``polyspec.json`` when no tree setting is given
     and ``auto_tree`` is true (default); empty: the tree is used as given.
 
     ``batch_trees``: other trees for larger batches. A round of ``bs`` requests uses the last
     entry with ``min_batch_size <= bs``, and the tree above (``num_steps`` / ``topk`` /
     ``num_draft_tokens``) below the first one. On an accelerator a wider tree costs little at
     batch 1 and more as the batch fills it, so the best tree shrinks as the batch grows
-    (docs/benchmarks.md). Filled from the head's ``polyspec.json`` with its own tree; where
-    the engine times ``tree_candidates`` (eager rounds) its one chosen tree replaces them.
+    (docs/benchmarks.md); where it does not pay at all, an entry with ``num_steps`` 0
+    (``MIN:plain``) runs plain rounds, the draft kept current. Filled from the head's
+    ``polyspec.json`` with its own tree; where the engine times ``tree_candidates`` its
+    choice replaces them.
     The output does not depend on the tree.
     """
 

@@ -327,9 +327,10 @@ class LLM:
                 self.draft, self.backend, self.config.speculative.draft_quantization
             )
         self.tree_choice = None
+        timed_trees: list = []  # candidates whose rounds are timed once the worker is built
         if self.draft is not None and self.config.speculative.tree_candidates:
             if tp is None:
-                self._choose_tree()
+                timed_trees = self._choose_tree()
             else:  # timed per rank, trees could differ; every rank must run the same tree
                 from polyspec.config import TreeCandidate
 
@@ -341,7 +342,7 @@ class LLM:
                 }
         cfg = self.config
         spec = cfg.speculative
-        num_slots = cfg.num_kv_slots or self._default_num_slots()
+        num_slots = cfg.num_kv_slots or self._default_num_slots(timed_trees)
         ps = cfg.page_size
         num_slots = (num_slots + ps - 1) // ps * ps
         models = [self.target.config]
@@ -368,7 +369,13 @@ class LLM:
         else:
             from polyspec.spec.eagle_worker import EagleWorker
 
-            self.worker = EagleWorker(self.backend, self.target, self.draft, spec, self.dtype, **kw)
+            runnable = [(c.num_steps, c.topk, c.num_draft_tokens) for c in timed_trees]
+            self.worker = EagleWorker(
+                self.backend, self.target, self.draft, spec, self.dtype, runnable=runnable, **kw
+            )
+            if timed_trees:
+                self._choose_by_batch_size(timed_trees)
+                spec = self.config.speculative
         if tp is not None and tp.is_leader:
             from polyspec.engine.ranks import LeaderWorker
 
@@ -396,19 +403,26 @@ class LLM:
                 f"{vocab}"
             )
 
-    def _choose_tree(self) -> None:
-        """Settle ``speculative.tree_candidates`` into one tree for this machine
-        (:mod:`polyspec.engine.tree_choice`): times the candidates' forwards on a small
-        worker of its own, then keeps the tree predicted fastest in ``self.config``. Where the
-        rounds replay captured graphs, eager forward times do not tell their cost: the tree
-        stays as given (the head's recommendation)."""
+    def _choose_tree(self) -> list:
+        """Settle ``speculative.tree_candidates`` for this machine
+        (:mod:`polyspec.engine.tree_choice`). Where rounds run eagerly: times the candidates'
+        forwards on a small worker of its own, then keeps the tree predicted fastest in
+        ``self.config``. Where they replay captured graphs (and the backend's graph budget
+        is unbounded): -> the candidates whose rounds the worker times once it is built
+        (:meth:`_choose_by_batch_size`). Else the tree stays as given (the head's
+        recommendation). -> [] when nothing is left to time."""
         from polyspec.engine import tree_choice
         from polyspec.spec.base import uses_graphs
         from polyspec.spec.eagle_worker import EagleWorker
 
         cfg = self.config
         spec = cfg.speculative
-        if uses_graphs(self.backend.capabilities, cfg.graphs):
+        caps = self.backend.capabilities
+        # A backend without tree attention verifies chains only (EagleWorker refuses topk > 1).
+        cands = [c for c in spec.tree_candidates if caps.tree_attention or c.topk == 1]
+        if uses_graphs(caps, cfg.graphs) and caps.max_graph_shapes is None and cands:
+            return cands
+        if uses_graphs(caps, cfg.graphs):
             chosen = tree_choice.TreeCandidate(
                 spec.num_steps, spec.topk, spec.num_draft_tokens, 1.0
             ).label
@@ -416,14 +430,12 @@ class LLM:
                 chosen += f"; from batch {t.min_batch_size}: {t.label}"
             self.tree_choice = {
                 "chosen": chosen,
-                "reason": "rounds replay captured graphs: the head's recommended tree(s)",
+                "reason": "rounds replay captured graphs, and the backend holds a limited "
+                "number of them: the head's recommended tree(s)",
             }
-            return
-        caps = self.backend.capabilities
-        # A backend without tree attention verifies chains only (EagleWorker refuses topk > 1).
-        cands = [c for c in spec.tree_candidates if caps.tree_attention or c.topk == 1]
+            return []
         if not cands:
-            return
+            return []
         widest = max(cands, key=lambda c: (c.topk, c.num_steps))
         spec = dataclasses.replace(
             spec, num_steps=widest.num_steps, topk=widest.topk,
@@ -449,11 +461,59 @@ class LLM:
             num_draft_tokens=chosen.num_draft_tokens, batch_trees=(),
         )  # fmt: skip
         self.config = dataclasses.replace(cfg, speculative=spec)
+        return []
 
-    def _default_num_slots(self) -> int:
+    def _choose_by_batch_size(self, cands: list) -> None:
+        """Time ``cands``' rounds and plain rounds on the worker at batch sizes 1, 2, 4, ...
+        up to ``max_batch_size`` (:func:`polyspec.engine.tree_choice.time_rounds`), then run
+        the option of the most predicted tokens/s at each batch size: the worker's trees and
+        ``speculative``'s tree and ``batch_trees`` become that schedule."""
+        import time
+
+        from polyspec.config import BatchTree
+        from polyspec.engine import tree_choice
+
+        cfg = self.config
+        sizes, b = [], 1
+        while b < cfg.max_batch_size:
+            sizes.append(b)
+            b *= 2
+        sizes.append(cfg.max_batch_size)
+        start = time.perf_counter()
+        seconds, stopped = tree_choice.time_rounds(self.worker, cands, sizes)
+        elapsed = time.perf_counter() - start
+        spec = cfg.speculative
+        if not seconds:  # not even batch 1 was timed: the head's tree(s) as given
+            self.worker.use_trees(spec.trees)
+            main = tree_choice.TreeCandidate(spec.num_steps, spec.topk, spec.num_draft_tokens, 1)
+            self.tree_choice = {
+                "chosen": main.label,
+                "reason": f"no round could be timed ({stopped}): the head's recommended tree",
+            }
+            return
+        schedule = tree_choice.batch_schedule(cands, seconds, cfg.max_batch_size)
+        main = schedule[0][1]
+        rest = tuple(
+            BatchTree(bs, 0)
+            if c is None
+            else BatchTree(bs, c.num_steps, c.topk, c.num_draft_tokens)
+            for bs, c in schedule[1:]
+        )
+        spec = dataclasses.replace(
+            spec, num_steps=main.num_steps, topk=main.topk,
+            num_draft_tokens=main.num_draft_tokens, batch_trees=rest,
+        )  # fmt: skip
+        self.worker.use_trees(spec.trees)
+        self.config = dataclasses.replace(cfg, speculative=spec)
+        self.tree_choice = tree_choice.batch_report(cands, seconds, schedule, elapsed, stopped)
+
+    def _default_num_slots(self, timed_trees: Sequence = ()) -> int:
+        """KV slots for ``max_batch_size`` requests of the configured trees (and of
+        ``timed_trees``, which the engine times at start-up)."""
         cfg = self.config
         spec = cfg.speculative
         trees = spec.trees if spec else ()
+        trees += tuple((1, c.num_steps, c.topk, c.num_draft_tokens) for c in timed_trees)
         per_req = min(cfg.max_context, 2048) + max((n for *_, n in trees), default=1)
         lanes = max((k * draft_lane_width(s, cfg.page_size) for _, s, k, _ in trees), default=0)
         return cfg.max_batch_size * (per_req + lanes + 2 * cfg.page_size) + cfg.page_size

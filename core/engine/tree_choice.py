@@ -1,5 +1,12 @@
 """Choosing the draft tree for the machine at hand (``SpeculativeConfig.tree_candidates``).
 
+Two ways, by how the rounds run. Where they run eagerly (the cpu backend), the engine times
+the forwards a round is made of at batch 1 and keeps one tree for every batch size (below).
+Where they replay captured graphs, it times whole rounds at a few batch sizes and picks a tree,
+or plain rounds, per batch size (:func:`time_rounds`, :func:`batch_schedule`, further down).
+
+Eager rounds:
+
 A tree's speed is its acceptance (tokens per round, measured once per head on a reference
 workload and shipped in its ``polyspec.json``) over the cost of its round, and that cost
 depends on the machine: on an H200 a verify over 8 tokens costs about one decode step, on a
@@ -155,9 +162,218 @@ def tree_note(choice: Mapping) -> str:
     """One line for the user about :func:`report`'s choice (or why none was made)."""
     if "reason" in choice:
         return f"draft tree {choice['chosen']} ({choice['reason']})"
+    if "by_batch_size" in choice:
+        sizes = ", ".join(str(b) for b in choice["timed_batch_sizes"])
+        stopped = f"; timing stopped early: {choice['stopped']}" if choice["stopped"] else ""
+        return (
+            f"draft trees by batch size {choice['chosen']}, chosen for this machine by timing "
+            f"each candidate's rounds and plain rounds at batch {sizes} "
+            f"({choice['timing_s']:g} s{stopped}; set num_steps / topk / num_draft_tokens / "
+            f"batch_trees to choose yourself)"
+        )
     predicted = choice["predicted_speedup"]
     return (
         f"draft tree {choice['chosen']}, chosen for this machine from {len(predicted)} "
         f"candidates by timing their forwards (predicted {predicted[choice['chosen']]:.2f}x "
         f"plain decoding; set num_steps / topk / num_draft_tokens to choose yourself)"
     )
+
+
+# -- trees by batch size, from timed rounds (rounds replayed from captured graphs) ------------
+#
+# Where the rounds replay captured graphs, a forward timed eagerly does not tell what it costs
+# inside a graph, and what a round costs depends on the batch: the tree whose extra verify
+# tokens are nearly free at batch 1 fills the device at batch 64. So the engine times whole
+# rounds, each tree's and a plain round's, through the real worker (captured like any round)
+# at a few batch sizes, and predicts each one's tokens per second as acceptance x bs / round
+# time (a plain round: 1 x bs / its time). Between two timed batch sizes a round's time is
+# interpolated linearly; above the largest, the last timed size's choice holds.
+
+ROUND_BUDGET_S = 5.0
+"""Seconds the start-up timing of rounds may take; what is left untimed when they are spent
+takes the choice of the largest batch size timed."""
+
+PRUNE_MARGIN = 0.03
+"""A tree is timed at the next batch size unless some option with no more work per round
+(:func:`round_work`) was predicted faster by more than this fraction: a round's time grows with
+its work as the batch grows, so a tree that loses to a lighter one keeps losing."""
+
+
+def option_label(c: TreeCandidate | None) -> str:
+    """A candidate's label, or ``plain`` for None (plain rounds)."""
+    return "plain" if c is None else c.label
+
+
+def round_work(c: TreeCandidate | None) -> int:
+    """Tokens a round's forwards read per request: the verify's N, the draft's K per step
+    after the first and its extend's S + 1 (a plain round: the root and its draft step)."""
+    if c is None:
+        return 2
+    return c.num_draft_tokens + (c.num_steps - 1) * c.topk + c.num_steps + 1
+
+
+def tokens_per_s(c: TreeCandidate | None, bs: float, seconds: float) -> float:
+    """Predicted tokens per second of rounds of ``c`` (None: plain) at batch ``bs``."""
+    return (1.0 if c is None else c.acceptance) * bs / seconds
+
+
+def still_timed(
+    candidates: Sequence[TreeCandidate], seconds: Mapping[str, float], bs: int
+) -> list[TreeCandidate]:
+    """The candidates worth timing at a larger batch than ``bs``, after ``seconds`` (label ->
+    round seconds at ``bs``, "plain" included): those not beaten by more than
+    :data:`PRUNE_MARGIN` by an option with no more work per round."""
+    options = [None, *candidates]
+    timed = [o for o in options if option_label(o) in seconds]
+    rate = {option_label(o): tokens_per_s(o, bs, seconds[option_label(o)]) for o in timed}
+    keep = []
+    for c in candidates:
+        if option_label(c) not in rate:
+            continue
+        beaten = any(
+            round_work(o) <= round_work(c)
+            and rate[option_label(o)] > rate[option_label(c)] * (1 + PRUNE_MARGIN)
+            for o in timed
+            if o is not c
+        )
+        if not beaten:
+            keep.append(c)
+    return keep
+
+
+def batch_schedule(
+    candidates: Sequence[TreeCandidate],
+    seconds: Mapping[int, Mapping[str, float]],
+    max_batch_size: int,
+) -> list[tuple[int, TreeCandidate | None]]:
+    """The option of the most predicted tokens/s for every batch size from 1 to
+    ``max_batch_size``, as (min batch size, candidate or None for plain rounds) entries where
+    it changes. ``seconds``: timed batch size -> option label -> round seconds. Between two
+    timed sizes an option timed at both has its time interpolated linearly; above the largest,
+    that size's times hold (scaled by nothing: its choice). Batch 1 always runs a tree."""
+    sizes = sorted(seconds)
+    by_label = {option_label(o): o for o in (None, *candidates)}
+    out: list[tuple[int, TreeCandidate | None]] = []
+    for bs in range(1, max_batch_size + 1):
+        lo = max((s for s in sizes if s <= bs), default=sizes[0])
+        hi = min((s for s in sizes if s >= bs), default=sizes[-1])
+        times = {}
+        for label, t_lo in seconds[lo].items():
+            if label not in seconds[hi] or label not in by_label:
+                continue
+            t_hi = seconds[hi][label]
+            f = 0.0 if hi == lo else (bs - lo) / (hi - lo)
+            times[label] = t_lo + f * (t_hi - t_lo)
+        if bs == 1:
+            times.pop("plain", None)
+        if not times:
+            continue
+        at = hi if bs > hi else bs  # above the largest timed size: its choice
+        best = max(times, key=lambda label: tokens_per_s(by_label[label], at, times[label]))
+        if not out or option_label(out[-1][1]) != best:
+            out.append((bs, by_label[best]))
+    return out
+
+
+def time_rounds(
+    worker,
+    candidates: Sequence[TreeCandidate],
+    batch_sizes: Sequence[int],
+    budget_s: float = ROUND_BUDGET_S,
+    repeats: int = 3,
+) -> tuple[dict[int, dict[str, float]], str | None]:
+    """Time the rounds of ``candidates`` and a plain round on ``worker`` (an EagleWorker
+    built with every candidate ``runnable``, no request running, no scheduler yet) at each of
+    ``batch_sizes`` (ascending), with that many requests after a :data:`PREFIX_LEN`-token
+    prefix (their KV is not written: its values do not change a round's time): two rounds to
+    capture and warm up, then the best of ``repeats``. At each size after the first, only
+    the candidates :func:`still_timed` keeps; none kept ends it. -> (batch size -> label ->
+    seconds, why timing stopped early or None). The requests are removed and the statistics
+    zeroed before it returns; the rounds' trees are left to the caller (``use_trees``)."""
+    from polyspec.runtime.sampling import RequestSampler
+
+    start = time.perf_counter()
+    out: dict[int, dict[str, float]] = {}
+    timed = list(candidates)
+    width = max([2, *(max(c.num_draft_tokens, c.num_steps + 1) for c in candidates)])
+    prefix = max(1, min(PREFIX_LEN, worker.req_pool.max_context - width - 1))
+    need = worker.kv_need(prefix, width)
+    stopped = None
+    sampler = RequestSampler.create(0.0, 0, 1.0, 0, worker.device)
+    for bs in batch_sizes:
+        if bs * need > worker.allocator.available:
+            stopped = f"batch {bs} does not fit the KV cache"
+            break
+        rids = [-1 - i for i in range(bs)]
+        seconds: dict[str, float] = {}
+        try:
+            for r in rids:
+                worker.add_request(r, [1], sampler, kv_reserved=need)
+            worker.prefill(rids, [1] * bs)
+            for c in (None, *timed):
+                if time.perf_counter() - start > budget_s:
+                    stopped = f"the {budget_s:g} s budget was spent"
+                    break
+                shape = (0, 1, 1) if c is None else (c.num_steps, c.topk, c.num_draft_tokens)
+                worker.use_trees([(1, *shape)])
+                best = float("inf")
+                for rep in range(2 + repeats):
+                    for r in rids:
+                        worker.states[r].seq_len = prefix
+                    t = time.perf_counter()
+                    worker.decode(rids)
+                    if rep >= 2:
+                        best = min(best, time.perf_counter() - t)
+                seconds[option_label(c)] = best
+        finally:
+            for r in rids:
+                if r in worker.states:
+                    worker.remove_request(r)
+        if stopped is not None:
+            break
+        out[bs] = seconds
+        timed = still_timed(timed, seconds, bs)
+        if not timed:
+            break
+    worker.reset_stats()
+    return out, stopped
+
+
+def batch_report(
+    candidates: Sequence[TreeCandidate],
+    seconds: Mapping[int, Mapping[str, float]],
+    schedule: Sequence[tuple[int, TreeCandidate | None]],
+    elapsed_s: float,
+    stopped: str | None,
+) -> dict:
+    """A JSON-ready record of the choice by batch size: the rounds' times in ms and each
+    option's predicted speed-up over plain rounds at every timed size."""
+    by_label = {option_label(o): o for o in (None, *candidates)}
+    speedup = {}
+    for bs, times in seconds.items():
+        plain = times.get("plain")
+        if plain is None:
+            continue
+        speedup[str(bs)] = {
+            label: round(tokens_per_s(by_label[label], bs, t) / tokens_per_s(None, bs, plain), 3)
+            for label, t in times.items()
+        }
+    return {
+        "chosen": schedule_label(schedule),
+        "by_batch_size": [[bs, option_label(c)] for bs, c in schedule],
+        "timed_batch_sizes": sorted(seconds),
+        "round_ms": {
+            str(bs): {label: round(t * 1e3, 3) for label, t in times.items()}
+            for bs, times in seconds.items()
+        },
+        "predicted_speedup": speedup,
+        "timing_s": round(elapsed_s, 2),
+        "stopped": stopped,
+    }
+
+
+def schedule_label(schedule: Sequence[tuple[int, TreeCandidate | None]]) -> str:
+    """``S=3 K=6 N=16; from batch 8: S=3 K=3 N=8; from batch 64: plain``."""
+    parts = [option_label(schedule[0][1])]
+    parts += [f"from batch {bs}: {option_label(c)}" for bs, c in schedule[1:]]
+    return "; ".join(parts)

@@ -152,6 +152,17 @@ class WorkerBase:
         self.mask_seconds = 0.0
         self.constrained_rounds = 0
 
+    def reset_stats(self) -> None:
+        """Zero the round statistics (rounds by tree and by levels drafted, queued rounds,
+        the phase timer, structured output's): after rounds run for the engine's own
+        measurements at start-up."""
+        self.rounds_by_tree = dict.fromkeys(self.rounds_by_tree, 0)
+        self.drafted_levels = [0] * len(self.drafted_levels)
+        self.queued_rounds = {"queued": 0, "used": 0}
+        self.timer.seconds.clear()
+        self.mask_seconds = 0.0
+        self.constrained_rounds = 0
+
     # -- one decode round -----------------------------------------------------------------------
     # The timer's phases: the host's preparation of a round, and a replayed round (draft to
     # draft extend in one program; an eager round laps its own phases as it goes).

@@ -17,7 +17,7 @@ from polyspec.runtime.executor import Launched
 from polyspec.runtime.kv_cache import OutOfKVSlots
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.spec.base import SeqState, WorkerBase
-from polyspec.spec.round import RoundParts, Tree
+from polyspec.spec.round import PLAIN_ROUNDS, RoundParts, Tree
 
 
 @dataclasses.dataclass
@@ -31,15 +31,27 @@ class _DraftBatch:
     replays graphs of its own in between, first copies them (:meth:`_own_draft_batch`)."""
 
     rids: tuple[int, ...]
-    topk_p: torch.Tensor  # [bs, K]
-    topk_index: torch.Tensor  # [bs, K]
+    topk_p: torch.Tensor | None  # [bs, K]; None after a plain round (taken from the feature)
+    topk_index: torch.Tensor | None  # [bs, K]
     feature: torch.Tensor  # [bs, H]
 
 
 class EagleWorker(WorkerBase):
-    def __init__(self, backend, target, draft, spec: SpeculativeConfig, dtype, **kw):
+    def __init__(
+        self,
+        backend,
+        target,
+        draft,
+        spec: SpeculativeConfig,
+        dtype,
+        runnable: Sequence[tuple[int, int, int]] = (),
+        **kw,
+    ):
+        """``runnable``: other trees (S, K, N) that :meth:`use_trees` may switch the rounds to
+        (the buffers are sized for them too)."""
         caps = backend.capabilities
-        widest = max(k for _, _, k, _ in spec.trees)
+        runnable = tuple((1, *t) for t in runnable)  # as SpeculativeConfig.trees' entries
+        widest = max(k for _, _, k, _ in (*spec.trees, *runnable))
         if widest > 1 and not caps.tree_attention:
             raise ConfigError(
                 f"backend {backend.name!r} verifies chains only (no tree attention); "
@@ -48,30 +60,21 @@ class EagleWorker(WorkerBase):
         super().__init__(backend, target, dtype, capture_layers=tuple(draft.aux_layer_ids), **kw)
         self.draft = draft
         self.spec = spec
-        ps = self.page_size
-        # (min batch size, tree), ascending. Each lane holds the prefix's partial last page
-        # (copied) plus its draft tokens.
-        self.trees = [
-            (b, Tree(s, k, n, draft_lane_width(s, ps), "" if b == 1 else f"@{s}-{k}-{n}"))
-            for b, s, k, n in spec.trees
-        ]
-        main = self.trees[0][1]
-        # The main tree's (a batch of one): what callers that know one tree read.
-        self.num_steps, self.topk, self.num_draft_tokens = main[:3]
-        self.lane_width = main.lane_width
+        self._main_shape = spec.trees[0][1:]  # (S, K, N): its graphs are named plainly
+        # (min batch size, tree), ascending: the rounds' trees by batch size
+        self.trees = self._schedule(spec.trees)
+        # What the buffers are sized for: those trees and any other one a round may switch to
+        # (``runnable``: the trees the engine times at start-up, :meth:`use_trees`).
+        sized = [t for _, t in self.trees] + [t for _, t in self._schedule(runnable)]
         # The draft keeps the top-K of the widest tree between rounds: a round of a narrower
         # tree reads its first K columns (top-K is sorted, so they are that tree's top-K).
-        self.state_topk = max(t.topk for _, t in self.trees)
+        self.state_topk = max(t.topk for t in sized)
         self.dynamic_depth = spec.dynamic_depth or 0.0
         # Dynamic depth's statistics: rounds by the number of levels drafted (index 1..S).
-        self.drafted_levels = [0] * (max(t.num_steps for _, t in self.trees) + 1)
-        self.rounds_by_tree = {t.label: 0 for _, t in self.trees}
-        # A round writes a request's N tree nodes and its draft extend's S + 1 tokens.
-        self.extra_kv_per_request = max(max(t[2], t[0] + 1) for _, t in self.trees)
-        lanes = max(t.topk * t.lane_width if t.num_steps > 1 else 0 for _, t in self.trees)
-        self.scratch_kv = kw["max_batch_size"] * lanes
-        # The most tokens a round can commit for a request (the deepest tree's S + 1).
-        self.max_round_tokens = max(t.num_steps for _, t in self.trees) + 1
+        self.drafted_levels = [0] * (max(t.num_steps for t in sized) + 1)
+        self._lanes = max(t.topk * t.lane_width if t.num_steps > 1 else 0 for t in sized)
+        self.scratch_kv = kw["max_batch_size"] * self._lanes
+        self._settle(self.trees)
         self.draft_runner = ModelRunner(draft, backend, self.num_kv_slots, dtype)
         self.use_aux = bool(draft.aux_layer_ids)
         # A standalone LM has no target features: it reads token p at position p, so each
@@ -89,6 +92,50 @@ class EagleWorker(WorkerBase):
                     f"out of KV slots for the draft lanes: needed {self.scratch_kv}, "
                     f"{self.allocator.available} free; raise num_kv_slots"
                 )
+
+    def _schedule(self, trees: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, Tree]]:
+        """(min batch size, S, K, N) entries -> (min batch size, Tree). A round function's
+        graphs are named for its tree: the configured main tree plainly (``round_greedy``),
+        every other one by its shape (``round_greedy@3-3-8``, ``round_greedy@plain`` for
+        S = 0, the plain tree). Each lane holds the prefix's partial last page (copied) plus
+        its draft tokens."""
+        out = []
+        for b, s, k, n in trees:
+            if s == 0:
+                out.append((b, PLAIN_ROUNDS))
+            else:
+                suffix = "" if (s, k, n) == self._main_shape else f"@{s}-{k}-{n}"
+                out.append((b, Tree(s, k, n, draft_lane_width(s, self.page_size), suffix)))
+        return out
+
+    def _settle(self, trees: Sequence[tuple[int, Tree]]) -> None:
+        """Make ``trees`` the rounds' trees, and what depends on them."""
+        self.trees = list(trees)
+        main = self.trees[0][1]
+        # The main tree's (a batch of one): what callers that know one tree read.
+        self.num_steps, self.topk, self.num_draft_tokens = main[:3]
+        self.lane_width = main.lane_width
+        self.rounds_by_tree = {t.label: 0 for _, t in self.trees}
+        # A round writes a request's N tree nodes and its draft extend's S + 1 tokens.
+        self.extra_kv_per_request = max(max(t[2], t[0] + 1) for _, t in self.trees)
+        # The most tokens a round can commit for a request (the deepest tree's S + 1).
+        self.max_round_tokens = max(t.num_steps for _, t in self.trees) + 1
+
+    def use_trees(self, trees: Sequence[tuple[int, int, int, int]]) -> None:
+        """Switch the rounds to ``trees`` ((min batch size, S, K, N) ascending from 1, S = 0
+        for plain rounds), each of them the constructor's or in its ``runnable``. Called
+        before the scheduler starts (it reads the KV widths then): at start-up, while the
+        engine times the trees, and with its choice."""
+        schedule = self._schedule(trees)
+        for _, t in schedule:
+            lanes = t.topk * t.lane_width if t.num_steps > 1 else 0
+            if (
+                t.topk > self.state_topk
+                or lanes > self._lanes
+                or t.num_steps >= len(self.drafted_levels)
+            ):
+                raise ValueError(f"tree {t.label} is wider than this worker's buffers")
+        self._settle(schedule)
 
     def tree_for(self, bs: int) -> Tree:
         """The draft tree of a round of ``bs`` requests."""
@@ -128,24 +175,47 @@ class EagleWorker(WorkerBase):
     def _draft_state(self, rids: Sequence[int], sts: Sequence[SeqState]):
         """(topk_p [bs, K], topk_index [bs, K], feature [bs, H]) of this round's requests: the
         last round's tensors as they are when it had the same requests in the same order;
-        otherwise stacked from that round's rows and the prefilled requests' own views."""
-        last, self._draft_batch = self._draft_batch, None
-        if last is not None and last.rids == tuple(rids):
+        otherwise stacked from that round's rows and the prefilled requests' own views. A
+        request whose last round was plain has its feature only: its top-K is taken here."""
+        last = self._draft_batch
+        if last is not None and last.rids == tuple(rids) and last.topk_p is not None:
+            self._draft_batch = None
             return last.topk_p, last.topk_index, last.feature
-        rows = {}
-        if last is not None and any(r in self.states for r in last.rids):
-            views = zip(last.topk_p.unbind(0), last.topk_index.unbind(0), last.feature.unbind(0))
-            rows = dict(zip(last.rids, views))
-            here = set(rids)
-            for r in last.rids:  # one sitting this round out keeps a copy of its own
-                if r not in here and r in self.states:
-                    s = self.states[r]
-                    s.topk_p, s.topk_index, s.draft_feature = (t.clone() for t in rows[r])
+        rows = self._release_draft_batch(rids)
         parts = [
             rows[r] if r in rows else (s.topk_p, s.topk_index, s.draft_feature)
             for r, s in zip(rids, sts)
         ]
+        missing = [i for i, part in enumerate(parts) if part[0] is None]
+        if missing:  # after a plain round: the head's top-K from its feature
+            feature = torch.stack([parts[i][2] for i in missing])
+            topk_p, topk_index = self.draft.topk(
+                self.draft.feature_logit_hidden(feature), self.state_topk
+            )
+            for j, i in enumerate(missing):
+                parts[i] = (topk_p[j], topk_index[j], parts[i][2])
         return tuple(torch.stack(col) for col in zip(*parts))
+
+    def _release_draft_batch(self, rids: Sequence[int]) -> dict[int, tuple]:
+        """Drop the kept batched state -> its rows by request id (views); a request of it
+        that sits this round out (not in ``rids``) keeps a copy of its own."""
+        last, self._draft_batch = self._draft_batch, None
+        if last is None or not any(r in self.states for r in last.rids):
+            return {}
+        bs = len(last.rids)
+        cols = [
+            [None] * bs if t is None else t.unbind(0)
+            for t in (last.topk_p, last.topk_index, last.feature)
+        ]
+        rows = dict(zip(last.rids, zip(*cols)))
+        here = set(rids)
+        for r in last.rids:
+            if r not in here and r in self.states:
+                s = self.states[r]
+                s.topk_p, s.topk_index, s.draft_feature = (
+                    None if t is None else t.clone() for t in rows[r]
+                )
+        return rows
 
     def _own_draft_batch(self) -> None:
         """Copy the kept draft state out of the round graph's static outputs before other
@@ -154,8 +224,8 @@ class EagleWorker(WorkerBase):
         if last is not None and self.graphs is not None:
             self._draft_batch = dataclasses.replace(
                 last,
-                topk_p=last.topk_p.clone(),
-                topk_index=last.topk_index.clone(),
+                topk_p=None if last.topk_p is None else last.topk_p.clone(),
+                topk_index=None if last.topk_index is None else last.topk_index.clone(),
                 feature=last.feature.clone(),
             )
 
@@ -172,7 +242,11 @@ class EagleWorker(WorkerBase):
 
     def _round_inputs(self, tree: Tree, rids, sts, greedy: bool) -> dict[str, torch.Tensor]:
         inputs = super()._round_inputs(tree, rids, sts, greedy)
-        if not self.root_forward:  # an EAGLE head drafts from the last round's draft extend
+        if self.root_forward:
+            return inputs
+        if tree.num_steps == 0:  # a plain round reads no draft state: it makes the next one
+            self._release_draft_batch(rids)
+        else:  # an EAGLE head drafts from the last round's draft extend
             state = self._draft_state(rids, sts)
             inputs.update(zip(("topk_p", "topk_index", "hidden"), state))
         return inputs
@@ -189,4 +263,7 @@ class EagleWorker(WorkerBase):
     def _keep_state(self, launched: Launched) -> None:
         if not self.root_forward:
             bs = len(launched.key)
-            self._keep_draft_state(launched.key, *(t[:bs] for t in launched.outputs[1:]))
+            state = [t[:bs] for t in launched.outputs[1:]]
+            if len(state) == 1:  # a plain round's: the feature (its top-K when one drafts)
+                state = [None, None, state[0]]
+            self._keep_draft_state(launched.key, *state)

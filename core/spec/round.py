@@ -9,7 +9,10 @@ exact batch) and ``host`` (the batch's lengths on the host, which eager forwards
 backend; None inside a graph).
 
 Plain decoding is the same program without a draft: a one-node tree (the newest token), its
-forward a DECODE, acceptance the sampling of the next token. A standalone draft LM differs from
+forward a DECODE, acceptance the sampling of the next token. A speculative engine runs that
+tree too (``batch_trees`` ``MIN:plain``, for batches where speculation does not pay), and then
+its draft reads the committed token in the same round, so that a speculative round after it
+(the batch has shrunk) finds the draft's state current. A standalone draft LM differs from
 an EAGLE head only in where its draft state comes from: it stores token p at position p, so
 the round starts with its forward over the root; an EAGLE head's state is the last round's
 draft extend.
@@ -35,7 +38,10 @@ function, with none of this.
 
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
 node ids) + [b * N] each node's predicted token + [1] draft levels drafted``, then an EAGLE
-head's next draft state ``(topk_p [b, K'], topk_index [b, K'], feature [b, H])``.
+head's next draft state ``(topk_p [b, K'], topk_index [b, K'], feature [b, H])``; after a
+plain round of an EAGLE head, its next feature ``[b, H]`` alone (the next speculative round's
+root top-K is taken from it by the worker before that round,
+:class:`~polyspec.spec.eagle_worker.EagleWorker`).
 """
 
 from __future__ import annotations
@@ -64,11 +70,17 @@ class Tree(NamedTuple):
 
     @property
     def label(self) -> str:
+        if self.num_steps == 0:
+            return "plain"
         return f"S={self.num_steps} K={self.topk} N={self.num_draft_tokens}"
 
 
 PLAIN = Tree(0, 1, 1, 0, "")
 """Plain decoding's tree: the root only."""
+
+PLAIN_ROUNDS = Tree(0, 1, 1, 0, "@plain")
+"""The same tree in a speculative engine (``batch_trees`` ``MIN:plain``): its graphs are named
+apart from the speculative rounds' (``round_greedy@plain``)."""
 
 
 class HostView(NamedTuple):
@@ -127,17 +139,9 @@ class SpecRound:
     ) -> tuple[torch.Tensor, ...]:
         p, tree = self.p, self.tree
         rows, seq_lens, roots, live = self._columns(inputs["host"])
+        if tree.num_steps == 0:  # plain decoding: the root's forward and the next token
+            return self.plain_round(rows, seq_lens, roots, live, inputs, b, max_prefix, host)
         masks = host.masks if self.constrained else None
-        if p.draft is None:  # plain decoding: the root's forward and the next token
-            logits, _ = self.verify(
-                rows, seq_lens, roots[:, None], live, None, None, max_prefix, host
-            )
-            if masks is not None:
-                p.kernels.apply_token_bitmask(logits, masks.root())
-            predicts = self.sample_next(logits, inputs)  # [b]
-            none = torch.zeros_like(predicts)
-            return (torch.cat([none, self.p.arange(b), predicts, none[:1]]),)
-
         # 1. the draft's state: an EAGLE head's from the last round, a standalone LM's from
         #    its forward over the root (it stores token p at position p)
         #    (a constrained round's root top-K under the grammar's mask at the root)
@@ -186,6 +190,46 @@ class SpecRound:
             )
         _lap(host, "draft_extend")
         return packed, *next_state
+
+    def plain_round(self, rows, seq_lens, roots, live, inputs, b: int, max_prefix, host):
+        """A round of the plain tree: the target's DECODE of the root and the next token. In a
+        speculative engine the draft then reads the committed token (:meth:`keep_current`),
+        so that a later speculative round (a smaller batch) finds its state current."""
+        p = self.p
+        logits, feats = self.verify(
+            rows, seq_lens, roots[:, None], live, None, None, max_prefix, host
+        )
+        if self.constrained:
+            p.kernels.apply_token_bitmask(logits, host.masks.root())
+        predicts = self.sample_next(logits, inputs)  # [b]
+        none = torch.zeros_like(predicts)
+        packed = torch.cat([none, p.arange(b), predicts, none[:1]])
+        if p.draft is None:
+            return (packed,)
+        _lap(host, "verify")
+        state = self.keep_current(rows, seq_lens, roots, live, predicts, feats, max_prefix, host)
+        _lap(host, "draft_extend")
+        return packed, *state
+
+    def keep_current(self, rows, seq_lens, roots, live, predicts, feats, max_prefix, host):
+        """A plain round's draft step, one token per request at the root's position (the
+        target's slot): an EAGLE head reads the pair (target feature at the root, next token)
+        -> (its next feature [b, H],), from which the next speculative round takes its root
+        top-K (the head's top-K is not computed here: plain rounds run at batch sizes where
+        every operation counts); a standalone LM reads the root (its KV only) -> ()."""
+        p = self.p
+        slots, positions = block_slots(p.req_to_token, rows, seq_lens, live, 1, p.arange(1))
+        if self.standalone:
+            self._forward(
+                p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, roots,
+                positions, slots, max_prefix, host, _committed,
+            )  # fmt: skip
+            return ()
+        _, feature = self._forward(
+            p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, predicts,
+            positions, slots, max_prefix, host, _committed, feats,
+        )  # fmt: skip
+        return (feature,)
 
     # -- the steps, in the order they run --------------------------------------------------------
     def _columns(self, per_request: torch.Tensor):
@@ -495,7 +539,7 @@ def next_round_inputs(
     roots = packed[b + b * depth :].index_select(0, last)  # [bs]
     host = torch.stack([prev[:, 0], prev[:, 1] + accepted + 1, roots, prev[:, 3]], dim=1)
     nxt = {"host": host}
-    if len(outputs) > 1:
+    if "topk_p" in inputs:  # a speculative round of an EAGLE head: its draft extend's state
         for name, t in zip(("topk_p", "topk_index", "hidden"), outputs[1:]):
             nxt[name] = t[:bs]
     return nxt

@@ -145,8 +145,78 @@ def test_batch_trees_equal_plain_greedy(
         assert {"round_greedy", "round_greedy@4-2-7", "round_greedy@2-1-3"} <= names, names
 
 
+@pytest.mark.parametrize("graphs", ["off", "on"])
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3", "standalone", "self"])
+def test_plain_rounds_in_a_speculative_engine_equal_plain_greedy(
+    backend, backend_name, tiny_models, plain_outputs, algorithm, graphs
+):
+    """``batch_trees`` with plain rounds (``MIN:plain``): the batch shrinks from 5 to 1, so
+    rounds switch from a tree (batch 5) to plain rounds (3 and 4) and back to the main tree
+    (below 3) as requests finish. The output is plain greedy decoding's, every kind of round
+    ran, no KV slot leaks; and the draft read the plain rounds' tokens: the target drafting
+    for itself (``self``) still has every draft of its speculative rounds accepted after them
+    (a draft that missed them would be wrong from the first one on)."""
+    if graphs == "on":
+        require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    llm = _llm(
+        backend_name, tiny_models, algorithm, page_size=default_page_size(backend),
+        graphs=graphs, num_steps=3, topk=1, batch_trees="3:plain,5:2-1-3",
+    )  # fmt: skip
+    free_before = llm.kv_slots_free
+    lengths = (12, 10, 7, 4, 2)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain_outputs, lengths)]
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    rounds = llm.worker.rounds_by_tree
+    assert list(rounds) == ["S=3 K=1 N=4", "plain", "S=2 K=1 N=3"]
+    assert all(n > 0 for n in rounds.values()), f"rounds by tree: {rounds}"
+    if algorithm == "self":
+        # the longest request: its last rounds (batch 1 and 2) run the main tree after plain
+        # rounds; all but the one cut by max_new_tokens commit S + 1 = 4 tokens
+        per_round = outs[0].stats.accepted_per_round
+        tail = per_round[per_round.index(1, 1) :]  # from its first plain round on
+        spec = [n for n in tail if n > 1]
+        assert spec and all(n == 4 for n in spec[:-1]), per_round
+
+
+def test_plain_rounds_keep_an_eagle_head_current(backend, backend_name, tiny_models):
+    """After plain rounds an EAGLE head's state (its KV of the rounds' tokens, and the feature
+    and top-K the next speculative round drafts from) is what a prefill of the same tokens
+    gives: each plain round's draft step is the draft extend of its one token."""
+    import torch
+
+    from polyspec.runtime.sampling import RequestSampler
+
+    for algorithm in ("eagle", "eagle3"):
+        llm = _llm(
+            backend_name, tiny_models, algorithm, page_size=default_page_size(backend),
+            num_steps=2, topk=2, num_draft_tokens=4, batch_trees="2:plain",
+        )  # fmt: skip
+        w = llm.worker
+        sampler = RequestSampler.create(0.0, 0, 1.0, 0, w.device)
+        prompt = _prompts(3)[2]
+        w.add_request(0, prompt, sampler, kv_reserved=64)
+        w.add_request(1, prompt[:5], sampler, kv_reserved=64)
+        first = w.prefill([0, 1], [len(prompt), 5])[0]
+        tokens = [first]
+        for _ in range(4):  # plain rounds: a batch of two
+            tokens += w.decode([0, 1])[0]
+        w.remove_request(1)
+        state = w._draft_state([0], [w.states[0]])  # its root top-K taken from the feature
+        # the same tokens prefilled: the head's state at the same position
+        w.add_request(2, prompt + tokens[:-1], sampler, kv_reserved=64)
+        assert w.prefill([2], [len(prompt) + len(tokens) - 1])[2] == tokens[-1]
+        ref = w.states[2]
+        torch.testing.assert_close(state[2][0], ref.draft_feature, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(state[0][0], ref.topk_p, atol=1e-4, rtol=1e-4)
+        assert state[1][0].tolist() == ref.topk_index.tolist()
+        for r in (0, 2):
+            w.remove_request(r)
+
+
 @pytest.mark.parametrize("stop", [False, True])
-@pytest.mark.parametrize("batch_trees", ["", "3:4-2-7"])
+@pytest.mark.parametrize("batch_trees", ["", "3:4-2-7", "3:plain"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("algorithm", [None, "eagle", "eagle3"])  # plain, EAGLE heads
 def test_overlapped_rounds_equal_plain_greedy(

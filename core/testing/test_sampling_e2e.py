@@ -114,6 +114,7 @@ def exact(backend, backend_name, tiny_models):
         ("self", 2, 3, 0.0, ""),
         ("self", 2, 3, 0.6, ""),
         ("self", 2, 3, 0.0, "24:2-1-3,48:4-3-9"),
+        ("eagle3", 2, 3, 0.0, "48:plain"),
     ],
 )
 def test_speculative_sampling_matches_target(
@@ -129,7 +130,8 @@ def test_speculative_sampling_matches_target(
 ):
     """Also with dynamic depth: rounds that stop drafting early verify probability-0 filler
     nodes (repeated tokens), which must not bias the sample. And with batch trees: the
-    batches of 64 sample through a wider, deeper tree than the last, smaller batch."""
+    batches of 64 sample through a wider, deeper tree than the last, smaller batch, or
+    (``48:plain``) through plain rounds, each token a draw from the target's distribution."""
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     llm = _llm(
         backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps,

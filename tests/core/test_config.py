@@ -15,6 +15,7 @@ from polyspec.config import (
     SpeculativeConfig,
     cli_keys,
     load_config,
+    parse_batch_trees,
 )
 from polyspec.errors import ConfigError, PolyspecError
 
@@ -411,10 +412,29 @@ def test_batch_trees_pick_a_tree_by_batch_size():
     assert BatchTree(8, 3, 3, 8).text == "8:3-3-8"
 
 
+def test_batch_trees_plain_rounds():
+    """``MIN:plain`` (or num_steps 0 in the mapping form): plain rounds from that batch size."""
+    spec = SpeculativeConfig("eagle3", 3, 6, 16, batch_trees="8:3-3-8, 64:PLAIN")
+    assert spec.batch_trees == (BatchTree(8, 3, 3, 8), BatchTree(64, 0, 1, 1))
+    assert [t.text for t in spec.batch_trees] == ["8:3-3-8", "64:plain"]
+    assert [t.label for t in spec.batch_trees] == ["S=3 K=3 N=8", "plain"]
+    assert spec.tree_for(63) == (3, 3, 8) and spec.tree_for(64) == (0, 1, 1)
+    tree = [{"min_batch_size": 16, "num_steps": 0}]
+    assert SpeculativeConfig("eagle3", batch_trees=tree).batch_trees == (BatchTree(16, 0),)
+    full = [{"min_batch_size": 16, "num_steps": 0, "topk": 1, "num_draft_tokens": 1}]
+    assert SpeculativeConfig("eagle3", batch_trees=full).batch_trees[0].plain
+    assert parse_batch_trees("4:0-1-1") == (BatchTree(4, 0),)
+
+
 @pytest.mark.parametrize(
     ("value", "match"),
     [
         ("8:3-3", r"'8:3-3' is not MIN_BATCH:S-K-N"),
+        ("8:plane", r"'8:plane' is not MIN_BATCH:S-K-N or MIN_BATCH:plain"),
+        ("1:plain", r"min_batch_size = 1 is invalid: must be an integer >= 2"),
+        ("8:0-1-2", r"num_draft_tokens = 2 is invalid: a plain entry \(num_steps = 0\)"),
+        ("8:0-2-1", r"topk = 2 is invalid: a plain entry \(num_steps = 0\)"),
+        ("8:plain,8:3-3-8", r"min_batch_size must strictly increase"),
         ("8-3-3-8", r"is not MIN_BATCH:S-K-N"),
         ("a:3-3-8", r"invalid literal"),
         ("1:3-3-8", r"min_batch_size = 1 is invalid: must be an integer >= 2"),
@@ -423,8 +443,8 @@ def test_batch_trees_pick_a_tree_by_batch_size():
         ("8:3-3-8,4:3-2-6", r"min_batch_size must strictly increase"),
         ("8:3-3-8,8:3-2-6", r"min_batch_size must strictly increase"),
         ([{"min_batch_size": 4, "steps": 3}], r"unknown keys \['steps'\]"),
-        ([{"min_batch_size": 4}], r"must be MIN_BATCH:S-K-N entries"),
-        (8, r"must be MIN_BATCH:S-K-N entries"),
+        ([{"min_batch_size": 4}], r"must be MIN_BATCH:S-K-N or MIN_BATCH:plain entries"),
+        (8, r"must be MIN_BATCH:S-K-N or MIN_BATCH:plain entries"),
     ],
 )
 def test_bad_batch_trees_say_what_is_wrong(value, match):

@@ -113,7 +113,8 @@ def test_refusals(reference_backend) -> None:
 @pytest.mark.parametrize("graphs", ["off", "on", "chains"])
 def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) -> None:
     """Eager rounds: the engine times the candidates' forwards, keeps one of them and decodes
-    with it, losslessly; captured rounds keep the tree as given; a backend that verifies
+    with it, losslessly; captured rounds: it times whole rounds of each candidate and plain
+    rounds at batch 1 and 2 and runs its choice per batch size; a backend that verifies
     chains only chooses among the chains."""
     import copy
 
@@ -135,11 +136,13 @@ def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) ->
     assert tree in {(c.num_steps, c.topk, c.num_draft_tokens) for c in cands}
     assert (llm.worker.num_steps, llm.worker.topk, llm.worker.num_draft_tokens) == tree
     choice = llm.tree_choice
-    if graphs == "on":
-        assert tree == (3, 2, 6) and "captured graphs" in choice["reason"]
-        # the batch trees stay with the head's tree
-        assert got.trees == ((1, 3, 2, 6), (2, 2, 1, 3))
-        assert choice["chosen"] == "S=3 K=2 N=6; from batch 2: S=2 K=1 N=3"
+    if graphs == "on":  # by batch size, timed on the worker: plain rounds are an option
+        assert choice["timed_batch_sizes"][0] == 1 and set(choice["timed_batch_sizes"]) <= {1, 2}
+        labels = [label for _, label in choice["by_batch_size"]]
+        assert labels[0] in {c.label for c in cands}
+        assert [t.label for t in got.batch_trees] == labels[1:]
+        assert [t.label for _, t in llm.worker.trees] == labels
+        assert set(choice["round_ms"]["1"]) == {"plain", *(c.label for c in cands)}
     else:  # one tree, timed at batch 1, for every batch size
         assert got.batch_trees == () and len(llm.worker.trees) == 1
     if graphs != "on" and not be.capabilities.tree_attention:

@@ -7,9 +7,13 @@ import pytest
 from polyspec.config import SpeculativeConfig, TreeCandidate
 from polyspec.engine.tree_choice import (
     ForwardCosts,
+    batch_report,
+    batch_schedule,
     choose_tree,
     disturbed,
     monotone,
+    round_work,
+    still_timed,
     tree_note,
     widths,
 )
@@ -82,3 +86,125 @@ def test_a_bad_candidate_is_a_config_error(bad, match):
         SpeculativeConfig("eagle3", tree_candidates=[bad])
     with pytest.raises(ConfigError, match="auto_tree"):
         SpeculativeConfig("eagle3", auto_tree="yes")
+
+
+# -- trees by batch size, from timed rounds --------------------------------------------------
+
+
+def _round_s(bs: int, per_token: float) -> dict[str, float]:
+    """Round times at batch ``bs`` on a device whose forwards cost 1 unit up to 64 tokens and
+    ``per_token`` a token beyond (launch-bound, then compute-bound): a plain round reads 2
+    tokens a request (root and draft step), a tree its :func:`round_work`."""
+
+    def cost(work: int) -> float:
+        tokens = bs * work
+        return 1.0 + per_token * max(0, tokens - 64)
+
+    out = {"plain": cost(2) * 2}  # two forwards
+    for c in CANDIDATES:
+        out[c.label] = cost(round_work(c)) * (c.num_steps + 1)  # S draft forwards + verify
+    return out
+
+
+def test_plain_rounds_are_chosen_where_their_time_makes_them_faster():
+    # acceptance 1.9 / 2.5 / 3.0 per round against 1 token: a tree wins while it costs less
+    # than that many plain rounds, plain once the batch makes every token count
+    seconds = {bs: _round_s(bs, 0.05) for bs in (1, 4, 16, 64, 256)}
+    schedule = batch_schedule(CANDIDATES, seconds, 256)
+    labels = [(bs, "plain" if c is None else c.label) for bs, c in schedule]
+    assert labels[0][0] == 1 and labels[0][1] != "plain"
+    assert labels[-1][1] == "plain", labels
+    plain_from = labels[-1][0]
+    assert 4 < plain_from <= 16, labels  # tree rounds fill the device from about batch 9
+    # rates: the schedule's option is the best at every timed size
+    for bs, times in seconds.items():
+        chosen = next(c for b, c in reversed(schedule) if b <= bs)
+        best = max(times, key=lambda label: _rate(label, bs, times[label]))
+        if bs > 1:
+            assert ("plain" if chosen is None else chosen.label) == best, (bs, labels)
+
+
+def _rate(label: str, bs: int, seconds: float) -> float:
+    acc = {c.label: c.acceptance for c in CANDIDATES}.get(label, 1.0)
+    return acc * bs / seconds
+
+
+def test_batch_one_runs_a_tree_and_costs_are_interpolated():
+    # plain faster at every timed size: batch 1 still runs the best tree
+    seconds = {1: {"plain": 1.0, CANDIDATES[0].label: 10.0}, 8: {"plain": 1.0}}
+    schedule = batch_schedule(CANDIDATES, seconds, 16)
+    assert [(b, c if c is None else c.label) for b, c in schedule] == [
+        (1, CANDIDATES[0].label),
+        (2, None),
+    ]
+    # a tree timed at 4 and 8: plain takes over between them, where the interpolated times
+    # cross (1.9 / t(tree) = 1 / t(plain): t(tree) 1.5 at 4, 2.4 at 8 -> 1.725 at 5, 1.95 at 6)
+    c = CANDIDATES[0]
+    seconds = {
+        1: {"plain": 1.0, c.label: 1.2},
+        4: {"plain": 1.0, c.label: 1.5},
+        8: {"plain": 1.0, c.label: 2.4},
+    }
+    schedule = batch_schedule(CANDIDATES, seconds, 12)
+    assert [(b, x if x is None else x.label) for b, x in schedule] == [(1, c.label), (6, None)]
+
+
+def test_trees_beaten_by_a_lighter_option_are_not_timed_again():
+    a, b, c = CANDIDATES  # work 2-1-3: 3 + 1 + 3 = 7; 3-3-8: 8 + 6 + 4 = 18; 5-4-16: 38
+    assert [round_work(x) for x in (None, a, b, c)] == [2, 7, 18, 38]
+    # b beats a, c loses to b: c is dropped, a stays (nothing lighter beats it)
+    times = {"plain": 1.0, a.label: 1.0, b.label: 1.0, c.label: 1.5}
+    assert still_timed(CANDIDATES, times, 8) == [a, b]
+    # plain beats them all by more than the margin: nothing is timed at larger batches
+    times = {"plain": 1.0, a.label: 2.5, b.label: 3.0, c.label: 4.0}
+    assert still_timed(CANDIDATES, times, 8) == []
+    # within the margin (2 %): kept
+    times = {"plain": 1.0, a.label: 1.9 * 1.02}
+    assert still_timed([a], times, 8) == [a]
+
+
+def test_batch_report_and_note():
+    seconds = {bs: _round_s(bs, 0.05) for bs in (1, 4, 16, 64)}
+    schedule = batch_schedule(CANDIDATES, seconds, 64)
+    choice = batch_report(CANDIDATES, seconds, schedule, 2.345, None)
+    assert choice["timed_batch_sizes"] == [1, 4, 16, 64]
+    assert choice["predicted_speedup"]["64"]["plain"] == 1.0
+    assert choice["by_batch_size"][-1][1] == "plain"
+    note = tree_note(choice)
+    assert "from batch" in note and "plain" in note and "1, 4, 16, 64" in note
+    stopped = tree_note(
+        batch_report(CANDIDATES, seconds, schedule, 5.1, "the 5 s budget was spent")
+    )
+    assert "timing stopped early: the 5 s budget was spent" in stopped
+
+
+def test_an_engine_of_captured_rounds_times_them_by_batch_size(tiny_models):
+    """Where rounds replay graphs (``graphs = "on"`` on the cpu backend: the captured path
+    through an eager runner), the engine times each candidate's rounds and plain rounds at
+    batch 1, 2, 4 at start-up and runs its choice per batch size: the worker's trees are the
+    configured ones, its rounds as named in the report, and the output is plain greedy's."""
+    from polyspec.config import SamplingParams
+    from polyspec.engine.llm import LLM
+
+    def llm(spec=None, draft=None):
+        return LLM(
+            target=tiny_models["target"], draft=draft, speculative=spec, backend="cpu",
+            dtype="float32", max_batch_size=4, max_context=256, graphs="on",
+        )  # fmt: skip
+
+    spec = SpeculativeConfig("eagle3", 3, 3, 8, tree_candidates=CANDIDATES)
+    engine = llm(spec, tiny_models["eagle3"])
+    choice = engine.tree_choice
+    assert choice["timed_batch_sizes"][0] == 1 and set(choice["timed_batch_sizes"]) <= {1, 2, 4}
+    assert set(choice["round_ms"]["1"]) == {"plain", *(c.label for c in CANDIDATES)}
+    got = engine.config.speculative
+    labels = [label for _, label in choice["by_batch_size"]]
+    assert [t.label for t in got.batch_trees] == labels[1:]
+    assert [t.label for _, t in engine.worker.trees] == labels
+    assert all(n == 0 for n in engine.worker.rounds_by_tree.values())  # timing rounds left out
+    assert "chosen for this machine by timing" in tree_note(choice)
+    prompts = [[5, 9, 30, 7], [40, 41], [3, 3, 3, 8, 9], [100, 7]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 7, 5, 3)]
+    want = llm().generate(prompt_token_ids=prompts, sampling_params=params)
+    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]

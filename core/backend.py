@@ -470,7 +470,12 @@ class Backend(abc.ABC):
         """Wait for queued device work (timing); a no-op on synchronous devices."""
 
     def memory_info(self) -> tuple[int, int]:
-        """(free bytes, total bytes) of device memory."""
+        """(free bytes, total bytes) of device memory now, or (0, 0) where the backend cannot
+        tell (the default). The engine reads it before allocating the KV cache (refusing one
+        that would not fit) and, where ``graph_capture`` is True, around each graph capture:
+        it measures what the graphs take and captures no larger batch bucket once the free
+        memory would fall below a margin (those batches run eagerly). Called a few times per
+        capture, never per round, so it may query the device runtime."""
         return (0, 0)
 
     @property

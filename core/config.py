@@ -526,6 +526,10 @@ class EngineConfig:
     a prefill forward costs about the same for one prompt as for several (an accelerator at
     small batch) and costs the rows left idle meanwhile.
 
+    ``max_graph_batch_size``: the largest batch whose rounds replay captured graphs; larger
+    batches run eagerly. None (or ``"auto"``, the default) captures up to ``max_batch_size``,
+    as far as the device's free memory allows (:mod:`polyspec.runtime.graphs`).
+
     ``overlap_rounds``: queue the next all-greedy decode round on the device, from this
     round's device outputs, before the host reads this round's tokens, so that the device
     does not wait while the host commits tokens, checks stops and schedules (as SGLang's
@@ -558,7 +562,7 @@ class EngineConfig:
     prefill_chunk_size: int = 512
     seed: int = 0
     graphs: str = "auto"
-    max_graph_batch_size: int = 32
+    max_graph_batch_size: int | None = None
     prefill_wait_steps: int = 0
     overlap_rounds: str = "auto"
     tensor_parallel_size: int = 1
@@ -603,7 +607,10 @@ class EngineConfig:
         _check_int("prefill_chunk_size", self.prefill_chunk_size, 1, budget)
         _check_int("seed", self.seed, 0, MAX_SEED)
         _check_choice("graphs", self.graphs, GRAPH_MODES)
-        _check_int("max_graph_batch_size", self.max_graph_batch_size, 1, MAX_BATCH_SIZE)
+        if self.max_graph_batch_size == "auto":
+            object.__setattr__(self, "max_graph_batch_size", None)
+        if self.max_graph_batch_size is not None:
+            _check_int("max_graph_batch_size", self.max_graph_batch_size, 1, MAX_BATCH_SIZE)
         _check_int("prefill_wait_steps", self.prefill_wait_steps, 0)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL)
         t = self.distributed_timeout_s
@@ -666,7 +673,7 @@ _KINDS: dict[str, str] = {
     "max_tokens_per_step": "int",
     "prefill_chunk_size": "int",
     "graphs": "str",
-    "max_graph_batch_size": "int",
+    "max_graph_batch_size": "auto_int",
     "prefill_wait_steps": "int",
     "overlap_rounds": "auto_bool",
     "tensor_parallel_size": "int",
@@ -688,6 +695,8 @@ def _parse_text(key: str, field: str, text: str) -> Any:
     try:
         if kind.startswith("opt_") and low in _NONE_WORDS:
             return None
+        if kind == "auto_int":  # "auto" (or none): the default, else an integer
+            return None if low == "auto" or low in _NONE_WORDS else int(text)
         if kind in ("int", "opt_int"):
             return int(text)
         if kind in ("float", "opt_float"):
@@ -714,6 +723,7 @@ def _parse_text(key: str, field: str, text: str) -> Any:
         expected = {
             "int": "an integer",
             "opt_int": "an integer or 'none'",
+            "auto_int": "an integer or 'auto'",
             "float": "a number",
             "opt_float": "a number or 'none'",
             "bool": "one of 1/0, true/false, yes/no, on/off",
@@ -952,6 +962,20 @@ def speculation_off(
         warnings.simplefilter("ignore", ConfigWarning)  # load_config warns once
         merged, _ = _merge(cli, config_file, env)
     return _is_off(merged["speculative"].get("algorithm"))
+
+
+def given_engine_keys(
+    cli: Mapping[str, Any] | None = None,
+    config_file: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The engine keys some layer sets (flag, environment variable, config file), with the
+    value that wins; keys left to their defaults are absent. Same arguments as
+    :func:`load_config` (for commands whose defaults differ from :class:`EngineConfig`'s)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)  # load_config warns once
+        merged, _ = _merge(cli, config_file, env)
+    return dict(merged["engine"])
 
 
 def _build(merged: dict[str, dict[str, Any]]) -> tuple[EngineConfig, SamplingParams]:

@@ -1,4 +1,5 @@
-"""``--plot``: a PNG with the acceptance-length histogram and the throughput / speedup bars."""
+"""``--plot``: a PNG with the acceptance-length histogram and the throughput / speedup bars, or
+with ``--batch-sizes`` tokens/s against the batch size."""
 
 from __future__ import annotations
 
@@ -61,6 +62,44 @@ def write_plot(report: Mapping[str, Any], path: str | Path) -> None:
     ax_tps.set_title(f"throughput (labels: speedup over {base_name})")
     ax_tps.margins(y=0.12)  # room for the labels above the tallest bar
     fig.suptitle("\n".join(textwrap.wrap(report["command"], 160)), fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_sweep_plot(report: Mapping[str, Any], path: str | Path) -> None:
+    """``--batch-sizes``: tokens/s of each system against the batch size (log scales), each
+    speculative point labelled with its speedup over plain decoding."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot's import
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogFormatter
+
+    rows = report["batch_sweep"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system, color in (("plain", "tab:gray"), ("spec", "tab:green")):
+        points = [(r["batch_size"], r[f"{system}_tokens_per_s"]) for r in rows]
+        points = [(b, t) for b, t in points if t is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", color=color, label=system)
+    for r in rows:
+        if r["spec_over_plain"] is not None:
+            ax.annotate(f"{r['spec_over_plain']:.2f}x", (r["batch_size"], r["spec_tokens_per_s"]),
+                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(LogFormatter())  # 20, not 2 x 10^1
+    ax.yaxis.set_minor_formatter(LogFormatter())
+    ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
+    ax.set_xlabel("batch size (requests in flight)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("throughput by batch size (labels: speculative over plain)")
+    ax.legend()
+    fig.suptitle("\n".join(textwrap.wrap(report["command"], 120)), fontsize=7)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -296,3 +296,85 @@ def append_markdown(report: Mapping[str, Any], path: str | Path) -> None:
     lead = "\n" if path.is_file() and path.stat().st_size > 0 else ""
     with path.open("a", encoding="utf-8") as fh:
         fh.write(lead + format_markdown(report))
+
+
+_SWEEP_HEADER = [
+    "batch", "prompts", "plain tok/s", "spec tok/s", "spec/plain", "accept len", "tree",
+]  # fmt: skip
+
+
+def build_sweep_report(
+    *,
+    command: str,
+    settings: Mapping[str, Any],
+    machine: Mapping[str, Any],
+    results: Mapping[str, Mapping[int, SystemResult]],
+    trees: Mapping[int, Mapping[str, Any]],
+    temperature: float,
+    skipped: Mapping[str, str],
+) -> dict[str, Any]:
+    """What ``--batch-sizes --json`` writes: one row per batch size in ``batch_sweep``.
+    ``results``: system ("plain", "spec") -> batch size -> its run; ``trees``: batch size ->
+    ``{"tree": the tree a full batch uses, "rounds_by_tree": rounds per tree in that batch
+    size's runs}`` (the speculative system's)."""
+    rows = []
+    for b in settings["batch_sizes"]:
+        plain = results.get("plain", {}).get(b)
+        spec = results.get("spec", {}).get(b)
+        any_run = plain or spec
+        identical = None
+        if temperature == 0 and plain and spec:
+            identical = count_differing(spec.outputs, plain.outputs) == 0
+        rows.append({
+            "batch_size": b,
+            "num_prompts": len(any_run.outputs) if any_run else 0,
+            "plain_tokens_per_s": plain.tokens_per_s if plain else None,
+            "spec_tokens_per_s": spec.tokens_per_s if spec else None,
+            "spec_over_plain": metrics.speedup(
+                spec.tokens_per_s if spec else None, plain.tokens_per_s if plain else None
+            ),
+            "mean_acceptance_length": metrics.mean_acceptance_length(
+                metrics.all_rounds(spec.accepted_per_request)
+            ) if spec else None,
+            "tree": trees.get(b, {}).get("tree"),
+            "rounds_by_tree": trees.get(b, {}).get("rounds_by_tree"),
+            "outputs_identical": identical,
+        })  # fmt: skip
+    return {
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": dict(settings),
+        "machine": dict(machine),
+        "skipped": dict(skipped),
+        "batch_sweep": rows,
+    }
+
+
+def format_sweep_text(report: Mapping[str, Any]) -> str:
+    """The batch-size sweep as a plain-text table, then what was skipped and where outputs
+    differ."""
+    rows = [_SWEEP_HEADER]
+    for r in report["batch_sweep"]:
+        rows.append([
+            str(r["batch_size"]),
+            str(r["num_prompts"]),
+            _fmt(r["plain_tokens_per_s"], ".1f"),
+            _fmt(r["spec_tokens_per_s"], ".1f"),
+            _fmt(r["spec_over_plain"], ".2f", "x"),
+            _fmt(r["mean_acceptance_length"]),
+            r["tree"] or "-",
+        ])  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_SWEEP_HEADER))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    differ = [
+        str(r["batch_size"]) for r in report["batch_sweep"] if r["outputs_identical"] is False
+    ]
+    if differ:
+        out.append(f"spec and plain outputs differ at batch {', '.join(differ)}")
+    for name, mem in (report["settings"].get("graph_memory") or {}).items():
+        if mem.get("bytes") is not None:
+            out.append(f"{name} graphs: {mem['graphs']}, {mem['bytes'] / 2**20:.0f} MiB")
+        if mem.get("eager_from") is not None:
+            out.append(f"{name}: batches of {mem['eager_from']} and more ran eagerly (memory)")
+    out += [f"skipped {name}: {why}" for name, why in report["skipped"].items()]
+    return "\n".join(out)

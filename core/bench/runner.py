@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from polyspec.config import SamplingParams
 
@@ -28,7 +30,7 @@ class SystemResult:
         return self.num_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def progress_bar(name: str, total: int, enabled: bool = True):
+def progress_bar(name: str, total: int, enabled: bool = True, unit: str = "prompt"):
     """A tqdm bar over prompts (on stderr), or a no-op object when disabled or tqdm is absent."""
     try:
         from tqdm.auto import tqdm
@@ -36,7 +38,7 @@ def progress_bar(name: str, total: int, enabled: bool = True):
         enabled = False
     if not enabled:
         return _NoBar()
-    return tqdm(total=total, desc=name, unit="prompt", leave=True, dynamic_ncols=True)
+    return tqdm(total=total, desc=name, unit=unit, leave=True, dynamic_ncols=True)
 
 
 class _NoBar:
@@ -60,6 +62,7 @@ def run_polyspec(
     phase_times: bool = True,
     warmup_prompts: int = 1,
     repeats: int = 1,
+    batch_size: int | None = None,
 ) -> SystemResult:
     """Warm ``llm`` (a :class:`polyspec.LLM`) up on the first ``warmup_prompts`` prompts
     (untimed; one batch, so that every batch-size-dependent path is built before timing), then
@@ -72,16 +75,78 @@ def run_polyspec(
     at each phase boundary. That is free where kernels run synchronously (the CPU), so the
     timed run times its phases too; on a backend with ``async_execution`` the syncs would slow
     the run being measured, so the phases come from a second, separate run of the same prompts
-    and the tokens/s from a run without them."""
+    and the tokens/s from a run without them.
+
+    ``batch_size``: requests in flight at once, at most the engine's ``max_batch_size`` (None:
+    that), so that one engine can be timed at several batch sizes."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    with batch_limit(llm, batch_size):
+        return _run_polyspec(
+            llm, name, prompt_ids, sampling, progress, phase_times, warmup_prompts, repeats
+        )
+
+
+@contextlib.contextmanager
+def batch_limit(llm, batch_size: int | None) -> Iterator[None]:
+    """Admit at most ``batch_size`` requests at once into ``llm``'s batch while inside (None:
+    its ``max_batch_size``; more is refused: the engine's tables hold no more rows)."""
+    scheduler = llm.scheduler
+    config = scheduler.config
+    if batch_size is None:
+        yield
+        return
+    if not 1 <= batch_size <= config.max_batch_size:
+        raise ValueError(f"batch_size {batch_size} is not in 1..{config.max_batch_size}")
+    scheduler.config = dataclasses.replace(config, max_batch_size=batch_size)
+    try:
+        yield
+    finally:
+        scheduler.config = config
+
+
+def _capture_graphs(llm, name: str, max_prefix: int, progress: bool) -> None:
+    """Capture every graph bucket a batch of up to the scheduler's batch size can reach
+    (untimed), with a progress bar, and say on stderr how many graphs that took, in how long
+    and how much device memory."""
+    graphs = llm.worker.graphs
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = progress_bar(f"{name}: graphs", total, progress, unit="graph")
+        bar.update(done - bar.n)
+
+    t0 = time.perf_counter()
+    try:
+        new = graphs.capture_all(llm.scheduler.config.max_batch_size, max_prefix, update)
+    finally:
+        if bar is not None:
+            bar.close()
+    if new:
+        mem = graphs.memory_report()
+        line = f"note: {name}: {new} graphs captured in {time.perf_counter() - t0:.1f} s"
+        if mem["bytes"] is not None:
+            line += (
+                f", {mem['graphs']} in all taking {mem['bytes'] / 2**20:.0f} MiB of device "
+                f"memory ({mem['free_before'] / 2**30:.1f} GiB free before, "
+                f"{mem['free_after'] / 2**30:.1f} GiB after)"
+            )
+        if mem["eager_from"] is not None:
+            line += f"; batches of {mem['eager_from']} and more run eagerly (memory)"
+        print(line, file=sys.stderr)
+
+
+def _run_polyspec(
+    llm, name, prompt_ids, sampling, progress, phase_times, warmup_prompts, repeats
+) -> SystemResult:
     if warmup_prompts > 0:
         warm = [list(p) for p in prompt_ids[:warmup_prompts]]
         llm.generate(prompt_token_ids=warm, sampling_params=sampling)
-        graphs = llm.worker.graphs
-        if graphs is not None:  # capture every bucket the timed run can reach, untimed
+        if llm.worker.graphs is not None:  # every bucket the timed run can reach, untimed
             longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
-            graphs.capture_all(llm.config.max_batch_size, longest + 16)
+            _capture_graphs(llm, name, longest + 16, progress)
     separate = phase_run(llm.backend, phase_times) == "separate run"
     wall, outs, phases = _timed_generate(
         llm, name, prompt_ids, sampling, progress, phase_times and not separate

@@ -4,7 +4,9 @@ Runs each system in this process, one after the other, each warmed up untimed on
 prompt (the first batch when --batch-size > 1): (a) polyspec plain decoding, (b) polyspec
 speculative decoding (when a draft is configured), (c) ``transformers`` ``generate`` on the
 same model, dtype and prompt token ids.
-Prints a table; ``--json``, ``--markdown`` and ``--plot`` write the report.
+Prints a table; ``--json``, ``--markdown`` and ``--plot`` write the report. ``--batch-sizes``
+times plain and speculative decoding at each of several batch sizes instead, one engine per
+system for the whole sweep, and reports one row per batch size.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from pathlib import Path
 
 from polyspec.commands.generate import _ENGINE_KEYS, add_engine_arguments, tune_shipped_head
 from polyspec.commands.paths import check_output_file
+from polyspec.config import MAX_BATCH_SIZE
 from polyspec.engine.tree_choice import tree_note
 from polyspec.errors import ConfigError
 
 _BENCH_FLAGS = (
     ("dataset", "--dataset"), ("num_prompts", "--num-prompts"), ("batch_size", "--batch-size"),
     ("threads", "--threads"), ("temperatures", "--temperatures"), ("json", "--json"),
-    ("markdown", "--markdown"), ("plot", "--plot"),
+    ("markdown", "--markdown"), ("plot", "--plot"), ("batch_sizes", "--batch-sizes"),
 )  # fmt: skip
 _SWITCHES = (
     ("no_transformers", "--no-transformers"), ("no_phase_times", "--no-phase-times"),
@@ -54,6 +57,15 @@ def add_parser(subparsers) -> None:
         dest="batch_size",
         help="requests in flight at once, for every system (default: --max-batch-size "
         "if given, else 1); transformers gets left-padded batches of this size",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        dest="batch_sizes",
+        metavar="B1,B2,...",
+        help="sweep: time plain and speculative decoding at each batch size (e.g. "
+        "1,4,16,64,256) on one engine per system, with max(--num-prompts, B) prompts at batch "
+        "B (the set repeated as needed); prints one row per batch size (tokens/s, speedup, "
+        "acceptance, tree); --plot draws tokens/s against batch size. No transformers run",
     )
     p.add_argument(
         "--threads",
@@ -132,6 +144,26 @@ def parse_temperatures(text: str | None) -> list[float]:
             raise ConfigError(f"--temperatures: {part.strip()!r} must be a finite number >= 0")
         out.append(t)
     return out
+
+
+def parse_batch_sizes(text: str | None) -> list[int]:
+    """``"1,4,16"`` -> [1, 4, 16] (sorted, without repeats); a ConfigError naming the bad
+    entry otherwise."""
+    if not text:
+        return []
+    sizes = set()
+    for part in text.split(","):
+        try:
+            b = int(part)
+        except ValueError:
+            b = 0
+        if not 1 <= b <= MAX_BATCH_SIZE:
+            raise ConfigError(
+                f"--batch-sizes: {part.strip()!r} is not a batch size; give comma-separated "
+                f"integers from 1 to {MAX_BATCH_SIZE}, e.g. 1,4,16,64"
+            )
+        sizes.add(b)
+    return sorted(sizes)
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -241,6 +273,7 @@ def _settings(args, dataset_file: Path, n: int, plain_cfg, spec_cfg, sampling, t
         "overlap_rounds": plain_cfg.overlap_rounds,
         "tensor_parallel_size": plain_cfg.tensor_parallel_size,  # as configured: auto, on or off
         "queued_rounds": None,  # where overlap_rounds applies: per system, rounds queued and used
+        "graph_memory": None,  # where rounds replay graphs: per system, what they hold
         "phase_timer": None,  # filled in once the backend is known
     }
 
@@ -251,6 +284,12 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.bench.plot import require_matplotlib
 
     temperatures = parse_temperatures(args.temperatures)
+    batch_sizes = parse_batch_sizes(getattr(args, "batch_sizes", None))
+    if batch_sizes:
+        for flag, value in (("--batch-size", args.batch_size), ("--temperatures", temperatures),
+                            ("--markdown", args.markdown)):  # fmt: skip
+            if value:
+                raise ConfigError(f"--batch-sizes sweeps the batch size: drop {flag}")
     if args.plot:
         require_matplotlib()
     for flag in ("json", "markdown", "plot"):  # before the benchmark, not after it
@@ -264,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
+        if batch_sizes:
+            return _run_sweep(args, batch_sizes)
         return _run(args, temperatures)
     finally:
         # run() may be called in-process (tests, notebooks): leave torch as we found it
@@ -312,6 +353,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         settings["mask_ms_per_round"] = {"plain": _mask_ms(llm.worker)}
     if llm.scheduler.overlap:  # overlap_rounds resolved for the backend; warm-up included
         settings["queued_rounds"] = {"plain": dict(llm.worker.queued_rounds)}
+    _record_graph_memory(settings, "plain", llm)
     llm.stop_ranks()
     del llm  # free the target before the next system loads its own copy
     gc.collect()
@@ -349,6 +391,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
                 **(settings["queued_rounds"] or {}),
                 "spec": dict(llm.worker.queued_rounds),
             }
+        _record_graph_memory(settings, "spec", llm)
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
             sweep[t] = runner.run_polyspec(
@@ -399,4 +442,99 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         report.append_markdown(rep, args.markdown)
     if args.plot:
         write_plot(rep, args.plot)
+    return 0
+
+
+def _record_graph_memory(settings: dict, system: str, llm) -> None:
+    """``settings["graph_memory"][system]``: the graphs ``llm`` captured and the device
+    memory they took (:meth:`CapturedForwards.memory_report`), where its rounds replay graphs."""
+    graphs = llm.worker.graphs
+    if graphs is not None:
+        settings["graph_memory"] = {
+            **(settings["graph_memory"] or {}),
+            system: graphs.memory_report(),
+        }
+
+
+def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
+    """``--batch-sizes``: each system's engine (max_batch_size the largest size) timed at
+    every batch size in turn; one table row per size."""
+    from polyspec.bench import report, runner
+    from polyspec.bench.datasets import load_dataset
+    from polyspec.bench.plot import write_sweep_plot
+    from polyspec.engine.llm import LLM
+
+    dataset_file, prompts = load_dataset(args.dataset, args.num_prompts)
+    top = argparse.Namespace(**{**vars(args), "batch_size": sizes[-1]})
+    plain_cfg, spec_cfg, sampling, spec_skip = bench_configs(top)
+    schema = getattr(args, "json_schema", None)
+    if schema is not None:
+        sampling = dataclasses.replace(sampling, json_schema=_read_schema(schema))
+    progress = not args.no_progress
+    skipped = {"transformers": "--batch-sizes (the sweep times polyspec's systems only)"}
+    if spec_cfg is None:
+        skipped["spec"] = spec_skip or "no draft"
+    results: dict[str, dict[int, runner.SystemResult]] = {}
+    trees: dict[int, dict] = {}
+    settings = ids = backend = None
+    for system, cfg in (("plain", plain_cfg), ("spec", spec_cfg)):
+        if cfg is None:
+            continue
+        llm = LLM(config=cfg)
+        if not llm.is_leader:  # a rank torchrun started: follow rank 0 through the sweep
+            llm.follow()
+            del llm
+            continue
+        if settings is None:
+            ids = _prompt_ids(llm.tokenizer, prompts, chat=not args.no_chat_template)
+            backend = llm.backend
+            settings = _settings(args, dataset_file, len(ids), plain_cfg, spec_cfg, sampling,
+                                 llm.target_path)  # fmt: skip
+            settings.update(backend=backend.name, batch_size=None, batch_sizes=sizes,
+                            resolved_dtype=str(llm.dtype).removeprefix("torch."),
+                            phase_timer="off")  # fmt: skip
+            print(f"polyspec bench: batch sizes {','.join(map(str, sizes))}, {len(ids)} prompts "
+                  f"from {dataset_file}, target {llm.target_path}, backend {backend.name}, "
+                  f"{settings['resolved_dtype']}", file=sys.stderr)  # fmt: skip
+        if system == "spec":
+            spec = llm.config.speculative
+            settings.update(num_steps=spec.num_steps, topk=spec.topk,
+                            num_draft_tokens=spec.num_draft_tokens,
+                            batch_trees=[t.text for t in spec.batch_trees],
+                            draft_quantization=llm.draft_quantization)  # fmt: skip
+            if llm.tree_choice is not None:
+                settings["tree_choice"] = llm.tree_choice
+                print(f"note: {tree_note(llm.tree_choice)}", file=sys.stderr)
+        results[system] = {}
+        for b in sizes:
+            batch_ids = [ids[i % len(ids)] for i in range(max(len(ids), b))]
+            before = dict(llm.worker.rounds_by_tree)
+            results[system][b] = runner.run_polyspec(
+                llm, f"{system} @{b}", batch_ids, sampling, progress, phase_times=False,
+                warmup_prompts=b, repeats=args.repeats, batch_size=b,
+            )  # fmt: skip
+            if system == "spec":
+                after = llm.worker.rounds_by_tree
+                rounds = {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}
+                trees[b] = {"tree": llm.worker.tree_for(b).label, "rounds_by_tree": rounds}
+        _record_graph_memory(settings, system, llm)
+        llm.stop_ranks()
+        del llm
+        gc.collect()
+    if settings is None:  # not rank 0
+        return 0
+    rep = report.build_sweep_report(
+        command=command_line(args),
+        settings=settings,
+        machine=report.machine_info(backend.name, str(backend.device())),
+        results=results,
+        trees=trees,
+        temperature=sampling.temperature,
+        skipped=skipped,
+    )
+    print(report.format_sweep_text(rep))
+    if args.json:
+        report.write_json(rep, args.json)
+    if args.plot:
+        write_sweep_plot(rep, args.plot)
     return 0

@@ -66,6 +66,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="capture decode rounds into graphs: auto = where the backend really captures",
     )
     p.add_argument(
+        "--max-graph-batch-size",
+        dest="max_graph_batch_size",
+        metavar="N|auto",
+        help="the largest batch whose rounds replay captured graphs; larger ones run eagerly "
+        "(default auto: up to --max-batch-size, as far as the device's free memory allows)",
+    )
+    p.add_argument(
         "--prefill-wait-steps",
         type=int,
         dest="prefill_wait_steps",
@@ -101,7 +108,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
-                "prefill_wait_steps", "overlap_rounds", "tensor_parallel_size", "algorithm", "num_steps", "topk", "num_draft_tokens",
+                "max_graph_batch_size", "prefill_wait_steps", "overlap_rounds", "tensor_parallel_size", "algorithm", "num_steps", "topk", "num_draft_tokens",
                 "draft_quantization", "dynamic_depth", "batch_trees",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 

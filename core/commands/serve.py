@@ -7,7 +7,13 @@ import os
 import sys
 
 from polyspec.commands.generate import add_engine_arguments
-from polyspec.errors import ConfigError
+from polyspec.errors import BackendSelectionError, ConfigError, PluginError
+
+SERVE_MAX_BATCH_SIZE = 128
+"""``max_batch_size`` of ``polyspec serve`` where no flag, environment variable or config file
+sets one and the backend really captures graphs (``BackendCapabilities.graph_capture``): a
+server's load is many requests at once, and its graphs cover every batch up to it. Elsewhere
+(the CPU) the engine's default stays, since the KV pool is sized from ``max_batch_size``."""
 
 
 def add_parser(subparsers) -> None:
@@ -101,6 +107,31 @@ def settings_from_args(args: argparse.Namespace):
     )
 
 
+def serve_batch_default(args: argparse.Namespace) -> str | None:
+    """Set ``args.max_batch_size`` to :data:`SERVE_MAX_BATCH_SIZE` where no layer sets
+    ``max_batch_size`` and the backend that will run captures graphs; returns a note saying
+    so, or None (the setting left as it was)."""
+    from polyspec.config import given_engine_keys
+    from polyspec.plugins import select_backend
+
+    if args.max_batch_size is not None:
+        return None
+    given = given_engine_keys({"backend": args.backend}, args.config_file)
+    if "max_batch_size" in given:
+        return None
+    try:
+        report = select_backend(given.get("backend"))
+    except (BackendSelectionError, PluginError):  # the engine reports it when it starts
+        return None
+    if not report.capabilities.get("graph_capture"):
+        return None
+    args.max_batch_size = SERVE_MAX_BATCH_SIZE
+    return (
+        f"max_batch_size = {SERVE_MAX_BATCH_SIZE} (serve's default where the backend captures "
+        "graphs; --max-batch-size changes it)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from polyspec.serve.server import run_server
@@ -112,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from polyspec.commands.generate import engine_from_args
 
     settings = settings_from_args(args)
+    batch_note = serve_batch_default(args)
     from polyspec.parallel.launch import under_torchrun
 
     if under_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; this rank follows
@@ -121,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
 
     def load():
         llm, sampling, notes = engine_from_args(args)
+        if batch_note is not None:
+            notes = [batch_note, *notes]
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
         if llm.worker.graphs is not None:  # capture now, not inside the first requests' time

@@ -6,18 +6,34 @@ row 0, prefix 0 and the padding slot 0, which is what the runner's zero-fill giv
 attention reads a fixed number of prefix columns (the context bucket), masking what lies past
 each request's prefix. Buckets are captured lazily, on first use; a batch larger than the
 largest bucket, or a context longer than ``max_context``, runs eagerly.
+
+Where the backend's graphs really capture (``graph_capture``) and it reports its free memory
+(``Backend.memory_info``), each capture is measured and none is made that would leave less
+than :data:`MEMORY_MARGIN` of the device's memory free: that batch bucket and the larger ones,
+where not captured yet, run eagerly (said once, in a warning of the ``polyspec.engine`` logger).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from polyspec.backend import Backend, ForwardBatch, ForwardMode
+
+_log = logging.getLogger("polyspec.engine")
+
+MEMORY_MARGIN = 0.05
+"""The share of the device's total memory graph capture leaves free, for what eager forwards
+and the allocator need: a capture whose expected cost would take the free memory below it is
+not made. The expected cost is that of the costliest capture so far: graphs share one memory
+pool, so a capture costs what its bucket adds to the pool's peak (the buckets grow in small
+steps) plus its outputs, and the first capture's one-off costs (the pool itself, workspaces)
+make a cost per batch row a poor guide."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +44,16 @@ class GraphBuckets:
     prefix_lens: tuple[int, ...]  # ascending; the last one is the request table's width
 
     @classmethod
-    def default(cls, max_batch_size: int, max_graph_batch_size: int, table_width: int):
-        """1, 2, 4, 8, then steps of 8 up to ``min(max_batch_size, max_graph_batch_size)``;
-        prefix widths 256, 512, ... doubling up to the table width (the context limit)."""
-        top = min(max_batch_size, max_graph_batch_size)
-        sizes = [b for b in (1, 2, 4) if b < top] + list(range(8, top, 8)) + [top]
+    def default(cls, max_batch_size: int, max_graph_batch_size: int | None, table_width: int):
+        """Batch sizes 1, 2, 4, 8, then steps of 8 up to 64, of 16 up to 256 and of 32 above,
+        ending at the top bucket ``max_batch_size`` (``max_graph_batch_size`` where that is
+        smaller; None: no cap); prefix widths 256, 512, ... doubling up to the table width
+        (the context limit)."""
+        top = max_batch_size
+        if max_graph_batch_size is not None:
+            top = min(top, max_graph_batch_size)
+        steps = [1, 2, 4, *range(8, 64, 8), *range(64, 256, 16), *range(256, top, 32)]
+        sizes = [b for b in steps if b < top] + [top]
         widths, w = [], 256
         while w < table_width:
             widths.append(w)
@@ -73,6 +94,14 @@ class CapturedForwards:
         self._templates: dict[str, tuple[Callable, dict[str, tuple]]] = {}
         # name -> the largest batch bucket worth capturing (a prefill width's token budget)
         self._max_batch: dict[str, int] = {}
+        # Memory: measured where graphs really capture and the backend reports free memory.
+        self._measure = backend.capabilities.graph_capture
+        self.graph_bytes = 0  # free device memory the captures took, summed
+        self.free_before: int | None = None  # free bytes before the first capture
+        self.free_after: int | None = None  # free bytes after the latest capture
+        # the smallest batch bucket at which nothing more is captured, for lack of memory
+        self.eager_from: int | None = None
+        self._largest_cost = 0  # bytes of the costliest capture so far
 
     @property
     def num_captured(self) -> int:
@@ -119,7 +148,8 @@ class CapturedForwards:
     ) -> Any:
         """Replay ``name`` for the bucket of (``bs``, ``max_prefix``), capturing it first if
         needed; returns the static outputs (leading dims for the padded batch). Returns None
-        when the backend's graph budget (``max_graph_shapes``) is spent: run eagerly then.
+        when the backend's graph budget (``max_graph_shapes``) is spent, or the device's free
+        memory too low for this bucket (:data:`MEMORY_MARGIN`): run eagerly then.
         ``host_params``: the replay's per-request host lists (``bs`` entries each), handed to
         ``GraphRunner.prepare`` where the backend's graphs need it (its forwards'
         ``ForwardBatch.host_lengths`` read them)."""
@@ -148,13 +178,25 @@ class CapturedForwards:
             self.runner.prepare(key, params)
         return self.runner.replay(key, inputs)
 
+    def _budget_spent(self) -> bool:
+        return self.max_graphs is not None and self.num_captured >= self.max_graphs
+
     def _capture(self, name: str, b: int, p: int) -> bool:
-        """Capture ``name`` for buckets (b, p) unless done; False when the budget is spent."""
+        """Capture ``name`` for buckets (b, p) unless done; False when the backend's graph
+        budget is spent or the device's free memory is not enough (the bucket runs eagerly)."""
         key = (name, b, p)
         if self.runner.can_run(key):
             return True
-        if self.max_graphs is not None and self.num_captured >= self.max_graphs:
+        if self._budget_spent() or (self.eager_from is not None and b >= self.eager_from):
             return False
+        free, total = self.backend.memory_info() if self._measure else (0, 0)
+        if free > 0:
+            expected = self._largest_cost
+            if free - expected < MEMORY_MARGIN * total:
+                self._stop_capturing(b, free, total, expected)
+                return False
+            if self.free_before is None:
+                self.free_before = free
         fn, template = self._templates[name]
         static = {
             n: torch.zeros((per * b, *rest), dtype=dtype, device=device)
@@ -162,22 +204,73 @@ class CapturedForwards:
         }
         self.runner.capture(key, lambda s: fn(s, b, p), static)
         self.captured.append(key)
+        if free > 0:
+            after = self.backend.memory_info()[0]
+            cost = max(0, free - after)
+            self.graph_bytes += cost
+            self._largest_cost = max(self._largest_cost, cost)
+            self.free_after = after
         return True
 
+    def _stop_capturing(self, b: int, free: int, total: int, expected: float) -> None:
+        """Capture nothing more at batch bucket ``b`` or above (said the first time): those
+        buckets run eagerly where no graph is captured for them yet."""
+        if self.eager_from is None:
+            _log.warning(
+                "graph capture stopped at batch %d: %.0f MiB free of %.0f MiB, a capture "
+                "there is expected to take %.0f MiB, and %.0f%% of the device is kept free; "
+                "batches of %d and more run eagerly where no graph is captured for them yet "
+                "(the %d graphs captured, which still replay, take %.0f MiB)",
+                b, free / 2**20, total / 2**20, expected / 2**20, 100 * MEMORY_MARGIN, b,
+                self.num_captured, self.graph_bytes / 2**20,
+            )  # fmt: skip
+        self.eager_from = b if self.eager_from is None else min(self.eager_from, b)
+
+    def memory_report(self) -> dict[str, Any]:
+        """What the captured graphs hold, for reports: ``graphs`` captured, ``bytes`` of free
+        device memory their captures took, ``free_before`` (before the first capture) and
+        ``free_after`` (after the latest) in bytes (the three None where the backend's graphs
+        do not really capture or it reports no memory), and ``eager_from``, the smallest
+        batch bucket left eager for lack of memory (None: none was)."""
+        measured = self.free_before is not None
+        return {
+            "graphs": self.num_captured,
+            "bytes": self.graph_bytes if measured else None,
+            "free_before": self.free_before,
+            "free_after": self.free_after,
+            "eager_from": self.eager_from,
+        }
+
     @torch.inference_mode()
-    def capture_all(self, max_batch_size: int, max_prefix: int) -> int:
+    def capture_all(
+        self,
+        max_batch_size: int,
+        max_prefix: int,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
         """Capture every computation run so far for every bucket a batch of up to
         ``max_batch_size`` requests with prefixes up to ``max_prefix`` can use (a benchmark's
-        warm-up: lazy capture would land inside the timed run). Returns how many were new."""
+        warm-up: lazy capture would land inside the timed run). ``progress(done, total)`` is
+        called after each graph attempted. Returns how many were new; buckets the graph budget
+        or the free memory leave out run eagerly."""
         before = self.num_captured
         top_b = self.buckets.batch_bucket(max_batch_size) or self.buckets.batch_sizes[-1]
         top_p = self.buckets.prefix_bucket(max_prefix) or self.buckets.prefix_lens[-1]
-        for name in self._templates:
-            name_b = min(top_b, self._max_batch.get(name, top_b))
-            for b in self.buckets.batch_sizes:
-                for p in self.buckets.prefix_lens:
-                    if b <= name_b and p <= top_p and not self._capture(name, b, p):
-                        return self.num_captured - before
+        todo = [
+            (name, b, p)
+            for name in self._templates
+            for b in self.buckets.batch_sizes
+            for p in self.buckets.prefix_lens
+            if b <= min(top_b, self._max_batch.get(name, top_b))
+            and p <= top_p
+            and not self.runner.can_run((name, b, p))
+        ]
+        for i, (name, b, p) in enumerate(todo):
+            if self._budget_spent():
+                break
+            self._capture(name, b, p)
+            if progress is not None:
+                progress(i + 1, len(todo))
         return self.num_captured - before
 
 

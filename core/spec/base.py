@@ -108,7 +108,7 @@ class WorkerBase:
         page_size: int,
         capture_layers: tuple[int, ...] = (),
         graphs: str = "off",
-        max_graph_batch_size: int = 32,
+        max_graph_batch_size: int | None = None,
         max_graph_prefill_tokens: int = 2048,
     ):
         self.backend = backend

@@ -79,3 +79,12 @@ def test_replay_rules(backend):
     # A rejected replay leaves the runner usable.
     out = replay(backend, runner, "b8", ok)
     torch.testing.assert_close(out["y"].cpu(), compute(ok)["y"].cpu())
+
+
+def test_memory_info_is_free_and_total_bytes(backend):
+    """``Backend.memory_info``: (free, total) bytes of the device with 0 <= free <= total, or
+    (0, 0) where the backend cannot tell. The engine sizes the KV cache and stops capturing
+    larger graph buckets by it, so a wrong figure fails or wastes memory there."""
+    free, total = backend.memory_info()
+    assert isinstance(free, int) and isinstance(total, int), (free, total)
+    assert (free, total) == (0, 0) or 0 <= free <= total and total > 0, (free, total)

@@ -328,3 +328,40 @@ def test_bench_batch_trees_and_overlapped_rounds(tiny, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "spec engine rounds by draft tree" in printed
     assert "plain rounds queued behind another (overlap_rounds): " in printed
+
+
+def test_bench_batch_sizes_sweep(tiny, tmp_path, capsys):
+    """``--batch-sizes``: one engine per system timed at each size, one row per size (at
+    least that many prompts, the set repeated), a table on stdout, and a tokens/s plot."""
+    import importlib.util
+
+    plot = tmp_path / "sweep.png"
+    has_plot = importlib.util.find_spec("matplotlib") is not None
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--draft", str(tiny["eagle3"]), "--algorithm", "eagle3", "--num-steps", "2",
+        "--batch-sizes", "4,1,2", "--graphs", "on", *(["--plot", str(plot)] if has_plot else []),
+    )  # fmt: skip
+    rows = rep["batch_sweep"]
+    assert [r["batch_size"] for r in rows] == [1, 2, 4]
+    assert [r["num_prompts"] for r in rows] == [3, 3, 4]
+    for r in rows:
+        assert r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0
+        assert r["spec_over_plain"] == pytest.approx(
+            r["spec_tokens_per_s"] / r["plain_tokens_per_s"]
+        )
+        assert r["mean_acceptance_length"] >= 1.0 and r["outputs_identical"] is True
+        assert r["tree"] == "S=2 K=1 N=3" and sum(r["rounds_by_tree"].values()) > 0
+    s = rep["settings"]
+    assert s["batch_sizes"] == [1, 2, 4] and s["graphs"] == "on"
+    assert set(s["graph_memory"]) == {"plain", "spec"}
+    assert all(m["graphs"] > 0 for m in s["graph_memory"].values())
+    assert "transformers" in rep["skipped"]
+    printed = capsys.readouterr().out
+    assert "batch  prompts  plain tok/s  spec tok/s  spec/plain  accept len  tree" in printed
+    assert plot.is_file() or not has_plot
+    for flags in (["--batch-sizes", "0,2"], ["--batch-sizes", "2", "--batch-size", "2"],
+                  ["--batch-sizes", "2", "--temperatures", "0.7"]):  # fmt: skip
+        assert main(["bench", "--dataset", str(tiny["data"]), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-sizes: '0' is not a batch size" in err and "drop --batch-size" in err

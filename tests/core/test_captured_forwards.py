@@ -60,3 +60,92 @@ def test_prefill_width_buckets_and_limits():
     assert worker._prefill_width(1, 20, 5000) is None  # past every prefix bucket
     eager = LLM.from_modules(target, backend=backend, max_batch_size=8, graphs="off")
     assert eager.worker.graphs is None
+
+
+def test_buckets_cover_max_batch_size_unless_capped():
+    """By default the top bucket is max_batch_size (steps of 8 to 64, 16 to 256, then 32);
+    an explicit max_graph_batch_size caps it, and larger batches run eagerly."""
+    from polyspec import LLM
+    from polyspec.testing.builders import build_bigram_models
+
+    b = GraphBuckets.default(max_batch_size=300, max_graph_batch_size=None, table_width=512)
+    assert b.batch_sizes == (1, 2, 4, *range(8, 64, 8), *range(64, 256, 16), 256, 288, 300)
+    assert b.batch_bucket(65) == 80 and b.batch_bucket(300) == 300
+    assert GraphBuckets.default(300, 32, 512).batch_sizes[-1] == 32
+    assert GraphBuckets.default(300, 1000, 512).batch_sizes[-1] == 300
+    backend = create_backend("cpu")
+    target, _ = build_bigram_models(backend)
+    kw = {"backend": backend, "max_batch_size": 40, "max_context": 128, "graphs": "on"}
+    auto = LLM.from_modules(target, **kw)
+    assert auto.worker.graphs.buckets.batch_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert auto.worker.executor.captures(40, 100)
+    capped = LLM.from_modules(target, max_graph_batch_size=16, **kw)
+    assert capped.worker.graphs.buckets.batch_sizes[-1] == 16
+    assert capped.worker.executor.captures(16, 100) and not capped.worker.executor.captures(17, 100)
+
+
+MIB = 2**20
+
+
+def _tight_memory_backend(free_mib: int, total_mib: int = 1000, mib_per_row: int = 4):
+    """A cpu backend that declares real graph capture and reports a device of ``total_mib``
+    with ``free_mib`` free, each capture taking ``mib_per_row`` per row of its batch bucket."""
+    import dataclasses
+
+    backend = create_backend("cpu")
+    backend.capabilities = dataclasses.replace(backend.capabilities, graph_capture=True)
+    device = {"free": free_mib * MIB}
+    backend.memory_info = lambda: (device["free"], total_mib * MIB)
+    make_runner = backend.make_graph_runner
+
+    def runner_taking_memory():
+        runner = make_runner()
+        capture = runner.capture
+
+        def capture_taking_memory(key, fn, static_inputs):
+            device["free"] -= mib_per_row * key[1] * MIB  # key: (name, batch bucket, prefix)
+            return capture(key, fn, static_inputs)
+
+        runner.capture = capture_taking_memory
+        return runner
+
+    backend.make_graph_runner = runner_taking_memory
+    return backend, device
+
+
+def test_capture_stops_at_the_memory_margin_and_runs_eagerly(caplog):
+    """Captures that would leave less than MEMORY_MARGIN of the device free are not made:
+    those buckets run eagerly, said once, and the tokens are the eager engine's."""
+    from polyspec import LLM, SamplingParams
+    from polyspec.runtime import graphs as graphs_module
+    from polyspec.testing.builders import build_bigram_models
+
+    backend, device = _tight_memory_backend(free_mib=150)
+    target, _ = build_bigram_models(backend)
+    prompts = [[5 + i, 9, 3 + 2 * i][: 1 + i % 3] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True) for i in range(8)]
+    kw = {"backend": backend, "max_batch_size": 8, "max_context": 128}
+    with caplog.at_level("WARNING", logger="polyspec.engine"):
+        llm = LLM.from_modules(target, graphs="auto", **kw)
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    graphs = llm.worker.graphs
+    margin = graphs_module.MEMORY_MARGIN * 1000 * MIB
+    assert graphs.num_captured > 0 and graphs.eager_from is not None
+    assert device["free"] >= margin  # no capture went below the margin
+    report = graphs.memory_report()
+    assert report["bytes"] == 150 * MIB - device["free"] > 0
+    assert report["free_before"] == 150 * MIB and report["free_after"] == device["free"]
+    stops = [r for r in caplog.records if "graph capture stopped" in r.getMessage()]
+    assert len(stops) == 1
+    # capture_all leaves the same buckets out and reports each attempt
+    calls = []
+    graphs.capture_all(8, 100, progress=lambda done, total: calls.append((done, total)))
+    assert calls and calls[-1][0] == calls[-1][1] and device["free"] >= margin
+    eager = LLM.from_modules(target, graphs="off", **kw)
+    want = eager.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # with room to spare every bucket is captured and nothing is left eager
+    roomy, _ = _tight_memory_backend(free_mib=900)
+    llm = LLM.from_modules(target, graphs="auto", **{**kw, "backend": roomy})
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert llm.worker.graphs.eager_from is None and llm.worker.graphs.memory_report()["bytes"] > 0

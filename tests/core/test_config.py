@@ -533,3 +533,45 @@ def test_overlap_rounds_auto_follows_async_host_reads():
     sync, ahead = BackendCapabilities(), BackendCapabilities(async_host_reads=True)
     assert [uses_overlap(sync, m) for m in ("auto", "on", "off")] == [False, True, False]
     assert [uses_overlap(ahead, m) for m in ("auto", "on", "off")] == [True, True, False]
+
+
+def test_max_graph_batch_size_defaults_to_auto(tmp_path):
+    """None (or "auto") covers max_batch_size; an integer caps it, from any layer."""
+    assert EngineConfig().max_graph_batch_size is None
+    assert EngineConfig(max_graph_batch_size="auto").max_graph_batch_size is None
+    assert EngineConfig(max_graph_batch_size=16).max_graph_batch_size == 16
+    assert load_config(cli={"max_graph_batch_size": "24"}, env={})[0].max_graph_batch_size == 24
+    env = {"POLYSPEC_MAX_GRAPH_BATCH_SIZE": "auto"}
+    assert load_config(env=env)[0].max_graph_batch_size is None
+    (tmp_path / "p.toml").write_text('max_graph_batch_size = "auto"\n')
+    assert load_config(config_file=tmp_path / "p.toml", env={})[0].max_graph_batch_size is None
+    with pytest.raises(ConfigError, match=r"max_graph_batch_size = 0 is invalid"):
+        EngineConfig(max_graph_batch_size=0)
+    with pytest.raises(ConfigError, match=r"expected an integer or 'auto'"):
+        load_config(env={"POLYSPEC_MAX_GRAPH_BATCH_SIZE": "many"})
+
+
+def test_serve_batch_default_where_the_backend_captures_graphs(monkeypatch):
+    """``polyspec serve`` raises max_batch_size to SERVE_MAX_BATCH_SIZE only where no layer
+    sets it and the backend captures graphs (the ascend-like test plugin declares
+    graph_capture; the cpu backend does not)."""
+    from polyspec.cli import build_parser
+    from polyspec.commands.serve import SERVE_MAX_BATCH_SIZE, serve_batch_default
+
+    monkeypatch.delenv("POLYSPEC_MAX_BATCH_SIZE", raising=False)
+
+    def args(*flags):
+        return build_parser().parse_args(["serve", *flags])
+
+    captures = args("--backend", "ascend-like")
+    assert "max_batch_size = 128" in serve_batch_default(captures)
+    assert captures.max_batch_size == SERVE_MAX_BATCH_SIZE == 128
+    for kept in (
+        args("--backend", "cpu"),
+        args("--backend", "ascend-like", "--max-batch-size", "4"),
+    ):
+        before = kept.max_batch_size
+        assert serve_batch_default(kept) is None and kept.max_batch_size == before
+    monkeypatch.setenv("POLYSPEC_MAX_BATCH_SIZE", "16")  # set by the environment: kept
+    from_env = args("--backend", "ascend-like")
+    assert serve_batch_default(from_env) is None and from_env.max_batch_size is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -158,13 +159,17 @@ def run(args: argparse.Namespace) -> int:
         for n in notes:
             print(f"note: {n}", file=sys.stderr)
         if llm.worker.graphs is not None:  # capture now, not inside the first requests' time
-            print("polyspec serve: capturing graphs...", file=sys.stderr, flush=True)
-            warm = llm.warm_up()
-            print(
-                f"polyspec serve: captured {warm['graphs']} graphs in {warm['seconds']:.1f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+            say = functools.partial(print, file=sys.stderr, flush=True)
+            say("polyspec serve: capturing graphs...")
+            shown = [0]
+
+            def progress(done: int, total: int) -> None:
+                if done * 10 // total > shown[0]:  # a line every tenth
+                    shown[0] = done * 10 // total
+                    say(f"polyspec serve: captured {done} / {total} graphs")
+
+            warm = llm.warm_up(progress)
+            say(f"polyspec serve: {warm['graphs']} graphs captured in {warm['seconds']:.1f} s")
         return llm, sampling
 
     print(

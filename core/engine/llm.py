@@ -650,36 +650,45 @@ class LLM:
             raise
         return [h.result() for h in handles]
 
-    def warm_up(self) -> dict[str, float]:
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
         """Capture, before the first request, every graph a batch of up to ``max_batch_size``
         requests with up to ``max_context`` tokens can replay; -> ``{"graphs": new graphs,
         "seconds": time taken}``. Without it each graph is captured on first use, inside
         some request's time: a server whose batch changes as requests come and go meets new
         (batch, context) buckets for minutes (``polyspec serve`` calls this before it reports
-        ready). A no-op where the engine does not capture (``graphs`` off).
+        ready). A no-op where the engine does not capture (``graphs`` off). ``progress(done,
+        total)``: called after each graph.
 
-        A few short greedy and sampled requests run first, at batch 1 and at each of
-        ``batch_trees``' batch sizes, so that every round and prefill computation is known;
-        then each is captured for every bucket (on one rank; tensor-parallel ranks capture
-        together, on first use). The engine loop they ran on is shut down after, so a loop
-        made next (a server's) counts from zero."""
+        A few short greedy and sampled requests run first, at batch 1 and at the first batch
+        size of each draft tree, so that every round and prefill computation is known; then
+        each is captured for every bucket it can serve (a tree's rounds for the batch sizes
+        that use that tree), on one rank: tensor-parallel ranks capture together, on first
+        use. The engine loop the requests ran on is shut down after, so a loop made next (a
+        server's) counts from zero."""
         graphs = self.worker.graphs
         if graphs is None:
             return {"graphs": 0, "seconds": 0.0}
         t0 = time.perf_counter()
-        cfg = self.config
-        spec = cfg.speculative
-        sizes = {1} | {t.min_batch_size for t in (spec.batch_trees if spec else ())}
+        cfg, worker = self.config, self.worker
+        served: dict[Any, list[int]] = {}  # tree -> the batch sizes whose rounds use it
+        for bs in range(1, cfg.max_batch_size + 1):
+            served.setdefault(worker.tree_for(bs), []).append(bs)
         vocab = int(self.target.config.vocab_size)
         prompt = [1 + i % (vocab - 1) for i in range(8)]
         greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
         sampled = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=0)
         before = graphs.num_captured
-        for bs in sorted(b for b in sizes if b <= cfg.max_batch_size):
+        for sizes in served.values():
             for params in (greedy, sampled):
-                self.generate(prompt_token_ids=[prompt] * bs, sampling_params=params)
-        if self.tp is None:  # ranks capture together, each on first use (their collectives)
-            graphs.capture_all(cfg.max_batch_size, cfg.max_context)
+                self.generate(prompt_token_ids=[prompt] * sizes[0], sampling_params=params)
+        if self.tp is None:
+            top = graphs.buckets.batch_sizes[-1]
+            for tree, sizes in served.items():
+                lo = graphs.buckets.batch_bucket(sizes[0]) or top
+                hi = graphs.buckets.batch_bucket(sizes[-1]) or top
+                for g in (True, False):
+                    graphs.restrict(worker.round_fn(tree, g).__name__, lo, hi)
+            graphs.capture_all(cfg.max_batch_size, cfg.max_context, progress)
         self.shutdown()
         return {"graphs": graphs.num_captured - before, "seconds": time.perf_counter() - t0}
 

@@ -94,6 +94,9 @@ class CapturedForwards:
         self._templates: dict[str, tuple[Callable, dict[str, tuple]]] = {}
         # name -> the largest batch bucket worth capturing (a prefill width's token budget)
         self._max_batch: dict[str, int] = {}
+        # name -> the smallest batch bucket worth capturing (a round of a tree that only
+        # larger batches use)
+        self._min_batch: dict[str, int] = {}
         # Memory: measured where graphs really capture and the backend reports free memory.
         self._measure = backend.capabilities.graph_capture
         self.graph_bytes = 0  # free device memory the captures took, summed
@@ -242,6 +245,13 @@ class CapturedForwards:
         }
 
     @torch.inference_mode()
+    def restrict(self, name: str, min_batch: int, max_batch: int) -> None:
+        """Have :meth:`capture_all` record ``name`` for the batch buckets from ``min_batch`` to
+        ``max_batch`` only (a round of a tree that only those batch sizes use); a batch outside
+        still captures it on first use."""
+        self._min_batch[name] = min_batch
+        self._max_batch[name] = max_batch
+
     def capture_all(
         self,
         max_batch_size: int,
@@ -261,7 +271,7 @@ class CapturedForwards:
             for name in self._templates
             for b in self.buckets.batch_sizes
             for p in self.buckets.prefix_lens
-            if b <= min(top_b, self._max_batch.get(name, top_b))
+            if self._min_batch.get(name, 0) <= b <= min(top_b, self._max_batch.get(name, top_b))
             and p <= top_p
             and not self.runner.can_run((name, b, p))
         ]

@@ -421,7 +421,13 @@ class LLM:
         # A backend without tree attention verifies chains only (EagleWorker refuses topk > 1).
         cands = [c for c in spec.tree_candidates if caps.tree_attention or c.topk == 1]
         if uses_graphs(caps, cfg.graphs) and caps.max_graph_shapes is None and cands:
-            return cands
+            # The head's recommended trees (measured on a GPU for their batch sizes) against
+            # plain rounds: timing every candidate at every batch size would not fit the
+            # start-up budget (each new tree's round is captured before it is timed).
+            recommended = {(s, k, n) for _, s, k, n in spec.trees if s > 0}
+            return [
+                c for c in cands if (c.num_steps, c.topk, c.num_draft_tokens) in recommended
+            ] or cands
         if uses_graphs(caps, cfg.graphs):
             chosen = tree_choice.TreeCandidate(
                 spec.num_steps, spec.topk, spec.num_draft_tokens, 1.0
@@ -464,7 +470,7 @@ class LLM:
         return []
 
     def _choose_by_batch_size(self, cands: list) -> None:
-        """Time ``cands``' rounds and plain rounds on the worker at batch sizes 1, 2, 4, ...
+        """Time ``cands``' rounds and plain rounds on the worker at batch sizes 1, 4, 16, ...
         up to ``max_batch_size`` (:func:`polyspec.engine.tree_choice.time_rounds`), then run
         the option of the most predicted tokens/s at each batch size: the worker's trees and
         ``speculative``'s tree and ``batch_trees`` become that schedule."""
@@ -477,7 +483,7 @@ class LLM:
         sizes, b = [], 1
         while b < cfg.max_batch_size:
             sizes.append(b)
-            b *= 2
+            b *= 4
         sizes.append(cfg.max_batch_size)
         start = time.perf_counter()
         seconds, stopped = tree_choice.time_rounds(self.worker, cands, sizes)
@@ -492,6 +498,13 @@ class LLM:
             }
             return
         schedule = tree_choice.batch_schedule(cands, seconds, cfg.max_batch_size)
+        if stopped is not None and schedule[-1][1] is not None:
+            # Batch sizes past the largest one timed keep the head's trees for them.
+            top = max(seconds)
+            for t in spec.batch_trees:
+                if t.min_batch_size > top and t.num_steps > 0:
+                    c = tree_choice.TreeCandidate(t.num_steps, t.topk, t.num_draft_tokens, 1.0)
+                    schedule.append((t.min_batch_size, c))
         main = schedule[0][1]
         rest = tuple(
             BatchTree(bs, 0)

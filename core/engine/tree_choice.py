@@ -167,7 +167,7 @@ def tree_note(choice: Mapping) -> str:
         stopped = f"; timing stopped early: {choice['stopped']}" if choice["stopped"] else ""
         return (
             f"draft trees by batch size {choice['chosen']}, chosen for this machine by timing "
-            f"each candidate's rounds and plain rounds at batch {sizes} "
+            f"the recommended trees' rounds and plain rounds at batch {sizes} "
             f"({choice['timing_s']:g} s{stopped}; set num_steps / topk / num_draft_tokens / "
             f"batch_trees to choose yourself)"
         )
@@ -189,9 +189,10 @@ def tree_note(choice: Mapping) -> str:
 # time (a plain round: 1 x bs / its time). Between two timed batch sizes a round's time is
 # interpolated linearly; above the largest, the last timed size's choice holds.
 
-ROUND_BUDGET_S = 5.0
-"""Seconds the start-up timing of rounds may take; what is left untimed when they are spent
-takes the choice of the largest batch size timed."""
+ROUND_BUDGET_S = 20.0
+"""Seconds the start-up timing of rounds may take (each option's round is captured before it
+is timed, at every batch size); batch sizes left untimed when they are spent keep the head's
+trees for them."""
 
 PRUNE_MARGIN = 0.03
 """A tree is timed at the next batch size unless some option with no more work per round

@@ -180,9 +180,10 @@ def test_batch_report_and_note():
 
 def test_an_engine_of_captured_rounds_times_them_by_batch_size(tiny_models):
     """Where rounds replay graphs (``graphs = "on"`` on the cpu backend: the captured path
-    through an eager runner), the engine times each candidate's rounds and plain rounds at
-    batch 1, 2, 4 at start-up and runs its choice per batch size: the worker's trees are the
-    configured ones, its rounds as named in the report, and the output is plain greedy's."""
+    through an eager runner), the engine times the recommended trees' rounds (the main tree
+    and ``batch_trees``') and plain rounds at batch 1 and 4 at start-up and runs its choice per
+    batch size: the worker's trees are the configured ones, its rounds as named in the report,
+    and the output is plain greedy's."""
     from polyspec.config import SamplingParams
     from polyspec.engine.llm import LLM
 
@@ -192,11 +193,13 @@ def test_an_engine_of_captured_rounds_times_them_by_batch_size(tiny_models):
             dtype="float32", max_batch_size=4, max_context=256, graphs="on",
         )  # fmt: skip
 
-    spec = SpeculativeConfig("eagle3", 3, 3, 8, tree_candidates=CANDIDATES)
+    spec = SpeculativeConfig(
+        "eagle3", 3, 3, 8, tree_candidates=CANDIDATES, batch_trees="2:5-4-16"
+    )
     engine = llm(spec, tiny_models["eagle3"])
     choice = engine.tree_choice
-    assert choice["timed_batch_sizes"][0] == 1 and set(choice["timed_batch_sizes"]) <= {1, 2, 4}
-    assert set(choice["round_ms"]["1"]) == {"plain", *(c.label for c in CANDIDATES)}
+    assert choice["timed_batch_sizes"][0] == 1 and set(choice["timed_batch_sizes"]) <= {1, 4}
+    assert set(choice["round_ms"]["1"]) == {"plain", "S=3 K=3 N=8", "S=5 K=4 N=16"}
     got = engine.config.speculative
     labels = [label for _, label in choice["by_batch_size"]]
     assert [t.label for t in got.batch_trees] == labels[1:]

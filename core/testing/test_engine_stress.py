@@ -10,7 +10,12 @@ import pytest
 
 from polyspec.config import SamplingParams, SpeculativeConfig
 from polyspec.testing.forward import assert_greedy_equal
-from polyspec.testing.plugin import NATIVE_PAGE_SIZE, require, resolve_page_size
+from polyspec.testing.plugin import (
+    NATIVE_PAGE_SIZE,
+    default_page_size,
+    require,
+    resolve_page_size,
+)
 
 
 def _mixed_requests(n: int, seed: int = 7):
@@ -104,16 +109,20 @@ def test_warm_up_captures_every_graph_the_churn_replays(backend, backend_name, t
 
     require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    require(
+        backend.capabilities.max_graph_shapes is None, "any number of graphs (max_graph_shapes)"
+    )
     prompts, params = _mixed_requests(60, seed=5)
     rng = random.Random(5)
     params = [
         dataclasses.replace(p, temperature=1.0, seed=i) if rng.random() < 0.3 else p
         for i, p in enumerate(params)
     ]
+    page_size = default_page_size(backend)
     common = dict(
-        target=tiny_models["target"], backend=backend_name, dtype="float32", max_batch_size=6,
-        max_context=96, prefill_chunk_size=16, max_tokens_per_step=48, graphs="on",
-        draft=tiny_models["eagle3"],
+        target=tiny_models["target"], backend=backend_name, dtype="float32", page_size=page_size,
+        max_batch_size=6, max_context=96, prefill_chunk_size=16, max_tokens_per_step=48,
+        graphs="on", draft=tiny_models["eagle3"],
         speculative=SpeculativeConfig(algorithm="eagle3", topk=2, num_steps=3, num_draft_tokens=6,
                                       batch_trees="4:3-1-4"),
     )  # fmt: skip

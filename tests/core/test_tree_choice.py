@@ -193,9 +193,7 @@ def test_an_engine_of_captured_rounds_times_them_by_batch_size(tiny_models):
             dtype="float32", max_batch_size=4, max_context=256, graphs="on",
         )  # fmt: skip
 
-    spec = SpeculativeConfig(
-        "eagle3", 3, 3, 8, tree_candidates=CANDIDATES, batch_trees="2:5-4-16"
-    )
+    spec = SpeculativeConfig("eagle3", 3, 3, 8, tree_candidates=CANDIDATES, batch_trees="2:5-4-16")
     engine = llm(spec, tiny_models["eagle3"])
     choice = engine.tree_choice
     assert choice["timed_batch_sizes"][0] == 1 and set(choice["timed_batch_sizes"]) <= {1, 4}

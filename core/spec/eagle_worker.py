@@ -137,6 +137,8 @@ class EagleWorker(WorkerBase):
                 raise ValueError(f"tree {t.label} is wider than this worker's buffers")
         self._settle(schedule)
 
+    plain_tree = PLAIN_ROUNDS
+
     def tree_for(self, bs: int) -> Tree:
         """The draft tree of a round of ``bs`` requests."""
         return next(t for b, t in reversed(self.trees) if b <= bs)

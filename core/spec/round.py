@@ -33,8 +33,10 @@ the root's mask to the draft's first top-K (and to plain decoding's logits), eac
 level's lane masks to the draft's logits before its top-K, and one mask per tree node to the
 target's verify logits, so both greedy and sampled acceptance follow the constrained target
 distribution. The round reads the drafted tokens on the host for that, so a constrained round
-runs eagerly, never from a graph and never queued; an unconstrained round is the plain
-function, with none of this.
+with a draft runs eagerly, never from a graph and never queued; a constrained plain round
+needs only the root's mask, which it takes as an input (``root_mask`` [b, W] int32), so it
+replays a graph like any plain round (never queued: the grammar advances on the host between
+rounds). An unconstrained round is the plain function, with none of this.
 
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
 node ids) + [b * N] each node's predicted token + [1] draft levels drafted``, then an EAGLE
@@ -199,8 +201,8 @@ class SpecRound:
         logits, feats = self.verify(
             rows, seq_lens, roots[:, None], live, None, None, max_prefix, host
         )
-        if self.constrained:
-            p.kernels.apply_token_bitmask(logits, host.masks.root())
+        if self.constrained:  # the root's mask, an input: a plain round replays a graph too
+            p.kernels.apply_token_bitmask(logits, inputs["root_mask"])
         predicts = self.sample_next(logits, inputs)  # [b]
         none = torch.zeros_like(predicts)
         packed = torch.cat([none, p.arange(b), predicts, none[:1]])

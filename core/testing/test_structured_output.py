@@ -56,7 +56,10 @@ REGEX = r"[a-e]{2}@(x|yz)\.(com|org)"
 CHOICES = ["alpha", "beta gamma", 'say "hi"']
 
 
-def _llm(backend, backend_name, tiny, algorithm=None, dtype="float32", **spec):
+def _llm(backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="off", **spec):
+    """An engine over the tiny models. ``graphs`` "off" by default: where rounds replay graphs
+    a constrained batch runs plain rounds (:meth:`polyspec.spec.base.Worker.decode`), and these
+    tests are about the constrained speculative round."""
     from polyspec.engine.llm import LLM
 
     draft = speculative = None
@@ -67,6 +70,7 @@ def _llm(backend, backend_name, tiny, algorithm=None, dtype="float32", **spec):
     return LLM(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
         dtype=dtype, max_batch_size=64, max_context=160, page_size=default_page_size(backend),
+        graphs=graphs,
     )  # fmt: skip
 
 
@@ -143,6 +147,39 @@ def test_constrained_greedy_spec_equals_plain(
     assert spec.worker.constrained_rounds > 0
     accepted = [n for p, o in zip(params, got) if p.constrained for n in o.stats.accepted_per_round]
     assert max(accepted) > 1, "no constrained round accepted a draft token: nothing proven"
+
+
+@pytest.mark.parametrize("algorithm", [None, "self", "eagle3"])
+def test_constrained_rounds_replay_graphs_as_plain_rounds(
+    backend, backend_name, tiny_models, plain, algorithm
+):
+    """Where rounds replay graphs, a batch with a constrained request runs plain rounds that
+    replay a graph with the root's mask as an input (a constrained speculative round would
+    run eagerly): greedy outputs equal eager plain decoding's, constrained outputs satisfy
+    their constraints, and once the constrained requests have finished the others speculate
+    again."""
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    spec = {} if algorithm is None else {"topk": 2, "num_steps": 3}
+    llm = _llm(backend, backend_name, tiny_models, algorithm, graphs="on", **spec)
+    prompts, params = _batch()
+    # the unconstrained requests run on after the constrained ones have finished
+    params = [p if p.constrained else SamplingParams(max_new_tokens=120, ignore_eos=True)
+              for p in params]  # fmt: skip
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for p, g in zip(params, got):
+        if p.constrained:
+            _check_output(p, g.text, g.finish_reason)
+    names = {name for name, _, _ in llm.worker.graphs.captured}
+    assert any(n.endswith("constrained") or "constrained@" in n for n in names), names
+    if algorithm is not None:
+        assert llm.worker.rounds_by_tree.get("plain", 0) > 0
+        free = [
+            n for p, o in zip(params, got) if not p.constrained for n in o.stats.accepted_per_round
+        ]
+        assert max(free) > 1, "the unconstrained requests never speculated again"
 
 
 @pytest.mark.parametrize("algorithm", ["self", "eagle3"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import queue
 import threading
@@ -673,7 +674,8 @@ class LLM:
         total)``: called after each graph.
 
         A few short greedy and sampled requests run first, at batch 1 and at the first batch
-        size of each draft tree, so that every round and prefill computation is known; then
+        size of each draft tree (and, where structured output can run, a constrained one of
+        each), so that every round and prefill computation is known; then
         each is captured for every bucket it can serve (a tree's rounds for the batch sizes
         that use that tree), on one rank: tensor-parallel ranks capture together, on first
         use. The engine loop the requests ran on is shut down after, so a loop made next (a
@@ -694,6 +696,11 @@ class LLM:
         for sizes in served.values():
             for params in (greedy, sampled):
                 self.generate(prompt_token_ids=[prompt] * sizes[0], sampling_params=params)
+        if self.scheduler.grammars is not None and importlib.util.find_spec("llguidance"):
+            # a constrained batch's plain rounds (the root's mask an input), at every size
+            for params in (greedy, sampled):
+                constrained = dataclasses.replace(params, regex="[a-z]{1,24}")
+                self.generate(prompt_token_ids=[prompt], sampling_params=constrained)
         if self.tp is None:
             top = graphs.buckets.batch_sizes[-1]
             for tree, sizes in served.items():

@@ -4,6 +4,7 @@ request's output equals what it produces alone under plain greedy decoding."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import random
 
 import pytest
@@ -102,9 +103,10 @@ def test_captured_rounds_under_churn(backend, backend_name, tiny_models, page_si
 
 def test_warm_up_captures_every_graph_the_churn_replays(backend, backend_name, tiny_models):
     """``LLM.warm_up`` (what ``polyspec serve`` runs before it reports ready) leaves nothing to
-    capture: greedy and sampled requests coming and going at every batch size up to
-    ``max_batch_size``, with prompts of every prefill width and contexts across the prefix
-    buckets, capture no graph, and give the outputs of an engine that captured lazily."""
+    capture: greedy, sampled and (with llguidance) constrained requests coming and going at
+    every batch size up to ``max_batch_size``, with prompts of every prefill width and
+    contexts across the prefix buckets, capture no graph, and give the outputs of an engine
+    that captured lazily."""
     from polyspec.engine.llm import LLM
 
     require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
@@ -118,6 +120,11 @@ def test_warm_up_captures_every_graph_the_churn_replays(backend, backend_name, t
         dataclasses.replace(p, temperature=1.0, seed=i) if rng.random() < 0.3 else p
         for i, p in enumerate(params)
     ]
+    if importlib.util.find_spec("llguidance"):  # constrained batches' rounds too
+        params[::7] = [
+            dataclasses.replace(p, regex=r"[a-e]{2}@(x|yz)\.(com|org)", max_new_tokens=20)
+            for p in params[::7]
+        ]
     page_size = default_page_size(backend)
     common = dict(
         target=tiny_models["target"], backend=backend_name, dtype="float32", page_size=page_size,
@@ -134,6 +141,8 @@ def test_warm_up_captures_every_graph_the_churn_replays(backend, backend_name, t
     assert done["graphs"] == graphs.num_captured > lazy.worker.graphs.num_captured
     got = warm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert graphs.num_captured == done["graphs"], "a graph was captured after the warm-up"
+    if any(p.constrained for p in params):
+        assert any("constrained" in name for name, _, _ in graphs.captured)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     # the loop counts its own rounds: the warm-up's ran on an earlier one
     assert warm.engine.stats().rounds_total == lazy.engine.stats().rounds_total

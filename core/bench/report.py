@@ -312,11 +312,14 @@ def build_sweep_report(
     trees: Mapping[int, Mapping[str, Any]],
     temperature: float,
     skipped: Mapping[str, str],
+    engine: Mapping[str, Mapping[int, Mapping[str, int]]] | None = None,
 ) -> dict[str, Any]:
     """What ``--batch-sizes --json`` writes: one row per batch size in ``batch_sweep``.
     ``results``: system ("plain", "spec") -> batch size -> its run; ``trees``: batch size ->
     ``{"tree": the tree a full batch uses, "rounds_by_tree": rounds per tree in that batch
-    size's runs}`` (the speculative system's)."""
+    size's runs}`` (the speculative system's); ``engine``: system -> batch size -> its
+    engine's rounds and queued rounds (queued, used) over that size's runs, warm-up included."""
+    engine = engine or {}
     rows = []
     for b in settings["batch_sizes"]:
         plain = results.get("plain", {}).get(b)
@@ -338,6 +341,7 @@ def build_sweep_report(
             ) if spec else None,
             "tree": trees.get(b, {}).get("tree"),
             "rounds_by_tree": trees.get(b, {}).get("rounds_by_tree"),
+            "engine": {system: dict(by_size[b]) for system, by_size in engine.items() if b in by_size},
             "outputs_identical": identical,
         })  # fmt: skip
     return {

@@ -476,6 +476,7 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
         skipped["spec"] = spec_skip or "no draft"
     results: dict[str, dict[int, runner.SystemResult]] = {}
     trees: dict[int, dict] = {}
+    engine: dict[str, dict[int, dict]] = {}  # system -> batch size -> rounds and queued rounds
     settings = ids = backend = None
     for system, cfg in (("plain", plain_cfg), ("spec", spec_cfg)):
         if cfg is None:
@@ -505,14 +506,21 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
             if llm.tree_choice is not None:
                 settings["tree_choice"] = llm.tree_choice
                 print(f"note: {tree_note(llm.tree_choice)}", file=sys.stderr)
-        results[system] = {}
+        results[system], engine[system] = {}, {}
         for b in sizes:
             batch_ids = [ids[i % len(ids)] for i in range(max(len(ids), b))]
             before = dict(llm.worker.rounds_by_tree)
+            rounds0, queued0 = llm.scheduler.rounds, dict(llm.worker.queued_rounds)
             results[system][b] = runner.run_polyspec(
                 llm, f"{system} @{b}", batch_ids, sampling, progress, phase_times=False,
                 warmup_prompts=b, repeats=args.repeats, batch_size=b,
             )  # fmt: skip
+            queued = llm.worker.queued_rounds
+            engine[system][b] = {  # the warm-up's and every timed run's rounds
+                "rounds": llm.scheduler.rounds - rounds0,
+                "queued_rounds": queued["queued"] - queued0["queued"],
+                "queued_rounds_used": queued["used"] - queued0["used"],
+            }
             if system == "spec":
                 after = llm.worker.rounds_by_tree
                 rounds = {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}
@@ -529,6 +537,7 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
         machine=report.machine_info(backend.name, str(backend.device())),
         results=results,
         trees=trees,
+        engine=engine,
         temperature=sampling.temperature,
         skipped=skipped,
     )

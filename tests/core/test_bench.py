@@ -352,6 +352,10 @@ def test_bench_batch_sizes_sweep(tiny, tmp_path, capsys):
         )
         assert r["mean_acceptance_length"] >= 1.0 and r["outputs_identical"] is True
         assert r["tree"] == "S=2 K=1 N=3" and sum(r["rounds_by_tree"].values()) > 0
+        assert r["engine"]["spec"]["rounds"] == sum(r["rounds_by_tree"].values())
+        assert r["engine"]["plain"]["rounds"] >= r["engine"]["spec"]["rounds"] > 0
+        for e in r["engine"].values():
+            assert 0 <= e["queued_rounds_used"] <= e["queued_rounds"]
     s = rep["settings"]
     assert s["batch_sizes"] == [1, 2, 4] and s["graphs"] == "on"
     assert set(s["graph_memory"]) == {"plain", "spec"}

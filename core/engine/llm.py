@@ -475,8 +475,6 @@ class LLM:
         up to ``max_batch_size`` (:func:`polyspec.engine.tree_choice.time_rounds`), then run
         the option of the most predicted tokens/s at each batch size: the worker's trees and
         ``speculative``'s tree and ``batch_trees`` become that schedule."""
-        import time
-
         from polyspec.config import BatchTree
         from polyspec.engine import tree_choice
 
@@ -675,11 +673,11 @@ class LLM:
 
         A few short greedy and sampled requests run first, at batch 1 and at the first batch
         size of each draft tree (and, where structured output can run, a constrained one of
-        each), so that every round and prefill computation is known; then
-        each is captured for every bucket it can serve (a tree's rounds for the batch sizes
-        that use that tree), on one rank: tensor-parallel ranks capture together, on first
-        use. The engine loop the requests ran on is shut down after, so a loop made next (a
-        server's) counts from zero."""
+        each), so that every round and prefill computation is known; then each is captured for
+        every bucket it can serve (a tree's rounds for the batch sizes that use that tree), on
+        one rank: tensor-parallel ranks capture together, on first use. The engine loop the
+        requests ran on is shut down after, so a loop made next (a server's) counts from
+        zero."""
         graphs = self.worker.graphs
         if graphs is None:
             return {"graphs": 0, "seconds": 0.0}

@@ -61,7 +61,7 @@ class Tokenizer:
     ) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
-        self._template: Any = None  # chat_template compiled (jinja2.Template), on first use
+        self._template: tuple[str, Any] | None = None  # (chat_template, compiled), first use
         self.bos_token = bos_token
         self.eos_token = eos_token
         ids = list(eos_token_ids)
@@ -218,10 +218,11 @@ class Tokenizer:
                 "this tokenizer has no chat template (tokenizer_config.json chat_template or GGUF "
                 "tokenizer.chat_template); pass raw text to encode() instead"
             )
-        if self._template is None:  # compiled once: compiling costs milliseconds a request
-            self._template = _compile(self.chat_template)
+        if self._template is None or self._template[0] != self.chat_template:
+            # compiled once (compiling costs milliseconds a request), again if it is replaced
+            self._template = (self.chat_template, _compile(self.chat_template))
         text = _render(
-            self._template,
+            self._template[1],
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",

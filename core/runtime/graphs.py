@@ -244,7 +244,6 @@ class CapturedForwards:
             "eager_from": self.eager_from,
         }
 
-    @torch.inference_mode()
     def restrict(self, name: str, min_batch: int, max_batch: int) -> None:
         """Have :meth:`capture_all` record ``name`` for the batch buckets from ``min_batch`` to
         ``max_batch`` only (a round of a tree that only those batch sizes use); a batch outside
@@ -252,6 +251,7 @@ class CapturedForwards:
         self._min_batch[name] = min_batch
         self._max_batch[name] = max_batch
 
+    @torch.inference_mode()
     def capture_all(
         self,
         max_batch_size: int,

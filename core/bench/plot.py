@@ -61,12 +61,7 @@ def write_plot(report: Mapping[str, Any], path: str | Path) -> None:
     ax_tps.set_ylabel("tokens/s")
     ax_tps.set_title(f"throughput (labels: speedup over {base_name})")
     ax_tps.margins(y=0.12)  # room for the labels above the tallest bar
-    fig.suptitle("\n".join(textwrap.wrap(report["command"], 160)), fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, report["command"], 160, path)
 
 
 def write_sweep_plot(report: Mapping[str, Any], path: str | Path) -> None:
@@ -99,7 +94,13 @@ def write_sweep_plot(report: Mapping[str, Any], path: str | Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.set_title("throughput by batch size (labels: speculative over plain)")
     ax.legend()
-    fig.suptitle("\n".join(textwrap.wrap(report["command"], 120)), fontsize=7)
+    _save(plt, fig, report["command"], 120, path)
+
+
+def _save(plt, fig, command: str, width: int, path: str | Path) -> None:
+    """Title ``fig`` with the command that made it (wrapped at ``width``), write it to
+    ``path`` (its folder made if needed) and close it."""
+    fig.suptitle("\n".join(textwrap.wrap(command, width)), fontsize=7)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

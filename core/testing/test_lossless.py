@@ -113,6 +113,18 @@ def test_dynamic_depth_equals_plain_greedy(
         assert levels[1] >= 0.8 * sum(levels), f"rounds by levels drafted: {levels}"
 
 
+def _shrinking_batch(llm, plain_outputs):
+    """Five requests that stop at different rounds (the batch shrinks from 5 to 1): their
+    outputs are plain greedy decoding's and no KV slot leaks. -> the outputs."""
+    free_before = llm.kv_slots_free
+    lengths = (12, 10, 7, 4, 2)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain_outputs, lengths)]
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    return outs
+
+
 @pytest.mark.parametrize("graphs", ["off", "on"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("algorithm", ["eagle3", "self"])
@@ -131,12 +143,7 @@ def test_batch_trees_equal_plain_greedy(
         backend_name, tiny_models, algorithm, page_size=page_size, graphs=graphs, num_steps=3,
         topk=4, num_draft_tokens=10, batch_trees="3:4-2-7,5:2-1-3",
     )  # fmt: skip
-    free_before = llm.kv_slots_free
-    lengths = (12, 10, 7, 4, 2)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
-    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
-    assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain_outputs, lengths)]
-    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    _shrinking_batch(llm, plain_outputs)
     rounds = llm.worker.rounds_by_tree
     assert list(rounds) == ["S=3 K=4 N=10", "S=4 K=2 N=7", "S=2 K=1 N=3"]
     assert all(n > 0 for n in rounds.values()), f"rounds by tree: {rounds}"
@@ -162,12 +169,7 @@ def test_plain_rounds_in_a_speculative_engine_equal_plain_greedy(
         backend_name, tiny_models, algorithm, page_size=default_page_size(backend),
         graphs=graphs, num_steps=3, topk=1, batch_trees="3:plain,5:2-1-3",
     )  # fmt: skip
-    free_before = llm.kv_slots_free
-    lengths = (12, 10, 7, 4, 2)
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
-    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
-    assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain_outputs, lengths)]
-    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    outs = _shrinking_batch(llm, plain_outputs)
     rounds = llm.worker.rounds_by_tree
     assert list(rounds) == ["S=3 K=1 N=4", "plain", "S=2 K=1 N=3"]
     assert all(n > 0 for n in rounds.values()), f"rounds by tree: {rounds}"

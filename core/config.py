@@ -518,7 +518,8 @@ class EngineConfig:
     ``polyspec.json`` (docs/configuration.md).
     With an EAGLE algorithm and no ``draft`` the engine uses the draft head bundled for the
     target, if there is one. ``max_tokens_per_step`` is the token budget of one engine step
-    (prefill chunks and decode / verify tokens together); ``num_kv_slots`` None sizes the KV pool
+    (prefill chunks and decode / verify tokens together; the prefill keeps at least a quarter
+    of it, or ``prefill_chunk_size`` when smaller, however wide the decode round); ``num_kv_slots`` None sizes the KV pool
     from ``max_batch_size * max_context``. ``prefill_wait_steps`` > 0 lets a waiting request
     wait up to that many engine steps, while others decode, for more rows to free, so that
     requests joining a running batch are prefilled several in one forward rather than one at

@@ -56,7 +56,8 @@ class Scheduler:
         self.reserved: dict[int, int] = {}
         ps = worker.page_size
         self.kv_capacity = worker.num_kv_slots - ps - worker.scratch_kv
-        # A request's tokens in a decode round: the widest verify it may get (1: plain).
+        # The most positions a request's decode round may write past its tokens (the widest
+        # verify it may get; 1: plain): part of every request's context.
         self.decode_width = max(1, worker.extra_kv_per_request)
         # overlap_rounds resolved for this backend (EngineConfig.overlap_rounds = "auto")
         self.overlap = uses_overlap(worker.backend.capabilities, config.overlap_rounds)
@@ -229,8 +230,14 @@ class Scheduler:
         return finished
 
     def _prefill(self, finished: list[Request]) -> None:
-        budget = self.config.max_tokens_per_step - len(self.decoding) * self.decode_width
-        budget = max(budget, 1)  # always make progress
+        # The decode round's share of the step: its batch's verify width each (a batch size
+        # with plain rounds takes 1 token a request, not the widest tree's N). The prefill
+        # keeps at least a quarter of the budget (or a chunk): a full decode batch whose
+        # verify tokens fill the step would otherwise prefill a token or two a step, each a
+        # forward over all the weights, and starve the requests waiting to join.
+        n, cfg = len(self.decoding), self.config
+        budget = cfg.max_tokens_per_step - (n * self.worker.round_tokens(n) if n else 0)
+        budget = max(budget, min(cfg.prefill_chunk_size, cfg.max_tokens_per_step // 4), 1)
         rids, ends, chunked = [], [], self._chunked
         chunked.clear()
         for req in self.prefilling:

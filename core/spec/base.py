@@ -178,6 +178,11 @@ class WorkerBase:
 
     plain_tree = PLAIN  # the tree of this worker's plain rounds
 
+    def round_tokens(self, bs: int) -> int:
+        """Tokens per request the target verifies in a round of ``bs`` requests (its tree's
+        N; 1 for a plain round): what a round takes of an engine step's token budget."""
+        return self.tree_for(bs).num_draft_tokens
+
     def round_parts(self) -> RoundParts:
         """What the rounds compute with (the models, their runners, the slot tables)."""
         raise NotImplementedError

@@ -162,10 +162,12 @@ class LeaderWorker:
         prompt: Sequence[int],
         sampler: RequestSampler,
         kv_reserved: int | None = None,
+        max_new_tokens: int | None = None,
     ) -> None:
         """:meth:`WorkerBase.add_request` on every rank (the sampler travels as its state)."""
-        shipped = (rid, list(prompt), _sampler_spec(sampler), kv_reserved)
-        return self._call("add_request", shipped, (rid, prompt, sampler, kv_reserved))
+        shipped = (rid, list(prompt), _sampler_spec(sampler), kv_reserved, max_new_tokens)
+        local = (rid, prompt, sampler, kv_reserved, None, max_new_tokens)
+        return self._call("add_request", shipped, local)
 
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
         """The worker's prefill on every rank; -> rank 0's first tokens."""
@@ -229,8 +231,8 @@ def follow(worker: Any, tp: TPGroup) -> None:
         if name not in _CALLS:
             raise RankFailure(f"rank {tp.rank}: unknown command {name!r} from rank 0")
         if name == "add_request":
-            rid, prompt, spec, reserved = args
-            args = (rid, prompt, _sampler(spec, worker.device), reserved)
+            rid, prompt, spec, reserved, max_new = args
+            args = (rid, prompt, _sampler(spec, worker.device), reserved, None, max_new)
         status, result, exc = _run(tp, worker, name, args)
         try:
             votes = tp.agree(status, _digest(result))

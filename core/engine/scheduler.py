@@ -184,7 +184,10 @@ class Scheduler:
                     matcher = self.grammars.matcher(constraint)
                     matcher.next_mask()  # a grammar no token can start fails here, alone
                     extra["matcher"] = matcher
-                self.worker.add_request(req.rid, req.prompt_ids, sampler, kv_reserved=need, **extra)
+                self.worker.add_request(
+                    req.rid, req.prompt_ids, sampler, kv_reserved=need,
+                    max_new_tokens=p.max_new_tokens, **extra,
+                )  # fmt: skip
             except RankFailure:  # the ranks are out of step: nothing can run any more
                 raise
             except Exception as exc:
@@ -192,15 +195,6 @@ class Scheduler:
                 continue
             self.reserved[req.rid] = need
             self.prefilling.append(req)
-
-    def _lookahead(self, batch: list[Request]) -> bool:
-        """Whether the worker may queue the next round behind this one (``overlap_rounds``):
-        only while no request of the batch can reach its token limit in this round, so the
-        queued round stays within every request's KV reservation."""
-        depth = self.worker.max_round_tokens
-        return self.overlap and all(
-            len(r.output_ids) + depth <= r.params.max_new_tokens for r in batch
-        )
 
     def _finish(self, req: Request) -> None:
         req.finish_time = time.perf_counter()
@@ -285,8 +279,10 @@ class Scheduler:
 
     def _decode(self, batch: list[Request], finished: list[Request]) -> None:
         self.rounds += 1
-        new_tokens = self.worker.decode([r.rid for r in batch], lookahead=self._lookahead(batch))
+        new_tokens = self.worker.decode([r.rid for r in batch], lookahead=self.overlap)
         for req, toks in zip(batch, new_tokens):
+            if not toks:  # it joined this step and sits this round out (the worker's decode)
+                continue
             req.accepted_per_round.append(len(toks))
             self.stop.append(req, toks)
             if self._grammar_failed(req, finished):

@@ -88,18 +88,22 @@ class RoundExecutor:
         return self._launched(key, name, fn, inputs, fn(inputs, bs, None, host), bs, False, False)
 
     def queue_next(
-        self, launched: Launched, inputs: Mapping[str, torch.Tensor], max_prefix: int
+        self,
+        launched: Launched,
+        inputs: Mapping[str, torch.Tensor],
+        max_prefix: int,
+        key: tuple | None = None,
     ) -> Launched | None:
         """Queue the round after ``launched`` with ``inputs`` computed on the device from its
-        outputs, before the host has read them (``EngineConfig.overlap_rounds``). Only a
+        outputs, before the host has read them (``EngineConfig.overlap_rounds``), for ``key``
+        (None: ``launched``'s; the caller's requests, fewer when some have left). Only a
         replayed round is queued (an eager one needs its lengths on the host): None when
         this batch does not replay, or when the backend's graphs need the replay's host
         lengths (``graph_needs_prepare``), which the host learns only from ``launched``."""
         if not launched.captured or self.graphs.needs_prepare:
             return None
-        return self._replay(
-            launched.key, launched.name, launched.fn, inputs, max_prefix, True, None
-        )
+        key = launched.key if key is None else key
+        return self._replay(key, launched.name, launched.fn, inputs, max_prefix, True, None)
 
     def _replay(
         self, key, name, fn, inputs, max_prefix: int, copy: bool, host_params

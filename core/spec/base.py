@@ -48,6 +48,8 @@ class SeqState:
     draft_feature: torch.Tensor | None = None  # [H]
     # structured output: the request's grammar, advanced by every token it commits
     matcher: Matcher | None = None
+    # the committed length at which it has max_new_tokens tokens (None: no limit given)
+    end_len: int | None = None
 
 
 class PhaseTimer:
@@ -138,11 +140,13 @@ class WorkerBase:
             buckets = GraphBuckets.default(max_batch_size, max_graph_batch_size, width)
             self.graphs = CapturedForwards(backend, buckets)
         self.executor = RoundExecutor(backend, self.graphs)
-        # A greedy round queued on the device behind the last one (overlap_rounds), and the
-        # rounds queued so far and how many of them the next call could use (the others were
-        # dropped: the batch had changed).
-        self._queued: Launched | None = None
-        self.queued_rounds = {"queued": 0, "used": 0}
+        # A greedy round queued on the device behind the last one (overlap_rounds), with its
+        # tree; the rounds queued so far, how many of them the next call could use (the
+        # others were dropped: the batch changed otherwise than a queued round can follow),
+        # how many of those after requests had left, and how many with requests that had
+        # joined sitting it out.
+        self._queued: tuple[Tree, Launched] | None = None
+        self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self._rounds: dict[tuple[Tree, bool], SpecRound] = {}
         self.rounds_by_tree: dict[str, int] = {}
         # Dynamic depth's threshold, and rounds by the number of levels drafted (index 1..S).
@@ -158,7 +162,7 @@ class WorkerBase:
         measurements at start-up."""
         self.rounds_by_tree = dict.fromkeys(self.rounds_by_tree, 0)
         self.drafted_levels = [0] * len(self.drafted_levels)
-        self.queued_rounds = {"queued": 0, "used": 0}
+        self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self.timer.seconds.clear()
         self.mask_seconds = 0.0
         self.constrained_rounds = 0
@@ -202,49 +206,66 @@ class WorkerBase:
         return (self.round_fn(self.tree_for(batch_size), greedy).__name__,)
 
     def decode(self, rids: Sequence[int], lookahead: bool = False) -> list[list[int]]:
-        """One round for ``rids`` -> each request's new tokens. ``lookahead``: the scheduler
-        allows queueing the next round behind this one (no request can reach its token limit
-        in this round, ``EngineConfig.overlap_rounds``); only all-greedy rounds are queued."""
+        """One round for ``rids`` -> each request's new tokens. ``lookahead``: queue the next
+        round behind this one (``EngineConfig.overlap_rounds``); only all-greedy rounds
+        without a constraint are queued. A request that has just joined may get no token
+        (``[]``) when the round the last call queued is run for the others: it sits this
+        round out and is in the one queued behind it."""
         sts = [self.states[r] for r in rids]
-        tree = self.tree_for(len(sts))
-        greedy = all(s.sampler.greedy for s in sts)
-        # A round with a constrained request reads its draft on the host (the grammar's
-        # masks): it runs eagerly and nothing is queued behind it. Where this batch's rounds
-        # replay graphs, it runs a plain round instead, which takes the root's mask as an
-        # input and replays its graph: an eager round costs a kernel launch per operation (on
-        # an H100 about 19 ms for SmolLM2's verify, against about 1 ms for a replayed round).
-        masks = self._round_masks(sts)
-        if masks is not None and tree.num_steps > 0:
-            if self.executor.captures(len(sts), max(s.seq_len for s in sts)):
-                tree = self.plain_tree
-        self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
-        lookahead = lookahead and masks is None
         self.timer.start()
-        launched = self._take_queued(rids)  # the last call may have queued this very round
-        if launched is None:  # none queued, or for a batch that has changed since
-            # Slots for the tree's nodes (and the draft extend's tokens). The rejected nodes'
-            # slots are not freed after the round (the next round's tree reuses them), and
-            # growth allocates ahead within the request's reservation: most rounds neither
-            # allocate nor free.
-            seq_lens = [s.seq_len for s in sts]
-            width = _round_width(tree)
-            self.kv.ensure([s.row for s in sts], [n + width for n in seq_lens], self.kv_lookahead)
-            fn = self.round_fn(tree, greedy, masks is not None)
-            inputs = self._round_inputs(tree, rids, sts, greedy)
-            if masks is not None and tree.num_steps == 0:
-                inputs["root_mask"] = masks.root()  # [bs, W] int32
-            self.timer.lap(self.prepare_phase)
-            host = HostView(seq_lens, self._lap, masks)
-            launched = self.executor.launch(
-                rids, fn.__name__, fn, inputs, max(seq_lens), host, copy=lookahead and greedy,
-                eager=masks is not None and tree.num_steps > 0,
-            )  # fmt: skip
-            if masks is not None:
-                self.mask_seconds += masks.seconds
-                self.constrained_rounds += 1
-        if lookahead and greedy:
-            self._keep_queued(self._queue_next(tree, launched, sts))
-        return self._finish(tree, launched, sts)
+        # The last call may have queued this round: for these requests, or for a batch some
+        # of them have left since (their rows are not read) or some have joined since (they
+        # sit it out).
+        taken = self._take_queued(rids, sts)
+        masks = None
+        if taken is not None:
+            tree, launched, rows, joined = taken
+            greedy = True
+        else:
+            tree, rows, joined = self.tree_for(len(sts)), None, 0
+            greedy = all(s.sampler.greedy for s in sts)
+            # A round with a constrained request reads its draft on the host (the grammar's
+            # masks): it runs eagerly and nothing is queued behind it. Where this batch's
+            # rounds replay graphs, it runs a plain round instead, which takes the root's
+            # mask as an input and replays its graph: an eager round costs a kernel launch
+            # per operation (on an H100 about 19 ms for SmolLM2's verify, against about 1 ms
+            # for a replayed round).
+            masks = self._round_masks(sts)
+            if masks is not None and tree.num_steps > 0:
+                if self.executor.captures(len(sts), max(s.seq_len for s in sts)):
+                    tree = self.plain_tree
+            launched = self._launch(tree, rids, sts, greedy, masks, lookahead)
+        self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
+        if lookahead and greedy and masks is None:
+            self._keep_queued(tree, self._queue_next(tree, launched, rids, sts, rows, joined))
+        members = sts[: len(sts) - joined]
+        return self._finish(tree, launched, members, rows) + [[] for _ in range(joined)]
+
+    def _launch(self, tree: Tree, rids, sts, greedy: bool, masks, lookahead: bool) -> Launched:
+        """Launch a round of ``tree`` for ``rids`` (copying its outputs out of the graph's
+        buffers when another round may be queued behind it)."""
+        # Slots for the tree's nodes (and the draft extend's tokens). The rejected nodes'
+        # slots are not freed after the round (the next round's tree reuses them), and growth
+        # allocates ahead within the request's reservation: most rounds neither allocate nor
+        # free.
+        seq_lens = [s.seq_len for s in sts]
+        width = _round_width(tree)
+        self.kv.ensure([s.row for s in sts], [n + width for n in seq_lens], self.kv_lookahead)
+        fn = self.round_fn(tree, greedy, masks is not None)
+        inputs = self._round_inputs(tree, rids, sts, greedy)
+        if masks is not None and tree.num_steps == 0:
+            inputs["root_mask"] = masks.root()  # [bs, W] int32
+        self.timer.lap(self.prepare_phase)
+        host = HostView(seq_lens, self._lap, masks)
+        launched = self.executor.launch(
+            rids, fn.__name__, fn, inputs, max(seq_lens), host,
+            copy=lookahead and greedy and masks is None,
+            eager=masks is not None and tree.num_steps > 0,
+        )  # fmt: skip
+        if masks is not None:
+            self.mask_seconds += masks.seconds
+            self.constrained_rounds += 1
+        return launched
 
     def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
         """The mask builder of a round with a constrained request, else None."""
@@ -263,14 +284,17 @@ class WorkerBase:
         its own (an EAGLE-3 head's reduced one); None: over the target's."""
         return None
 
-    def _round_inputs(self, tree: Tree, rids, sts, greedy: bool) -> dict[str, torch.Tensor]:
+    def _round_inputs(
+        self, tree: Tree, rids, sts, greedy: bool, prefilled: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The round's inputs on the device (see :mod:`polyspec.spec.round`): the requests'
         table rows, lengths, roots and verify widths in one upload, and a sampled round's
-        settings and random draws (from each request's own stream)."""
+        settings and random draws (from each request's own stream). ``prefilled``: requests
+        whose last step was their prefill (an EAGLE head's state is then each one's own)."""
         bs, N = len(sts), tree.num_draft_tokens
         values = [s.row for s in sts] + [s.seq_len for s in sts]
-        values += [s.last_token for s in sts] + [N] * bs
-        inputs = {"host": self.builder.long(values).view(4, bs).t()}
+        values += [s.last_token for s in sts] + [N] * bs + [self._end_len(s) for s in sts]
+        inputs = {"host": self.builder.long(values).view(5, bs).t()}
         if not greedy:
             sb = SamplingBatch([s.sampler for s in sts], 1, self.device)
             inputs["sampling"] = sb.params()
@@ -280,31 +304,61 @@ class WorkerBase:
                 inputs["coins"] = sb.uniform(N + 1)
         return inputs
 
-    def _queue_next(self, tree: Tree, launched: Launched, sts) -> Launched | None:
-        """Queue the round after ``launched`` from its outputs on the device (its accepted
-        lengths and bonus tokens give the next prefixes and roots), before the host has read
-        them. Its writes lie past the prefixes the host commits from ``launched``, so when
-        the batch changes instead (a request stops) the queued round is simply dropped."""
+    def _end_len(self, s: SeqState) -> int:
+        """The committed length at which a request has all its tokens (a round queued behind
+        the one that takes it there leaves it out); without a token limit, the longest whose
+        round fits the request table."""
+        if s.end_len is not None:
+            return s.end_len
+        return self.req_pool.max_context - self.extra_kv_per_request
+
+    def _queue_next(
+        self, tree: Tree, launched: Launched, rids, sts, rows, joined: int = 0
+    ) -> Launched | None:
+        """Queue the round after ``launched`` for ``rids`` (``rows``: the rows of the first
+        ``len(rids) - joined`` in it, None for all; the last ``joined`` are not in it) from
+        its outputs on the device (its accepted lengths and bonus tokens give the next
+        prefixes and roots), before the host has read them. A request that round takes to
+        its token limit is a padding request of the queued one (the device knows, the host
+        not yet). Its writes lie past the prefixes the host commits from ``launched``, so
+        when the batch changes otherwise than it can follow (a sampled or constrained request
+        joins) the queued round is simply dropped; a request that leaves (a stop) has its
+        row ignored."""
+        if tree != self.tree_for(len(sts)):  # the next round's tree is another (batch size)
+            return None
         depth = tree.num_steps + 1
-        # The next round starts at most ``depth`` past the prefixes the host knows.
-        max_prefix = max(s.seq_len for s in sts) + depth
+        # The next round starts at most ``depth`` past the prefixes the host knows (a
+        # request that sat this round out: at its prefix).
+        members, new = sts[: len(sts) - joined], sts[len(sts) - joined :]
+        max_prefix = max(s.seq_len + d for d, group in ((depth, members), (0, new)) for s in group)
         if not launched.captured or not self.executor.captures(len(sts), max_prefix):
             return None
-        need = [s.seq_len + depth + _round_width(tree) for s in sts]
+        # slots for a request still short of its limit then (a longer one is padding)
+        width = _round_width(tree)
+        need = [min(s.seq_len + depth, self._end_len(s) - 1) + width for s in members]
+        need += [s.seq_len + width for s in new]
         self.kv.ensure([s.row for s in sts], need, self.kv_lookahead)
         inputs = next_round_inputs(tree, launched.inputs, launched.outputs, launched.rows)
-        return self.executor.queue_next(launched, inputs, max_prefix)
+        if rows is not None:
+            keep = self.builder.long(rows)
+            inputs = {name: t.index_select(0, keep) for name, t in inputs.items()}
+        if joined:  # the requests that sat this round out: their inputs from the host
+            more = self._round_inputs(tree, rids[len(sts) - joined :], new, True, prefilled=True)
+            inputs = {name: torch.cat([t, more[name]]) for name, t in inputs.items()}
+        return self.executor.queue_next(launched, inputs, max_prefix, key=tuple(rids))
 
-    def _finish(self, tree: Tree, launched: Launched, sts) -> list[list[int]]:
+    def _finish(self, tree: Tree, launched: Launched, sts, rows=None) -> list[list[int]]:
         """Read a launched round's result (the round's one wait for the device), keep its
-        draft state and commit its tokens."""
+        draft state and commit its tokens (``rows``: the requests' rows in the round, None
+        for all)."""
         host = launched.result().tolist()
         self.timer.lap(self.round_phase)
-        bs, b = len(sts), launched.rows
+        n, b = len(launched.key), launched.rows
         S, N = tree.num_steps, tree.num_draft_tokens
-        accepted = host[:bs]
-        paths = [host[b + r * (S + 1) : b + (r + 1) * (S + 1)] for r in range(bs)]
-        predicted = host[b + b * (S + 1) : b + b * (S + 1) + bs * N]  # [bs * N]
+        rows = range(len(sts)) if rows is None else rows
+        accepted = [host[r] for r in rows]
+        paths = [host[b + r * (S + 1) : b + (r + 1) * (S + 1)] for r in rows]
+        predicted = host[b + b * (S + 1) : b + b * (S + 1) + n * N]  # [n * N]
         path_nodes = [p[: a + 1] for p, a in zip(paths, accepted)]  # global node ids
         if self.dynamic_depth > 0 and S > 1:
             self.drafted_levels[host[-1]] += 1
@@ -323,18 +377,42 @@ class WorkerBase:
     def _keep_state(self, launched: Launched) -> None:
         """Keep what the next round reads from this one (an EAGLE head's draft state)."""
 
-    def _take_queued(self, rids: Sequence[int]) -> Launched | None:
-        """The round the last call queued behind itself when it is for exactly ``rids``, else
-        None; either way it is gone (a queued round is used once, or dropped)."""
+    def _take_queued(
+        self, rids: Sequence[int], sts
+    ) -> tuple[Tree, Launched, list[int] | None, int] | None:
+        """The round the last call queued behind itself -> (its tree, the round, the rows in
+        it of the requests of ``rids`` it holds (None: exactly ``rids``), how many requests
+        at the end of ``rids`` it does not hold), when it holds the first of ``rids`` in
+        order (requests that have left since are ignored), each still short of its token
+        limit when queued, and the others have joined since, greedy and unconstrained (they
+        sit the round out); else None. Either way it is gone (a queued round is used once, or
+        dropped)."""
         queued, self._queued = self._queued, None
-        if queued is None or queued.key != tuple(rids):
+        if queued is None:
+            return None
+        tree, launched = queued
+        key = tuple(rids)
+        rows, joined = None, 0
+        if launched.key != key:
+            at = {r: i for i, r in enumerate(launched.key)}
+            held = next((i for i, r in enumerate(key) if r not in at), len(key))
+            rows, joined = [at[r] for r in key[:held]], len(key) - held
+            if not rows or rows != sorted(rows) or any(r in at for r in key[held:]):
+                return None
+            if any(not s.sampler.greedy or s.matcher is not None for s in sts[held:]):
+                return None
+        # The queued round left out a request its predecessor took to its limit; the host,
+        # having read that predecessor, has finished such a request (its row is padding).
+        if any(s.seq_len >= self._end_len(s) for s in sts[: len(sts) - joined]):
             return None
         self.queued_rounds["used"] += 1
-        return queued
+        self.queued_rounds["used_by_fewer"] += rows is not None and len(rows) < len(launched.key)
+        self.queued_rounds["joined_after"] += joined > 0
+        return tree, launched, rows, joined
 
-    def _keep_queued(self, queued: Launched | None) -> None:
+    def _keep_queued(self, tree: Tree, queued: Launched | None) -> None:
         """Hold a round just queued behind this one (None: none could be) for the next call."""
-        self._queued = queued
+        self._queued = None if queued is None else (tree, queued)
         self.queued_rounds["queued"] += queued is not None
 
     # -- request lifecycle -------------------------------------------------------------------
@@ -351,15 +429,22 @@ class WorkerBase:
         sampler: RequestSampler,
         kv_reserved: int | None = None,
         matcher: Matcher | None = None,
+        max_new_tokens: int | None = None,
     ) -> None:
         """``kv_reserved``: the slots the scheduler reserved for the request (:meth:`kv_need`);
         decode rounds may allocate ahead within them. ``matcher``: the request's grammar
-        (structured output), None for an unconstrained request."""
+        (structured output), None for an unconstrained request. ``max_new_tokens``: its
+        token limit (a queued round leaves out a request that has reached it)."""
         row = self.kv.add_request(kv_reserved)
-        self.states[rid] = SeqState(row=row, prompt=list(prompt), sampler=sampler, matcher=matcher)
+        end = None if max_new_tokens is None else len(prompt) + max_new_tokens - 1
+        self.states[rid] = SeqState(
+            row=row, prompt=list(prompt), sampler=sampler, matcher=matcher, end_len=end
+        )
 
     def remove_request(self, rid: int) -> None:
-        self._queued = None  # queued for a batch that has just changed
+        # A round queued for a batch with this request stays: the next round of the others
+        # is that round, its row ignored. Its writes to the slots freed here are queued on
+        # the device before those of any request that gets them next.
         st = self.states.pop(rid)
         self.kv.remove_request(st.row)
 

@@ -176,13 +176,21 @@ class EagleWorker(WorkerBase):
     # -- the draft's state between rounds -----------------------------------------------------
     def _draft_state(self, rids: Sequence[int], sts: Sequence[SeqState]):
         """(topk_p [bs, K], topk_index [bs, K], feature [bs, H]) of this round's requests: the
-        last round's tensors as they are when it had the same requests in the same order;
-        otherwise stacked from that round's rows and the prefilled requests' own views. A
+        last round's tensors as they are when it had the same requests in the same order,
+        their rows gathered when it had these and others (that have left since); otherwise
+        stacked from that round's rows and the prefilled requests' own views. A
         request whose last round was plain has its feature only: its top-K is taken here."""
         last = self._draft_batch
         if last is not None and last.rids == tuple(rids) and last.topk_p is not None:
             self._draft_batch = None
             return last.topk_p, last.topk_index, last.feature
+        if last is not None and last.topk_p is not None and set(rids) <= set(last.rids):
+            at = {r: i for i, r in enumerate(last.rids)}  # requests left: its rows, gathered
+            keep = self.builder.long([at[r] for r in rids])
+            state = tuple(t.index_select(0, keep) for t in (last.topk_p, last.topk_index))
+            state += (last.feature.index_select(0, keep),)
+            self._release_draft_batch(rids)
+            return state
         rows = self._release_draft_batch(rids)
         parts = [
             rows[r] if r in rows else (s.topk_p, s.topk_index, s.draft_feature)
@@ -242,11 +250,16 @@ class EagleWorker(WorkerBase):
             self.backend.index_dtype, self.use_aux, self.state_topk, self.arange,
         )  # fmt: skip
 
-    def _round_inputs(self, tree: Tree, rids, sts, greedy: bool) -> dict[str, torch.Tensor]:
-        inputs = super()._round_inputs(tree, rids, sts, greedy)
-        if self.root_forward:
+    def _round_inputs(
+        self, tree: Tree, rids, sts, greedy: bool, prefilled: bool = False
+    ) -> dict[str, torch.Tensor]:
+        inputs = super()._round_inputs(tree, rids, sts, greedy, prefilled)
+        if self.root_forward or (prefilled and tree.num_steps == 0):
             return inputs
-        if tree.num_steps == 0:  # a plain round reads no draft state: it makes the next one
+        if prefilled:  # each request's own state, from its prefill
+            cols = zip(*((s.topk_p, s.topk_index, s.draft_feature) for s in sts))
+            inputs.update(zip(("topk_p", "topk_index", "hidden"), map(torch.stack, cols)))
+        elif tree.num_steps == 0:  # a plain round reads no draft state: it makes the next one
             self._release_draft_batch(rids)
         else:  # an EAGLE head drafts from the last round's draft extend
             state = self._draft_state(rids, sts)

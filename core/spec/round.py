@@ -19,8 +19,9 @@ draft extend.
 
 Inputs (``[b, ...]`` each; a graph's padding requests are zeros: row 0, length 0, width 0):
 
-- ``host`` [b, 4] int64: request table row, committed length, newest token (the tree's root),
-  verify width N (0 marks a padding request);
+- ``host`` [b, 5] int64: request table row, committed length, newest token (the tree's root),
+  verify width N (0 marks a padding request), and the committed length at which the request
+  has all its tokens (read only by :func:`next_round_inputs`);
 - ``topk_p`` / ``topk_index`` [b, K'] and ``hidden`` [b, H]: an EAGLE head's draft state (K' the
   widest tree's K: a narrower tree reads its first K columns);
 - sampled rounds: ``sampling`` [b, 4] fp32 (temperature, top_k, top_p, 1 for a sampled request)
@@ -235,7 +236,7 @@ class SpecRound:
 
     # -- the steps, in the order they run --------------------------------------------------------
     def _columns(self, per_request: torch.Tensor):
-        """[b, 4] int64 -> rows, committed lengths (index dtype), roots (int64), and 1 / 0
+        """[b, 5] int64 -> rows, committed lengths (index dtype), roots (int64), and 1 / 0
         for a live / padding request (index dtype)."""
         cols = per_request.t().contiguous()
         lens = cols.to(self.p.index_dtype)
@@ -531,16 +532,19 @@ def next_round_inputs(
 ) -> dict[str, torch.Tensor]:
     """The inputs of the round after one with ``outputs`` (``b`` rows), on the device: each
     prefix grown by the accepted tokens and the bonus token, which is the next root; the draft
-    state from the draft extend."""
-    prev = inputs["host"]  # [bs, 4]
+    state from the draft extend. A request that round took to its token limit becomes a
+    padding request (its rounds are over; the host finishes it when it reads ``outputs``)."""
+    prev = inputs["host"]  # [bs, 5]
     bs, depth = prev.shape[0], tree.num_steps + 1
     packed = outputs[0]
     accepted = packed[:bs]  # [bs]
     paths = packed[b : b + b * depth].view(b, depth)[:bs]  # [bs, S + 1] global node ids
     last = paths.gather(1, accepted.view(bs, 1)).view(bs)  # the bonus token's node
     roots = packed[b + b * depth :].index_select(0, last)  # [bs]
-    host = torch.stack([prev[:, 0], prev[:, 1] + accepted + 1, roots, prev[:, 3]], dim=1)
-    nxt = {"host": host}
+    seq_lens = prev[:, 1] + accepted + 1
+    host = torch.stack([prev[:, 0], seq_lens, roots, prev[:, 3], prev[:, 4]], dim=1)
+    # a request this round took to its token limit is done: a padding request (zeros) here
+    nxt = {"host": host.masked_fill((seq_lens >= prev[:, 4]).view(bs, 1), 0)}
     if "topk_p" in inputs:  # a speculative round of an EAGLE head: its draft extend's state
         for name, t in zip(("topk_p", "topk_index", "hidden"), outputs[1:]):
             nxt[name] = t[:bs]

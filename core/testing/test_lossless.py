@@ -31,8 +31,9 @@ def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
 
 
 def _llm(
-    backend_name, tiny, algorithm=None, page_size=1, graphs="off", overlap_rounds=False, **spec
-):
+    backend_name, tiny, algorithm=None, page_size=1, graphs="off", overlap_rounds=False,
+    max_batch_size=5, **spec,
+):  # fmt: skip
     from polyspec.engine.llm import LLM
 
     draft = None
@@ -43,7 +44,8 @@ def _llm(
         speculative = SpeculativeConfig(algorithm=algo, **spec)
     return LLM(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
-        dtype="float32", page_size=page_size, max_batch_size=5, max_context=256, graphs=graphs,
+        dtype="float32", page_size=page_size, max_batch_size=max_batch_size, max_context=256,
+        graphs=graphs,
         overlap_rounds=overlap_rounds,
     )  # fmt: skip
 
@@ -228,7 +230,8 @@ def test_overlapped_rounds_equal_plain_greedy(
     is queued behind the last one, from its device outputs, before the host reads that one's
     tokens. Requests stop at different
     rounds (token limits, and with ``stop`` a stop token met mid-round), so queued rounds are
-    both used and dropped; the output is plain greedy decoding's and no KV slot leaks."""
+    used by fewer requests than they were queued for; the output is plain greedy decoding's
+    and no KV slot leaks."""
     require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     require(
@@ -267,11 +270,69 @@ def test_overlapped_rounds_equal_plain_greedy(
     assert llm.kv_slots_free == free_before, "KV slots leaked"
     queued = llm.worker.queued_rounds
     assert queued["used"] > 0, queued
-    if stop:  # a request stopping mid-batch leaves the round queued for its batch unused
-        assert queued["queued"] > queued["used"], queued
+    # A request that stops (its limit, a stop token) leaves the round queued for its batch to
+    # the others; with one tree for every batch size, only the round queued behind the last
+    # one goes unused.
+    assert queued["used_by_fewer"] > 0, queued
+    if not batch_trees:
+        assert queued["queued"] - queued["used"] <= 1, queued
     # the same engine again, its graphs warm: the same output
     outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
     assert [o.token_ids for o in outs] == want
+
+
+@pytest.mark.parametrize("algorithm", [None, "eagle3", "self"])
+def test_overlapped_rounds_with_requests_joining_and_leaving(
+    backend, backend_name, tiny_models, algorithm
+):
+    """``overlap_rounds`` with more requests than batch rows: requests leave (token limits,
+    stop tokens) and others join every few rounds. A round queued for a batch that has lost
+    requests since runs for the others; a greedy request that joins sits that round out and
+    is in the one queued behind it; a sampled one that joins makes the engine drop it. Greedy
+    outputs are plain greedy decoding's, each sampled request's output is its own run's alone
+    (its seeded stream), and no KV slot leaks."""
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(
+        not backend.capabilities.graph_needs_prepare,
+        "graphs without prepare (a queued round's lengths are not on the host yet)",
+    )
+    page_size = default_page_size(backend)
+    spec = {}
+    if algorithm is not None:
+        topk = 2 if backend.capabilities.tree_attention else 1
+        spec = {"num_steps": 3, "topk": topk, "num_draft_tokens": 2 * topk + 1}
+    rng = random.Random(99)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(3, 20))] for _ in range(11)]
+    lengths = [rng.randint(6, 30) for _ in prompts]
+    plain = _llm(backend_name, tiny_models, page_size=page_size)
+    greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+    params = []
+    for i, (w, n) in enumerate(zip(want, lengths)):
+        if i == 9:  # sampled, seeded (joins late: no round is queued while it decodes)
+            params.append(
+                SamplingParams(max_new_tokens=n, temperature=0.8, seed=i, ignore_eos=True)
+            )
+        elif i % 3 == 1 and len(w) > 8:  # stops at a token first met at the 5th position
+            params.append(SamplingParams(max_new_tokens=n, ignore_eos=True, stop_token_ids=(w[4],)))
+            want[i] = w[: w.index(w[4]) + 1]
+        else:
+            params.append(greedy[i])
+    llm = _llm(
+        backend_name, tiny_models, algorithm, page_size=page_size, graphs="on",
+        overlap_rounds=True, max_batch_size=4, **spec,
+    )  # fmt: skip
+    free_before = llm.kv_slots_free
+    outs = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    queued = dict(llm.worker.queued_rounds)
+    assert queued["used_by_fewer"] > 0 and queued["joined_after"] > 0, queued
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            assert outs[i] == want[i], i
+        else:  # the same request alone: its seeded stream gives the same tokens
+            alone = llm.generate(prompt_token_ids=[prompts[i]], sampling_params=p)[0].token_ids
+            assert outs[i] == alone, i
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])

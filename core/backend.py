@@ -299,9 +299,19 @@ class KVAllocator(abc.ABC):
         """``num_tokens`` slots (a multiple of ``page_size``: whole pages, each page's slots
         consecutive), or None when not enough are free (nothing is allocated then)."""
 
+    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        """:meth:`alloc` with the slots on the host (CPU, int64): the engine uploads them
+        without waiting for the device work queued before, and keeps them, so that it frees
+        a request's slots without reading them back from the device (a read that waits for
+        every queued round). The default reads :meth:`alloc`'s slots back; an allocator
+        whose free lists live on the host returns them as they are."""
+        slots = self.alloc(num_tokens)
+        return None if slots is None else slots.to(device="cpu", dtype=torch.int64)
+
     @abc.abstractmethod
     def free(self, slots: torch.Tensor) -> None:
-        """Return slots [n]. With pages, every page touched must be passed whole."""
+        """Return slots [n] (on the device or the host). With pages, every page touched must
+        be passed whole."""
 
     @property
     @abc.abstractmethod

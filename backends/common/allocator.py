@@ -70,6 +70,11 @@ class PagedAllocator(KVAllocator):
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """``num_tokens`` slots [num_tokens] (whole pages, each page's slots consecutive and
         page-aligned), or None when not enough are free (nothing is allocated then)."""
+        slots = self.alloc_host(num_tokens)
+        return None if slots is None else slots.to(device=self.device, dtype=self.index_dtype)
+
+    def alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        """:meth:`alloc`'s slots on the host (int64): the free lists live there."""
         if num_tokens < 0:
             raise ValueError(f"alloc: num_tokens must be >= 0, got {num_tokens}")
         if num_tokens % self.page_size != 0:
@@ -86,7 +91,7 @@ class PagedAllocator(KVAllocator):
         return self._pages_to_slots(pages)
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return ``slots`` [n]; with pages, every page touched must be passed whole. Raises
+        """Return ``slots`` [n] (host or device); with pages, every page touched must be passed whole. Raises
         ``ValueError`` (and frees nothing) for reserved, out-of-range, duplicate, partial-page
         or not-allocated slots."""
         if slots.dim() != 1:
@@ -139,10 +144,8 @@ class PagedAllocator(KVAllocator):
 
     def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:  # pages [n] -> [n*ps]
         if self.page_size == 1:
-            slots = pages
-        else:
-            slots = (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
-        return slots.to(device=self.device, dtype=self.index_dtype)
+            return pages.clone()
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
 
     def backup_state(self) -> _AllocatorState:
         """An opaque snapshot of the free list (costs one copy of the free pages)."""

@@ -42,6 +42,9 @@ class KVCacheManager:
         )
         self.page_size = allocator.page_size
         self.owned_len: dict[int, int] = {}
+        # each row's slots of positions [0, owned_len), on the host (int64): freed from here,
+        # never read back from the device table (that read would wait for the queued rounds)
+        self._host_slots: dict[int, torch.Tensor] = {}
         # positions a row may come to own by growing ahead of need (its reservation; 0: none)
         self.reserved_len: dict[int, int] = {}
 
@@ -55,6 +58,7 @@ class KVCacheManager:
         what each ensure asks for."""
         row = self.req_pool.alloc()
         self.owned_len[row] = 0
+        self._host_slots[row] = torch.empty(0, dtype=torch.int64)
         width = self.req_pool.req_to_token.shape[1]
         ps = self.page_size
         self.reserved_len[row] = 0 if reserved is None else min(reserved // ps * ps, width)
@@ -64,6 +68,7 @@ class KVCacheManager:
         self.truncate([row], [0])
         del self.owned_len[row]
         del self.reserved_len[row]
+        del self._host_slots[row]
         self.req_pool.free(row)
 
     def ensure(self, rows: Sequence[int], lengths: Sequence[int], ahead: int = 0) -> None:
@@ -87,20 +92,26 @@ class KVCacheManager:
         if not grow:
             return
         total = sum(w for _, w in grow)
-        slots = self.allocator.alloc(total)
+        slots = self.allocator.alloc_host(total)  # [total] host int64
         if slots is None:
             raise OutOfKVSlots(
                 f"out of KV slots: needed {total}, {self.allocator.available} free; "
                 "raise num_kv_slots or lower max_batch_size"
             )
-        # rows, starts and ends in one upload
+        # rows, starts, ends and the slots in one upload
         values = [r for r, _ in grow] + [self.owned_len[r] for r, _ in grow]
         values += [self.owned_len[r] + w for r, w in grow]
         table = self.req_pool.req_to_token
-        rows_t, start, end = self._host_tensor(values, table.dtype).view(3, len(grow))
-        self.kernels.assign_req_to_token(rows_t, table, start, end, slots)
+        values += slots.tolist()
+        uploaded = self._host_tensor(values, table.dtype)
+        n = 3 * len(grow)
+        rows_t, start, end = uploaded[:n].view(3, len(grow))
+        self.kernels.assign_req_to_token(rows_t, table, start, end, uploaded[n:])
+        at = 0
         for row, want in grow:
             self.owned_len[row] += want
+            self._host_slots[row] = torch.cat([self._host_slots[row], slots[at : at + want]])
+            at += want
 
     def truncate(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
         """Free the slots of positions ``>= lengths[i]`` (page-granular) of each row."""
@@ -110,7 +121,8 @@ class KVCacheManager:
             keep = self._round_up(length)
             owned = self.owned_len[row]
             if keep < owned:
-                freed.append(table[row, keep:owned].clone())
+                freed.append(self._host_slots[row][keep:owned])
+                self._host_slots[row] = self._host_slots[row][:keep].clone()
                 table[row, keep:owned] = 0
                 self.owned_len[row] = keep
         if freed:

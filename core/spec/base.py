@@ -277,7 +277,9 @@ class WorkerBase:
         )  # fmt: skip
 
     def _upload_mask(self, masks: np.ndarray) -> torch.Tensor:  # [n, W] int32 host -> device
-        return torch.from_numpy(masks).to(self.device)
+        """Through the backend's upload, which does not wait for the device work queued."""
+        flat = self.backend.host_tensor(masks.ravel().tolist(), torch.int32)
+        return flat.view(masks.shape)
 
     def _draft_vocab(self) -> DraftVocab | None:
         """The draft's vocabulary as target ids, when its logits are over a vocabulary of

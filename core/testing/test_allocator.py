@@ -57,6 +57,28 @@ def test_fresh_allocator(backend, page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 4, NATIVE_PAGE_SIZE])
+def test_host_slots_alloc_and_free_like_device_slots(backend, page_size):
+    """``alloc_host``: the same allocation on the host (CPU int64), which ``free`` takes back
+    as it is; mixed with ``alloc``, no slot is handed out twice."""
+    alloc, page_size = make(backend, page_size)
+    usable = (NUM_PAGES - 1) * page_size
+    host = alloc.alloc_host(2 * page_size)
+    assert (
+        host.device.type == "cpu" and host.dtype == torch.int64 and host.shape == (2 * page_size,)
+    )
+    dev = check_slots(backend, alloc.alloc(3 * page_size), 3 * page_size, page_size)
+    assert not set(host.tolist()) & set(dev), "a slot handed out twice"
+    assert alloc.available == usable - 5 * page_size
+    assert alloc.alloc_host(usable) is None, "over-allocation must return None"
+    alloc.free(host)
+    assert alloc.available == usable - 3 * page_size
+    with pytest.raises(ValueError):
+        alloc.free(host)  # a double free from the host is caught too
+    alloc.free(torch.tensor(dev, dtype=backend.index_dtype, device=backend.device()))
+    assert alloc.available == usable
+
+
+@pytest.mark.parametrize("page_size", [1, 4, NATIVE_PAGE_SIZE])
 def test_bad_frees_raise_and_change_nothing(backend, page_size):
     alloc, page_size = make(backend, page_size)
     idx, dev = backend.index_dtype, backend.device()

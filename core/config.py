@@ -165,8 +165,8 @@ class BatchTree:
     """The draft tree of rounds with at least ``min_batch_size`` requests
     (``SpeculativeConfig.batch_trees``). ``num_draft_tokens`` None: the default for the tree,
     as in :class:`SpeculativeConfig`. ``num_steps`` 0: plain rounds (the target's next token
-    only; the draft reads it, so that a smaller batch can speculate again), with ``topk`` 1
-    and ``num_draft_tokens`` 1 or unset."""
+    only; the draft catches up when a smaller batch speculates again), with ``topk`` 1 and
+    ``num_draft_tokens`` 1 or unset."""
 
     min_batch_size: int
     num_steps: int
@@ -308,7 +308,7 @@ class SpeculativeConfig:
     ``num_draft_tokens``) below the first one. On an accelerator a wider tree costs little at
     batch 1 and more as the batch fills it, so the best tree shrinks as the batch grows
     (docs/benchmarks.md); where it does not pay at all, an entry with ``num_steps`` 0
-    (``MIN:plain``) runs plain rounds, the draft kept current. Filled from the head's
+    (``MIN:plain``) runs plain rounds, the draft caught up when speculation resumes. Filled from the head's
     ``polyspec.json`` with its own tree; where the engine times ``tree_candidates`` its
     choice replaces them.
     The output does not depend on the tree.

@@ -207,9 +207,9 @@ def option_label(c: TreeCandidate | None) -> str:
 
 def round_work(c: TreeCandidate | None) -> int:
     """Tokens a round's forwards read per request: the verify's N, the draft's K per step
-    after the first and its extend's S + 1 (a plain round: the root and its draft step)."""
+    after the first and its extend's S + 1 (a plain round: the root)."""
     if c is None:
-        return 2
+        return 1
     return c.num_draft_tokens + (c.num_steps - 1) * c.topk + c.num_steps + 1
 
 
@@ -319,8 +319,9 @@ def time_rounds(
                 worker.use_trees([(1, *shape)])
                 best = float("inf")
                 for rep in range(2 + repeats):
-                    for r in rids:
-                        worker.states[r].seq_len = prefix
+                    for r in rids:  # the same prefix each round, the draft current
+                        st = worker.states[r]
+                        st.seq_len = st.draft_len = prefix
                     t = time.perf_counter()
                     worker.decode(rids)
                     if rep >= 2:

@@ -50,6 +50,16 @@ class SeqState:
     matcher: Matcher | None = None
     # the committed length at which it has max_new_tokens tokens (None: no limit given)
     end_len: int | None = None
+    # the tokens after the prompt, the newest included (position len(prompt) + i)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    # a draft's: positions it has read (behind seq_len after plain rounds, which skip it)
+    draft_len: int = 0
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """The tokens at positions ``[start, end)`` (at most ``seq_len + 1``: the newest)."""
+        n = len(self.prompt)
+        head = self.prompt[start:end] if start < n else []
+        return head + self.generated[max(start - n, 0) : max(end - n, 0)]
 
 
 class PhaseTimer:
@@ -370,6 +380,9 @@ class WorkerBase:
         for s, a, path in zip(sts, accepted, path_nodes):
             toks = [predicted[g] for g in path]  # the accepted drafts and the bonus token
             s.seq_len, s.last_token = s.seq_len + a + 1, toks[-1]
+            s.generated += toks
+            if S > 0:  # the draft extend has read the accepted tokens
+                s.draft_len = s.seq_len
             if s.matcher is not None:  # the output ends where the grammar does
                 toks = toks[: s.matcher.advance(toks)]
             out.append(toks)
@@ -584,6 +597,7 @@ class WorkerBase:
         tokens = sb.sample(logits, self.kernels).tolist()
         for s, t in zip(sts, tokens):
             s.last_token = t
+            s.generated.append(t)
             if s.matcher is not None:
                 s.matcher.advance([t])
         return tokens

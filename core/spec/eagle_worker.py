@@ -31,8 +31,8 @@ class _DraftBatch:
     replays graphs of its own in between, first copies them (:meth:`_own_draft_batch`)."""
 
     rids: tuple[int, ...]
-    topk_p: torch.Tensor | None  # [bs, K]; None after a plain round (taken from the feature)
-    topk_index: torch.Tensor | None  # [bs, K]
+    topk_p: torch.Tensor  # [bs, K]
+    topk_index: torch.Tensor  # [bs, K]
     feature: torch.Tensor  # [bs, H]
 
 
@@ -81,6 +81,16 @@ class EagleWorker(WorkerBase):
         # round starts with one draft forward over the root (bonus) token.
         self.root_forward = draft.algorithm == "standalone"
         self._draft_batch: _DraftBatch | None = None
+        # Plain rounds skip the draft; an EAGLE head's input feature at each of their roots
+        # is kept here (by request row, position modulo P; a spare row for padding requests)
+        # until the next speculative round catches the head up (:meth:`_catch_up`).
+        self.plain_features = None
+        if not self.root_forward:
+            width = target.config.hidden_size * max(1, len(draft.aux_layer_ids))
+            self.plain_features = torch.zeros(
+                kw["max_batch_size"] + 1, self.plain_feature_positions, width, dtype=dtype,
+                device=self.device,
+            )  # fmt: skip
         # The draft lanes' slots are taken once for the largest batch and reused every round:
         # a per-round alloc / free would cost a device-to-host sync (free checks the slots)
         # in the middle of the round. The scheduler already keeps scratch_kv out of its budget.
@@ -138,6 +148,10 @@ class EagleWorker(WorkerBase):
         self._settle(schedule)
 
     plain_tree = PLAIN_ROUNDS
+    # P: the plain rounds' roots whose features are kept per request. A request whose plain
+    # rounds outnumber them is caught up over its last P positions only; the draft's KV of
+    # the positions before stays unwritten (its drafts may be accepted less, never wrong).
+    plain_feature_positions = 64
 
     def tree_for(self, bs: int) -> Tree:
         """The draft tree of a round of ``bs`` requests."""
@@ -166,6 +180,8 @@ class EagleWorker(WorkerBase):
         logit_h, next_feat = self._extend(
             self.draft_runner, [s.row for s in sts], starts, lens, ids, features
         )
+        for s, e in zip(sts, ends):
+            s.draft_len = e
         if done and not self.root_forward:
             topk_p, topk_index = self.draft.topk(logit_h[last[done]], self.state_topk)
             for i, p, t, f in zip(done, topk_p, topk_index, next_feat[last[done]]):
@@ -174,17 +190,55 @@ class EagleWorker(WorkerBase):
         return first
 
     # -- the draft's state between rounds -----------------------------------------------------
+    def _catch_up(self, sts: Sequence[SeqState]) -> None:
+        """Bring the draft up to date for the requests of ``sts`` whose last rounds were plain
+        (they skip it): one draft extend over the positions it has not read (an EAGLE head:
+        the last P at most, from the features the plain rounds kept), as a prefill's, and
+        for an EAGLE head the state the next round drafts from."""
+        behind = [s for s in sts if s.draft_len < s.seq_len]
+        if not behind:
+            return
+        self._own_draft_batch()  # the extend may replay graphs
+        P = 0 if self.root_forward else self.plain_features.shape[1]  # the features kept
+        starts, ids, rows_at, positions = [], [], [], []
+        for s in behind:
+            n = s.seq_len
+            start = s.draft_len if self.root_forward else max(s.draft_len, n - P)
+            starts.append(start)
+            if self.root_forward:  # token p at position p; the round reads the root
+                ids += s.tokens(start, n)
+            else:  # an EAGLE head pairs the feature at position p with token p + 1
+                ids += s.tokens(start + 1, n + 1)
+                rows_at += [s.row] * (n - start)
+                positions += [p % P for p in range(start, n)]
+        lens = [s.seq_len - st for s, st in zip(behind, starts)]
+        features = None
+        if not self.root_forward:
+            at = self.builder.long(rows_at + positions).view(2, -1)
+            features = self.plain_features[at[0], at[1]]  # [T, F]
+        logit_h, next_feat = self._extend(
+            self.draft_runner, [s.row for s in behind], starts, lens, ids, features
+        )
+        if not self.root_forward:
+            last = self.builder.long(lens).cumsum(0) - 1
+            topk_p, topk_index = self.draft.topk(logit_h[last], self.state_topk)
+            for s, p, t, f in zip(behind, topk_p, topk_index, next_feat[last]):
+                s.topk_p, s.topk_index, s.draft_feature = p, t, f
+        for s in behind:
+            s.draft_len = s.seq_len
+
     def _draft_state(self, rids: Sequence[int], sts: Sequence[SeqState]):
         """(topk_p [bs, K], topk_index [bs, K], feature [bs, H]) of this round's requests: the
         last round's tensors as they are when it had the same requests in the same order,
         their rows gathered when it had these and others (that have left since); otherwise
-        stacked from that round's rows and the prefilled requests' own views. A
-        request whose last round was plain has its feature only: its top-K is taken here."""
+        stacked from that round's rows and the requests' own views (a prefill's, or a
+        catch-up's after plain rounds)."""
+        self._catch_up(sts)
         last = self._draft_batch
-        if last is not None and last.rids == tuple(rids) and last.topk_p is not None:
+        if last is not None and last.rids == tuple(rids):
             self._draft_batch = None
             return last.topk_p, last.topk_index, last.feature
-        if last is not None and last.topk_p is not None and set(rids) <= set(last.rids):
+        if last is not None and set(rids) <= set(last.rids):
             at = {r: i for i, r in enumerate(last.rids)}  # requests left: its rows, gathered
             keep = self.builder.long([at[r] for r in rids])
             state = tuple(t.index_select(0, keep) for t in (last.topk_p, last.topk_index))
@@ -196,14 +250,6 @@ class EagleWorker(WorkerBase):
             rows[r] if r in rows else (s.topk_p, s.topk_index, s.draft_feature)
             for r, s in zip(rids, sts)
         ]
-        missing = [i for i, part in enumerate(parts) if part[0] is None]
-        if missing:  # after a plain round: the head's top-K from its feature
-            feature = torch.stack([parts[i][2] for i in missing])
-            topk_p, topk_index = self.draft.topk(
-                self.draft.feature_logit_hidden(feature), self.state_topk
-            )
-            for j, i in enumerate(missing):
-                parts[i] = (topk_p[j], topk_index[j], parts[i][2])
         return tuple(torch.stack(col) for col in zip(*parts))
 
     def _release_draft_batch(self, rids: Sequence[int]) -> dict[int, tuple]:
@@ -212,19 +258,13 @@ class EagleWorker(WorkerBase):
         last, self._draft_batch = self._draft_batch, None
         if last is None or not any(r in self.states for r in last.rids):
             return {}
-        bs = len(last.rids)
-        cols = [
-            [None] * bs if t is None else t.unbind(0)
-            for t in (last.topk_p, last.topk_index, last.feature)
-        ]
+        cols = [t.unbind(0) for t in (last.topk_p, last.topk_index, last.feature)]
         rows = dict(zip(last.rids, zip(*cols)))
         here = set(rids)
         for r in last.rids:
             if r not in here and r in self.states:
                 s = self.states[r]
-                s.topk_p, s.topk_index, s.draft_feature = (
-                    None if t is None else t.clone() for t in rows[r]
-                )
+                s.topk_p, s.topk_index, s.draft_feature = (t.clone() for t in rows[r])
         return rows
 
     def _own_draft_batch(self) -> None:
@@ -234,8 +274,8 @@ class EagleWorker(WorkerBase):
         if last is not None and self.graphs is not None:
             self._draft_batch = dataclasses.replace(
                 last,
-                topk_p=None if last.topk_p is None else last.topk_p.clone(),
-                topk_index=None if last.topk_index is None else last.topk_index.clone(),
+                topk_p=last.topk_p.clone(),
+                topk_index=last.topk_index.clone(),
                 feature=last.feature.clone(),
             )
 
@@ -248,18 +288,23 @@ class EagleWorker(WorkerBase):
             self.kernels, self.target, self.target_runner, self.draft, self.draft_runner,
             self.req_pool.req_to_token, self.lane_scratch, self.page_size,
             self.backend.index_dtype, self.use_aux, self.state_topk, self.arange,
+            self.plain_features,
         )  # fmt: skip
 
     def _round_inputs(
         self, tree: Tree, rids, sts, greedy: bool, prefilled: bool = False
     ) -> dict[str, torch.Tensor]:
         inputs = super()._round_inputs(tree, rids, sts, greedy, prefilled)
-        if self.root_forward or (prefilled and tree.num_steps == 0):
+        if self.root_forward:  # a standalone LM's state is its KV, caught up after plain rounds
+            if tree.num_steps > 0 and not prefilled:
+                self._catch_up(sts)
+            return inputs
+        if prefilled and tree.num_steps == 0:
             return inputs
         if prefilled:  # each request's own state, from its prefill
             cols = zip(*((s.topk_p, s.topk_index, s.draft_feature) for s in sts))
             inputs.update(zip(("topk_p", "topk_index", "hidden"), map(torch.stack, cols)))
-        elif tree.num_steps == 0:  # a plain round reads no draft state: it makes the next one
+        elif tree.num_steps == 0:  # a plain round reads no draft state
             self._release_draft_batch(rids)
         else:  # an EAGLE head drafts from the last round's draft extend
             state = self._draft_state(rids, sts)
@@ -276,9 +321,8 @@ class EagleWorker(WorkerBase):
         return self._draft_vocab_map
 
     def _keep_state(self, launched: Launched) -> None:
-        if not self.root_forward:
+        if len(launched.outputs) > 1:  # an EAGLE head's speculative round
             bs = len(launched.key)
-            state = [t[:bs] for t in launched.outputs[1:]]
-            if len(state) == 1:  # a plain round's: the feature (its top-K when one drafts)
-                state = [None, None, state[0]]
-            self._keep_draft_state(launched.key, *state)
+            self._keep_draft_state(launched.key, *(t[:bs] for t in launched.outputs[1:]))
+        else:  # a plain round: the head is behind, caught up before it drafts again
+            self._draft_batch = None

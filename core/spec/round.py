@@ -10,9 +10,11 @@ backend; None inside a graph).
 
 Plain decoding is the same program without a draft: a one-node tree (the newest token), its
 forward a DECODE, acceptance the sampling of the next token. A speculative engine runs that
-tree too (``batch_trees`` ``MIN:plain``, for batches where speculation does not pay), and then
-its draft reads the committed token in the same round, so that a speculative round after it
-(the batch has shrunk) finds the draft's state current. A standalone draft LM differs from
+tree too (``batch_trees`` ``MIN:plain``, for batches where speculation does not pay; and for a
+constrained batch that replays graphs), without its draft: an EAGLE head's round keeps the
+target's feature at the root (``plain_features``), from which the worker brings the draft up
+to date before the next speculative round (a standalone LM reads the committed tokens then). A
+standalone draft LM differs from
 an EAGLE head only in where its draft state comes from: it stores token p at position p, so
 the round starts with its forward over the root; an EAGLE head's state is the last round's
 draft extend.
@@ -41,10 +43,8 @@ rounds). An unconstrained round is the plain function, with none of this.
 
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
 node ids) + [b * N] each node's predicted token + [1] draft levels drafted``, then an EAGLE
-head's next draft state ``(topk_p [b, K'], topk_index [b, K'], feature [b, H])``; after a
-plain round of an EAGLE head, its next feature ``[b, H]`` alone (the next speculative round's
-root top-K is taken from it by the worker before that round,
-:class:`~polyspec.spec.eagle_worker.EagleWorker`).
+head's next draft state ``(topk_p [b, K'], topk_index [b, K'], feature [b, H])`` (none after a
+plain round: :class:`~polyspec.spec.eagle_worker.EagleWorker` catches the draft up first).
 """
 
 from __future__ import annotations
@@ -112,6 +112,9 @@ class RoundParts:
     use_aux: bool  # the head reads the target's aux features (EAGLE-3)
     state_topk: int  # K', the top-K kept between rounds (the widest tree's)
     arange: Callable[[int], torch.Tensor]  # cached arange on the device
+    # [R + 1, P, F]: an EAGLE head's input feature at each plain round's root, by request row
+    # and position modulo P (row R takes the padding requests' writes); None without a head
+    plain_features: torch.Tensor | None = None
 
 
 class SpecRound:
@@ -196,8 +199,8 @@ class SpecRound:
 
     def plain_round(self, rows, seq_lens, roots, live, inputs, b: int, max_prefix, host):
         """A round of the plain tree: the target's DECODE of the root and the next token. In a
-        speculative engine the draft then reads the committed token (:meth:`keep_current`),
-        so that a later speculative round (a smaller batch) finds its state current."""
+        speculative engine the draft does not run: an EAGLE head's input feature at the root
+        is kept for it (:meth:`keep_feature`)."""
         p = self.p
         logits, feats = self.verify(
             rows, seq_lens, roots[:, None], live, None, None, max_prefix, host
@@ -207,32 +210,20 @@ class SpecRound:
         predicts = self.sample_next(logits, inputs)  # [b]
         none = torch.zeros_like(predicts)
         packed = torch.cat([none, p.arange(b), predicts, none[:1]])
-        if p.draft is None:
-            return (packed,)
+        if p.plain_features is not None:
+            self.keep_feature(rows, seq_lens, live, feats)
         _lap(host, "verify")
-        state = self.keep_current(rows, seq_lens, roots, live, predicts, feats, max_prefix, host)
-        _lap(host, "draft_extend")
-        return packed, *state
+        return (packed,)
 
-    def keep_current(self, rows, seq_lens, roots, live, predicts, feats, max_prefix, host):
-        """A plain round's draft step, one token per request at the root's position (the
-        target's slot): an EAGLE head reads the pair (target feature at the root, next token)
-        -> (its next feature [b, H],), from which the next speculative round takes its root
-        top-K (the head's top-K is not computed here: plain rounds run at batch sizes where
-        every operation counts); a standalone LM reads the root (its KV only) -> ()."""
-        p = self.p
-        slots, positions = block_slots(p.req_to_token, rows, seq_lens, live, 1, p.arange(1))
-        if self.standalone:
-            self._forward(
-                p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, roots,
-                positions, slots, max_prefix, host, _committed,
-            )  # fmt: skip
-            return ()
-        _, feature = self._forward(
-            p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, predicts,
-            positions, slots, max_prefix, host, _committed, feats,
-        )  # fmt: skip
-        return (feature,)
+    def keep_feature(self, rows, seq_lens, live, feats) -> None:
+        """``plain_features[row, seq_len % P] = feats`` [b, F] for each live request: the
+        feature the head pairs with the committed token at that position, when the worker
+        brings it up to date. A padding request writes the spare last row."""
+        ring = self.p.plain_features
+        spare = ring.shape[0] - 1
+        at_row = torch.where(live > 0, rows, spare).long()
+        at_pos = (seq_lens % ring.shape[1]).long()
+        ring.index_put_((at_row, at_pos), feats.to(ring.dtype))
 
     # -- the steps, in the order they run --------------------------------------------------------
     def _columns(self, per_request: torch.Tensor):

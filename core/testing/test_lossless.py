@@ -185,9 +185,10 @@ def test_plain_rounds_in_a_speculative_engine_equal_plain_greedy(
 
 
 def test_plain_rounds_keep_an_eagle_head_current(backend, backend_name, tiny_models):
-    """After plain rounds an EAGLE head's state (its KV of the rounds' tokens, and the feature
-    and top-K the next speculative round drafts from) is what a prefill of the same tokens
-    gives: each plain round's draft step is the draft extend of its one token."""
+    """After plain rounds (which skip the draft) an EAGLE head's state (its KV of the rounds'
+    tokens, and the feature and top-K the next speculative round drafts from) is what a
+    prefill of the same tokens gives: the catch-up before that round is the draft extend of
+    the tokens the plain rounds committed, from the target features they kept."""
     import torch
 
     from polyspec.runtime.sampling import RequestSampler
@@ -207,7 +208,8 @@ def test_plain_rounds_keep_an_eagle_head_current(backend, backend_name, tiny_mod
         for _ in range(4):  # plain rounds: a batch of two
             tokens += w.decode([0, 1])[0]
         w.remove_request(1)
-        state = w._draft_state([0], [w.states[0]])  # its root top-K taken from the feature
+        assert w.states[0].draft_len < w.states[0].seq_len  # the plain rounds skipped it
+        state = w._draft_state([0], [w.states[0]])  # caught up first
         # the same tokens prefilled: the head's state at the same position
         w.add_request(2, prompt + tokens[:-1], sampler, kv_reserved=64)
         assert w.prefill([2], [len(prompt) + len(tokens) - 1])[2] == tokens[-1]
@@ -217,6 +219,37 @@ def test_plain_rounds_keep_an_eagle_head_current(backend, backend_name, tiny_mod
         assert state[1][0].tolist() == ref.topk_index.tolist()
         for r in (0, 2):
             w.remove_request(r)
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "self"])
+def test_plain_rounds_longer_than_the_kept_features_stay_lossless(
+    backend, backend_name, tiny_models, algorithm
+):
+    """Plain rounds at a batch of 4 or more, speculative rounds below (the batch shrinks as
+    requests finish), with an EAGLE head keeping the features of only 2 plain rounds per
+    request: a request that ran more plain rounds is caught up over its last 2 positions
+    (the head's KV before them unwritten) and its output is still plain greedy decoding's;
+    a standalone LM is caught up over every position."""
+    topk = 2 if backend.capabilities.tree_attention else 1
+    spec = {"num_steps": 3, "topk": topk, "num_draft_tokens": 2 * topk + 1}
+    plain = _llm(backend_name, tiny_models, page_size=default_page_size(backend))
+    lengths = (30, 22, 16, 10, 6)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    want = [
+        o.token_ids for o in plain.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    ]
+    llm = _llm(
+        backend_name, tiny_models, algorithm, page_size=default_page_size(backend),
+        batch_trees="4:plain", **spec,
+    )  # fmt: skip
+    if llm.worker.plain_features is not None:  # before the first round reads it
+        llm.worker.plain_features = llm.worker.plain_features[:, :2].contiguous()
+    free_before = llm.kv_slots_free
+    outs = llm.generate(prompt_token_ids=_prompts(5), sampling_params=params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    rounds = llm.worker.rounds_by_tree
+    assert rounds["plain"] > 2 and sum(rounds.values()) > rounds["plain"], rounds
 
 
 @pytest.mark.parametrize("stop", [False, True])

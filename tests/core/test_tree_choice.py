@@ -92,17 +92,17 @@ def test_a_bad_candidate_is_a_config_error(bad, match):
 
 
 def _round_s(bs: int, per_token: float) -> dict[str, float]:
-    """Round times at batch ``bs`` on a device whose forwards cost 1 unit up to 64 tokens and
-    ``per_token`` a token beyond (launch-bound, then compute-bound): a plain round reads 2
-    tokens a request (root and draft step), a tree its :func:`round_work`."""
+    """Round times at batch ``bs`` on a device whose target forward costs 1 unit up to 64
+    tokens and ``per_token`` a token beyond (launch-bound, then compute-bound), and whose
+    draft forward costs a tenth of that: a plain round is the target's forward over the
+    root, a tree's round its verify over N tokens a request and S draft forwards over K."""
 
-    def cost(work: int) -> float:
-        tokens = bs * work
+    def forward(tokens: int) -> float:
         return 1.0 + per_token * max(0, tokens - 64)
 
-    out = {"plain": cost(2) * 2}  # two forwards
+    out = {"plain": forward(bs)}
     for c in CANDIDATES:
-        out[c.label] = cost(round_work(c)) * (c.num_steps + 1)  # S draft forwards + verify
+        out[c.label] = forward(bs * c.num_draft_tokens) + 0.1 * c.num_steps * forward(bs * c.topk)
     return out
 
 
@@ -115,7 +115,7 @@ def test_plain_rounds_are_chosen_where_their_time_makes_them_faster():
     assert labels[0][0] == 1 and labels[0][1] != "plain"
     assert labels[-1][1] == "plain", labels
     plain_from = labels[-1][0]
-    assert 4 < plain_from <= 16, labels  # tree rounds fill the device from about batch 9
+    assert 16 < plain_from <= 64, labels  # N = 3 tokens a request fill 64 from batch 22
     # rates: the schedule's option is the best at every timed size
     for bs, times in seconds.items():
         chosen = next(c for b, c in reversed(schedule) if b <= bs)
@@ -151,7 +151,7 @@ def test_batch_one_runs_a_tree_and_costs_are_interpolated():
 
 def test_trees_beaten_by_a_lighter_option_are_not_timed_again():
     a, b, c = CANDIDATES  # work 2-1-3: 3 + 1 + 3 = 7; 3-3-8: 8 + 6 + 4 = 18; 5-4-16: 38
-    assert [round_work(x) for x in (None, a, b, c)] == [2, 7, 18, 38]
+    assert [round_work(x) for x in (None, a, b, c)] == [1, 7, 18, 38]
     # b beats a, c loses to b: c is dropped, a stays (nothing lighter beats it)
     times = {"plain": 1.0, a.label: 1.0, b.label: 1.0, c.label: 1.5}
     assert still_timed(CANDIDATES, times, 8) == [a, b]

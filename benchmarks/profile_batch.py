@@ -11,7 +11,7 @@ repeated to fill the batch), greedy, ``--max-new-tokens`` each:
 - ``plain``: plain decoding;
 - ``spec-plain-rounds``: the speculative engine with plain rounds from batch 2 (``batch_trees
   2:plain``), i.e. what it runs at the sizes where speculation does not pay;
-- ``spec``: the speculative engine on one tree (``--tree``).
+- ``spec``: the speculative engine on ``--tree`` (and ``--batch-trees``, e.g. ``58:plain``).
 
 Each generates twice untimed (graphs captured), once timed, and once under ``torch.profiler``:
 it prints tokens/s, the rounds, the queued rounds, and the total kernel time of the profiled
@@ -44,7 +44,7 @@ def _engine(args, system: str) -> LLM:
     kw = {}
     if system != "plain":
         s, k, n = (int(x) for x in args.tree.split("-"))
-        trees = "2:plain" if system == "spec-plain-rounds" else ""
+        trees = "2:plain" if system == "spec-plain-rounds" else args.batch_trees
         kw["draft"] = args.draft
         kw["speculative"] = SpeculativeConfig(
             algorithm=args.algorithm, num_steps=s, topk=k, num_draft_tokens=n, batch_trees=trees
@@ -138,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--draft", required=True)
     ap.add_argument("--algorithm", default="eagle3")
     ap.add_argument("--tree", default="3-3-8", help="S-K-N of the speculative system")
+    ap.add_argument("--batch-trees", default="", help="the speculative system's batch_trees")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--systems", default="plain,spec-plain-rounds,spec")

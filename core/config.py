@@ -535,10 +535,10 @@ class EngineConfig:
     round's device outputs, before the host reads this round's tokens, so that the device
     does not wait while the host commits tokens, checks stops and schedules (as SGLang's
     overlap scheduler). It applies to captured rounds (plain steps, and the rounds of an
-    EAGLE head) while no request of the batch can reach ``max_new_tokens`` in the round; when
-    the batch changes instead (a request stops on EOS or a stop string, another joins) the
-    queued round is dropped and the next one computed as usual, so the output is the same
-    either way. ``"auto"`` (the default) turns it on where the backend's host reads are
+    EAGLE head). When requests leave the batch (a stop, the token limit) the queued round
+    runs for the others; a greedy request that joins sits it out and is in the round queued
+    behind it; any other change (a sampled or constrained request joins) drops it and the
+    next round is computed as usual, so the output is the same either way. ``"auto"`` (the default) turns it on where the backend's host reads are
     asynchronous (``BackendCapabilities.async_host_reads``: cuda), since where they are not
     nothing overlaps and queuing only adds host work; ``"on"`` / ``"off"`` (or true / false)
     force it.

@@ -495,9 +495,13 @@ class WorkerBase:
 
         Replays a graph when the batch fits one: each request's chunk is padded to the
         smallest of :attr:`prefill_widths` that holds the longest, so that a prefill costs one
-        replay instead of a launch per kernel per layer."""
+        replay instead of a launch per kernel per layer. A batch too wide for one (a long
+        prompt among many short ones) replays a few, its requests grouped by length
+        (:meth:`_extend_grouped`); only where that fails too does it run eagerly."""
         draft = runner is not self.target_runner
         out = self._extend_graphed(runner, draft, rows, starts, lens, ids, features)
+        if out is None:
+            out = self._extend_grouped(runner, draft, rows, starts, lens, ids, features)
         if out is not None:
             return out
         mode = ForwardMode.DRAFT_EXTEND if draft else ForwardMode.EXTEND
@@ -505,6 +509,55 @@ class WorkerBase:
         if draft:
             return runner.forward_draft(batch, features)
         return runner.forward_target(batch)
+
+    max_prefill_groups = 4  # graph replays one prefill may be split into
+
+    def _extend_grouped(self, runner, draft: bool, rows, starts, lens, ids, features):
+        """:meth:`_extend` as a few graph replays over groups of requests of similar length
+        (shortest first, each group as wide as its longest); None where a request fits no
+        graph or more than :attr:`max_prefill_groups` would be needed. A row's result does
+        not depend on the rows beside it (row-invariant kernels, attention per request), so
+        the grouping changes no value."""
+        if self.graphs is None or not self.graph_prefill_tokens or len(rows) < 2:
+            return None
+        groups: list[list[int]] = []
+        for i in sorted(range(len(rows)), key=lambda i: lens[i]):
+            g = groups[-1] + [i] if groups else [i]
+            if groups and self._prefill_width(len(g), lens[i], max(starts[j] for j in g)):
+                groups[-1] = g
+            elif self._prefill_width(1, lens[i], starts[i]) is None:
+                return None  # this request fits no graph on its own
+            else:
+                groups.append([i])
+        if len(groups) > self.max_prefill_groups:
+            return None
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        parts = []
+        for g in groups:
+            at = [t for i in g for t in range(offsets[i], offsets[i + 1])]
+            at_t = self.builder.long(at)
+            out = self._extend_graphed(
+                runner, draft, [rows[i] for i in g], [starts[i] for i in g],
+                [lens[i] for i in g], [ids[t] for t in at],
+                None if features is None else features.index_select(0, at_t),
+            )  # fmt: skip
+            if out is None:  # the backend's graph budget is spent
+                return None
+            parts.append((at_t, out))
+        total = offsets[-1]
+        merged = []
+        for k in range(2):
+            first = parts[0][1][k]
+            if first is None:
+                merged.append(None)
+                continue
+            full = first.new_empty(total, *first.shape[1:])
+            for at_t, out in parts:
+                full.index_copy_(0, at_t, out[k])
+            merged.append(full)
+        return merged[0], merged[1]
 
     def arange(self, n: int, step: int = 1) -> torch.Tensor:  # [n] int64: 0, step, 2 * step..
         """A cached ``torch.arange(0, n * step, step)`` on the device, read-only: made once

@@ -149,3 +149,42 @@ def test_capture_stops_at_the_memory_margin_and_runs_eagerly(caplog):
     llm = LLM.from_modules(target, graphs="auto", **{**kw, "backend": roomy})
     llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert llm.worker.graphs.eager_from is None and llm.worker.graphs.memory_report()["bytes"] > 0
+
+
+def test_a_prefill_too_wide_for_one_graph_replays_a_few_and_changes_nothing():
+    """One long prompt among short ones: padded to the long one's width the batch passes the
+    cap, so the prefill replays two graphs (short ones, then the long one) instead of running
+    eagerly; the greedy outputs, speculative and plain, equal the eager engines'."""
+    from polyspec import LLM, SamplingParams, SpeculativeConfig
+    from polyspec.testing.builders import build_bigram_models
+
+    backend = create_backend("cpu")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 7, 4, 6, 40, 3, 8)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    spec = SpeculativeConfig(algorithm="eagle", num_steps=2, topk=2, num_draft_tokens=4)
+
+    def outputs(draft: bool, graphs: str):
+        target, head = build_bigram_models(backend, layer_scale=0.1)
+        llm = LLM.from_modules(
+            target, head if draft else None, spec if draft else None, backend=backend,
+            max_batch_size=8, max_context=256, graphs=graphs, max_tokens_per_step=96,
+            prefill_chunk_size=96,
+        )  # fmt: skip
+        replays = []
+        grouped = llm.worker._extend_grouped
+
+        def spy(*a, **kw):
+            out = grouped(*a, **kw)
+            replays.append(out is not None)
+            return out
+
+        llm.worker._extend_grouped = spy
+        outs = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        return outs, replays
+
+    for draft in (False, True):
+        eager, _ = outputs(draft, "off")
+        grouped, replays = outputs(draft, "on")
+        assert grouped == eager
+        assert replays and all(replays), replays  # target (and draft) prefill: grouped replays

@@ -13,11 +13,10 @@ forward a DECODE, acceptance the sampling of the next token. A speculative engin
 tree too (``batch_trees`` ``MIN:plain``, for batches where speculation does not pay; and for a
 constrained batch that replays graphs), without its draft: an EAGLE head's round keeps the
 target's feature at the root (``plain_features``), from which the worker brings the draft up
-to date before the next speculative round (a standalone LM reads the committed tokens then). A
-standalone draft LM differs from
-an EAGLE head only in where its draft state comes from: it stores token p at position p, so
-the round starts with its forward over the root; an EAGLE head's state is the last round's
-draft extend.
+to date before the next speculative round (a standalone LM reads the committed tokens then).
+A standalone draft LM differs from an EAGLE head only in where its draft state comes from: it
+stores token p at position p, so the round starts with its forward over the root; an EAGLE
+head's state is the last round's draft extend.
 
 Inputs (``[b, ...]`` each; a graph's padding requests are zeros: row 0, length 0, width 0):
 

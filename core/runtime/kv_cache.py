@@ -42,9 +42,10 @@ class KVCacheManager:
         )
         self.page_size = allocator.page_size
         self.owned_len: dict[int, int] = {}
-        # each row's slots of positions [0, owned_len), on the host (int64): freed from here,
-        # never read back from the device table (that read would wait for the queued rounds)
-        self._host_slots: dict[int, torch.Tensor] = {}
+        # each row's slots of positions [0, owned_len), on the host (int64 chunks, one per
+        # growth): freed from here, never read back from the device table (that read would
+        # wait for the queued rounds)
+        self._host_slots: dict[int, list[torch.Tensor]] = {}
         # positions a row may come to own by growing ahead of need (its reservation; 0: none)
         self.reserved_len: dict[int, int] = {}
 
@@ -58,7 +59,7 @@ class KVCacheManager:
         what each ensure asks for."""
         row = self.req_pool.alloc()
         self.owned_len[row] = 0
-        self._host_slots[row] = torch.empty(0, dtype=torch.int64)
+        self._host_slots[row] = []
         width = self.req_pool.req_to_token.shape[1]
         ps = self.page_size
         self.reserved_len[row] = 0 if reserved is None else min(reserved // ps * ps, width)
@@ -110,7 +111,7 @@ class KVCacheManager:
         at = 0
         for row, want in grow:
             self.owned_len[row] += want
-            self._host_slots[row] = torch.cat([self._host_slots[row], slots[at : at + want]])
+            self._host_slots[row].append(slots[at : at + want])
             at += want
 
     def truncate(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
@@ -121,8 +122,9 @@ class KVCacheManager:
             keep = self._round_up(length)
             owned = self.owned_len[row]
             if keep < owned:
-                freed.append(self._host_slots[row][keep:owned])
-                self._host_slots[row] = self._host_slots[row][:keep].clone()
+                held = torch.cat(self._host_slots[row])
+                freed.append(held[keep:owned])
+                self._host_slots[row] = [held[:keep]] if keep else []
                 table[row, keep:owned] = 0
                 self.owned_len[row] = keep
         if freed:

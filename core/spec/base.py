@@ -342,7 +342,7 @@ class WorkerBase:
         # The next round starts at most ``depth`` past the prefixes the host knows (a
         # request that sat this round out: at its prefix).
         members, new = sts[: len(sts) - joined], sts[len(sts) - joined :]
-        max_prefix = max(s.seq_len + d for d, group in ((depth, members), (0, new)) for s in group)
+        max_prefix = max([s.seq_len + depth for s in members] + [s.seq_len for s in new])
         if not launched.captured or not self.executor.captures(len(sts), max_prefix):
             return None
         # slots for a request still short of its limit then (a longer one is padding)

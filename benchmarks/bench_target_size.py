@@ -258,8 +258,8 @@ def instrument(llm: LLM) -> Probe:
     if graphs is not None:
         run = graphs.run
 
-        def counted_run(name: str, bs: int, max_prefix: int, inputs: Any, fn: Callable) -> Any:
-            out = run(name, bs, max_prefix, inputs, fn)
+        def counted_run(name: str, bs: int, max_prefix: int, *args: Any) -> Any:
+            out = run(name, bs, max_prefix, *args)
             if not probe.in_decode:  # a captured prefill: not part of a round
                 return out
             if out is None:
@@ -395,6 +395,9 @@ def measure(
             timer.enabled = False
 
     wall, outs = timed_run(False)
+    failed = [o.error for o in outs if o.finish_reason == "error"]
+    if failed:  # a timing of nothing would read as a result
+        raise RuntimeError(f"{kind}: {len(failed)} of {len(outs)} requests failed: {failed[0]}")
     rounds, decode_s, prefill_s = probe.rounds, probe.decode_s, probe.prefill_s
     graph_calls, eager_calls = Counter(probe.graph_calls), Counter(probe.eager_calls)
     tokens = sum(len(o.token_ids) for o in outs)
@@ -682,6 +685,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also list the kernels inside each captured graph (torch.profiler over the replays)",
     )
     ap.add_argument("--skip-plain", action="store_true", help="only the speculative engine")
+    ap.add_argument("--skip-spec", action="store_true", help="only the plain engine")
+    ap.add_argument(
+        "--linear-configs",
+        type=Path,
+        default=None,
+        help='JSON {"N,K": [BLOCK_N, BLOCK_K, num_warps, num_stages]}: the row-invariant '
+        "linear's tile for those weight shapes instead of tile_config's (what "
+        "bench_rowinv_cuda.py --best writes), to time a choice before making it the default",
+    )
     ap.add_argument(
         "--overlap-rounds",
         action="store_true",
@@ -712,13 +724,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.prompt_len >= PRESETS[args.preset].target.max_position_embeddings:
         ap.error(f"--prompt-len {args.prompt_len} is past the preset's positions")
     args.vocab = vocab
+    if args.skip_plain and args.skip_spec:
+        ap.error("--skip-plain and --skip-spec leave nothing to run")
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {args.out} exists and is not a directory")
     return args
 
 
+def use_linear_configs(configs: dict[str, Sequence[int]]) -> None:
+    """Make the row-invariant linear take ``configs`` ("N,K" -> tile) for those weight shapes
+    (each weight keeps one tile, so spec and plain still sum alike)."""
+    from polyspec.kernels.triton import linear
+
+    default = linear.tile_config
+
+    def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
+        return tuple(configs.get(f"{n},{k}", default(n, k)))
+
+    linear.tile_config = tile_config
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.linear_configs is not None:
+        use_linear_configs(json.loads(args.linear_configs.read_text()))
     if argv is None:
         command = shlex.join(["python", *sys.argv])
     else:
@@ -774,7 +803,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[int, dict[str, Any]] = {bs: {"batch_size": bs} for bs in args.batch_sizes}
     captured = False
     try:
-        systems = ["spec"] if args.skip_plain else ["plain", "spec"]
+        systems = [k for k in ("plain", "spec") if not getattr(args, f"skip_{k}")]
         for kind in systems:
             if kind == "plain":
                 llm = LLM.from_modules(target, **engine_kw)
@@ -802,16 +831,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PolyspecError as e:
         print(f"bench_target_size: error: {e}", file=sys.stderr)
         return 2
-    if args.skip_plain:
-        for r in results.values():
-            r["plain"] = {
-                "tokens_per_s": None,
-                "rounds": 0,
-                "step_ms": None,
-                "phase_ms_per_round": {},
-                "forward": {"ms_per_round": None, "method": "skipped"},
-                "overhead_fraction": None,
-            }
+    for kind in ("plain", "spec"):
+        if getattr(args, f"skip_{kind}"):
+            for r in results.values():
+                r[kind] = {
+                    "tokens_per_s": None,
+                    "rounds": 0,
+                    "step_ms": None,
+                    "mean_tokens_per_request_round": None,
+                    "phase_ms_per_round": {},
+                    "forward": {"ms_per_round": None, "method": "skipped"},
+                    "overhead_fraction": None,
+                }
 
     report = {
         "command": command,

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """Wall time of every engine step of one batch, by the tree its decode round ran.
 
-  python benchmarks/step_times.py --target model.gguf --draft HEAD --batch-trees 'none;58:plain'
+  python benchmarks/step_times.py --target model.gguf --draft HEAD --batch-trees 'plain;auto;58:plain'
 
-One speculative engine per ``--batch-trees`` entry (``none``: ``--tree`` at every batch size),
-``--batch-size`` requests of the first MT-bench prompts, greedy, ``--max-new-tokens`` each, two
-untimed generates (graphs captured), then one timed: it prints tokens/s, the steps and their
-time by tree (a step with a prefill counts under its decode round's tree), each catch-up of a
-draft behind after plain rounds (requests, positions, ms with the device synchronised), the
-slowest steps and the sequence of steps (requests decoding, tree, ms). The device is
-synchronised only around the timed generate and the catch-ups, so a step's time is the host's
-(with overlapped rounds a step returns before its queued round has run).
+One engine per ``--batch-trees`` entry: ``plain`` (no draft), ``auto`` (the head's trees, chosen
+at start-up), ``none`` (``--tree`` at every batch size) or a ``batch_trees`` value. Each engine
+runs every size of ``--batch-sizes``: that many requests of the MT-bench prompts, greedy,
+``--max-new-tokens`` each, two untimed generates (graphs captured), then one timed. It prints
+tokens/s, the steps and their time by kind (``prefill+TREE``: a step with a prefill chunk,
+under its decode round's tree; ``TREE``: a decode round alone), each catch-up of a draft
+behind after plain rounds (requests, positions, ms with the device synchronised), the slowest
+steps and the sequence of steps (requests decoding, kind, ms). The device is synchronised
+only around the timed generate and the catch-ups, so a step's time is the host's (with
+overlapped rounds a step returns before its queued round has run).
 """
 
 from __future__ import annotations
@@ -25,36 +27,45 @@ from polyspec import LLM, SamplingParams, SpeculativeConfig
 from polyspec.bench.datasets import load_dataset
 
 
-def run(args, batch_trees: str) -> None:
-    s, k, n = (int(x) for x in args.tree.split("-"))
-    spec = SpeculativeConfig(
-        algorithm=args.algorithm, num_steps=s, topk=k, num_draft_tokens=n,
-        batch_trees="" if batch_trees == "none" else batch_trees,
-    )  # fmt: skip
-    llm = LLM(
-        target=args.target, draft=args.draft, speculative=spec, backend=args.backend,
-        dtype=args.dtype, max_batch_size=args.batch_size,
-    )  # fmt: skip
-    _, texts = load_dataset("mt_bench", args.batch_size)
-    texts = (texts * -(-args.batch_size // len(texts)))[: args.batch_size]
+def build(args, batch_trees: str) -> LLM:
+    """The engine of one ``--batch-trees`` entry (module doc)."""
+    kw = dict(backend=args.backend, dtype=args.dtype, max_batch_size=max(args.batch_sizes))
+    if batch_trees == "plain":
+        return LLM(target=args.target, **kw)
+    if batch_trees == "auto":
+        spec = SpeculativeConfig(algorithm=args.algorithm)
+    else:
+        s, k, n = (int(x) for x in args.tree.split("-"))
+        spec = SpeculativeConfig(
+            algorithm=args.algorithm, num_steps=s, topk=k, num_draft_tokens=n,
+            batch_trees="" if batch_trees == "none" else batch_trees,
+        )  # fmt: skip
+    return LLM(target=args.target, draft=args.draft, speculative=spec, **kw)
+
+
+def run(args, llm: LLM, batch_trees: str, batch_size: int) -> None:
+    _, texts = load_dataset("mt_bench", batch_size)
+    texts = (texts * -(-batch_size // len(texts)))[:batch_size]
     prompts = [llm.tokenizer.apply_chat_template(t, tokenize=True) for t in texts]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     for _ in range(2):
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     sched, worker, backend = llm.scheduler, llm.worker, llm.backend
     steps, catch_ups = [], []
-    real_step, real_catch_up = sched.step, worker._catch_up
+    real_step, real_catch_up = sched.step, getattr(worker, "_catch_up", None)
 
     def step():
         decoding, before = len(sched.decoding), dict(worker.rounds_by_tree)
+        prefill = bool(sched.prefilling or sched.waiting)
         t0 = time.perf_counter()
         out = real_step()
         ms = 1e3 * (time.perf_counter() - t0)
         ran = [t for t, c in worker.rounds_by_tree.items() if c != before.get(t, 0)]
-        steps.append((decoding, ran[0] if ran else "-", ms))
+        kind = ran[0] if ran else "-"
+        steps.append((decoding, f"prefill+{kind}" if prefill else kind, ms))
         return out
 
-    def catch_up(sts):
+    def catch_up(sts):  # an engine without a draft never calls it
         behind = [s.seq_len - s.draft_len for s in sts if s.draft_len < s.seq_len]
         t0 = time.perf_counter()
         real_catch_up(sts)
@@ -62,13 +73,17 @@ def run(args, batch_trees: str) -> None:
             backend.synchronize()
             catch_ups.append((len(behind), max(behind), 1e3 * (time.perf_counter() - t0)))
 
-    sched.step, worker._catch_up = step, catch_up
+    sched.step = step
+    if hasattr(worker, "_catch_up"):
+        worker._catch_up = catch_up
     backend.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     backend.synchronize()
     wall = time.perf_counter() - t0
-    sched.step, worker._catch_up = real_step, real_catch_up
+    sched.step = real_step
+    if hasattr(worker, "_catch_up"):
+        worker._catch_up = real_catch_up
     tokens = sum(len(o.token_ids) for o in outs)
     by_tree: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     for _, tree, ms in steps:
@@ -76,7 +91,7 @@ def run(args, batch_trees: str) -> None:
         by_tree[tree][1] += ms
     trees = ", ".join(f"{t}: {c} steps {ms:.1f} ms" for t, (c, ms) in by_tree.items())
     print(
-        f"batch_trees {batch_trees}: {tokens / wall:.0f} tok/s, wall {1e3 * wall:.1f} ms, "
+        f"batch {batch_size}, {batch_trees}: {tokens / wall:.0f} tok/s, wall {1e3 * wall:.1f} ms, "
         f"{len(steps)} steps ({trees}); catch-ups (requests, positions, ms): "
         f"{[(r, p, round(ms, 2)) for r, p, ms in catch_ups]}"
     )
@@ -94,14 +109,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tree", default="3-3-8", help="S-K-N")
     ap.add_argument(
-        "--batch-trees", default="none;58:plain",
-        help="engines to time, separated by ';': each a batch_trees value, or none",
+        "--batch-trees", default="plain;auto",
+        help="engines to time, separated by ';': plain, auto, none or a batch_trees value",
     )  # fmt: skip
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-sizes", default="64", help="e.g. 64,256")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for batch_trees in (e.strip() for e in args.batch_trees.split(";") if e.strip()):
-        run(args, batch_trees)
+        llm = build(args, batch_trees)
+        if llm.tree_choice is not None:
+            choice = llm.tree_choice
+            print(f"{batch_trees}: {choice['chosen']}; round ms {choice.get('round_ms')}")
+        for batch_size in args.batch_sizes:
+            run(args, llm, batch_trees, batch_size)
+        llm.shutdown()
+        del llm
     return 0
 
 

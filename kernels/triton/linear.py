@@ -26,18 +26,19 @@ from polyspec.kernels.triton._util import check, interpreted
 BLOCK_M = 16
 
 
-def tile_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for a weight [n, k]: a function of the weight alone, never
-    of the row count, so every call on that weight sums each output element in one order.
+def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [n, k]: a function of the weight
+    alone, never of the row count, so every call on that weight sums each output element in one
+    order (``num_stages``, the loads kept in flight, changes the speed, not the sums).
 
     Chosen from ``benchmarks/bench_rowinv_cuda.py`` on the H200 (inside CUDA graphs, SmolLM2 shapes,
     1-16 rows): narrow 32-column tiles with 128-deep K steps for the layer weights (down
     [576, 1536]: 4.5 us against 6.5 us for 64x64, cuBLAS 4.4-4.8 us), 64x64 for a vocabulary
     head (lm_head [49152, 576]: 15.9 us, cuBLAS 16.1 us; 32x128 takes 20.4 us there)."""
     if n >= 16384:
-        return 64, 64, 4
+        return 64, 64, 4, 3
     del k
-    return 32, 128, 4
+    return 32, 128, 4, 3
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -94,7 +95,7 @@ def row_invariant_linear(
     x: torch.Tensor,  # [..., K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:  # [..., N] in x's dtype
     """``F.linear(x, weight, bias)`` with fp32 accumulation in a fixed order (module doc), for
     fp32 (exact fp32 products, no TF32), bf16 and fp16 inputs of the weight's dtype.
@@ -124,7 +125,7 @@ def row_invariant_linear(
     if m == 0:
         return y.reshape(*lead, n)
     upcast = interpreted()  # numpy has no bf16 (see interpreted())
-    block_n, block_k, num_warps = config or tile_config(n, k)
+    block_n, block_k, num_warps, num_stages = config or tile_config(n, k)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
     _row_invariant_linear_kernel[grid](
         x2, w, bias if bias is not None else w, y,
@@ -132,5 +133,6 @@ def row_invariant_linear(
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or upcast,
         UPCAST=upcast,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return y.reshape(*lead, n)

@@ -195,3 +195,40 @@ def test_overlapped_rounds_across_chunked_prefills_and_joins(reference_backend):
     # that leaves has its row ignored
     # (a round queued for requests that have all left is dropped)
     assert queued["joined_after"] > 0 and queued["used_by_fewer"] > 0, queued
+
+
+def test_target_size_script_times_both_engines_and_a_linear_tile_override(tmp_path, monkeypatch):
+    """``benchmarks/bench_target_size.py`` on the tiny preset with captured graphs: both engines
+    generate every token (a failed request is an error, not a timing of nothing), the rounds
+    replay graphs, and ``--linear-configs`` reaches the row-invariant linear's tile choice."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_target_size.py"
+    spec = importlib.util.spec_from_file_location("bench_target_size", path)
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_target_size", script)  # its dataclasses look it up
+    spec.loader.exec_module(script)
+    configs = tmp_path / "tiles.json"
+    configs.write_text(json.dumps({"256,256": [16, 64, 4, 4]}))
+    from polyspec.kernels.triton import linear
+
+    default = linear.tile_config
+    threads = torch.get_num_threads()
+    try:
+        argv = ["--backend", "cpu", "--preset", "tiny", "--graphs", "on", "--batch-sizes", "1"]
+        argv += ["--max-new-tokens", "4", "--prompt-len", "16", "--replays", "2"]
+        argv += ["--linear-configs", str(configs), "--out", str(tmp_path)]
+        assert script.main(argv) == 0
+        assert linear.tile_config(256, 256) == (16, 64, 4, 4)
+        assert linear.tile_config(512, 256) == default(512, 256)
+    finally:
+        linear.tile_config = default
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "target_size.json").read_text())
+    (row,) = report["results"]
+    for kind in ("plain", "spec"):
+        assert row[kind]["tokens"] == 4, row[kind]
+        assert row[kind]["forward"]["method"] == "graph_replay", row[kind]["forward"]

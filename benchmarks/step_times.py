@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import sys
 import time
 from collections.abc import Sequence
@@ -32,8 +33,8 @@ def build(args, batch_trees: str) -> LLM:
     kw = dict(backend=args.backend, dtype=args.dtype, max_batch_size=max(args.batch_sizes))
     if batch_trees == "plain":
         return LLM(target=args.target, **kw)
-    if batch_trees == "auto":
-        spec = SpeculativeConfig(algorithm=args.algorithm)
+    if batch_trees == "auto":  # a dict: the engine's config fills it from the head
+        spec = {"algorithm": args.algorithm}
     else:
         s, k, n = (int(x) for x in args.tree.split("-"))
         spec = SpeculativeConfig(
@@ -51,7 +52,7 @@ def run(args, llm: LLM, batch_trees: str, batch_size: int) -> None:
     for _ in range(2):
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     sched, worker, backend = llm.scheduler, llm.worker, llm.backend
-    steps, catch_ups = [], []
+    steps, catch_ups, spans = [], [], []
     real_step, real_catch_up = sched.step, getattr(worker, "_catch_up", None)
 
     def step():
@@ -59,7 +60,9 @@ def run(args, llm: LLM, batch_trees: str, batch_size: int) -> None:
         prefill = bool(sched.prefilling or sched.waiting)
         t0 = time.perf_counter()
         out = real_step()
-        ms = 1e3 * (time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        ms = 1e3 * (t1 - t0)
+        spans.append((t0, t1))
         ran = [t for t, c in worker.rounds_by_tree.items() if c != before.get(t, 0)]
         kind = ran[0] if ran else "-"
         steps.append((decoding, f"prefill+{kind}" if prefill else kind, ms))
@@ -77,10 +80,21 @@ def run(args, llm: LLM, batch_trees: str, batch_size: int) -> None:
     if hasattr(worker, "_catch_up"):
         worker._catch_up = catch_up
     backend.synchronize()
+
+    def gc_pause(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gcs.append((info["generation"], 1e3 * (time.perf_counter() - gc_start[0])))
+
+    gc_start, gcs = [0.0], []
+    gc.callbacks.append(gc_pause)
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     backend.synchronize()
-    wall = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    wall = t_end - t0
+    gc.callbacks.remove(gc_pause)
     sched.step = real_step
     if hasattr(worker, "_catch_up"):
         worker._catch_up = real_catch_up
@@ -96,6 +110,12 @@ def run(args, llm: LLM, batch_trees: str, batch_size: int) -> None:
         f"{[(r, p, round(ms, 2)) for r, p, ms in catch_ups]}"
     )
     slowest = sorted(steps, key=lambda x: -x[2])[:8]
+    between = sum(b[0] - a[1] for a, b in zip(spans, spans[1:]))
+    print(
+        f"  outside steps: before the first {1e3 * (spans[0][0] - t0):.1f} ms, between steps "
+        f"{1e3 * between:.1f} ms, after the last {1e3 * (t_end - spans[-1][1]):.1f} ms; "
+        f"garbage collections (generation, ms): {[(g, round(ms, 1)) for g, ms in gcs]}"
+    )
     print("  slowest steps (decoding, tree, ms):", [(d, t, round(ms, 1)) for d, t, ms in slowest])
     print("  steps:", [(d, t, round(ms, 1)) for d, t, ms in steps])
 

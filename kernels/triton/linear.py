@@ -31,13 +31,22 @@ def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
     alone, never of the row count, so every call on that weight sums each output element in one
     order (``num_stages``, the loads kept in flight, changes the speed, not the sums).
 
-    Chosen from ``benchmarks/bench_rowinv_cuda.py`` on the H200 (inside CUDA graphs, SmolLM2 shapes,
-    1-16 rows): narrow 32-column tiles with 128-deep K steps for the layer weights (down
-    [576, 1536]: 4.5 us against 6.5 us for 64x64, cuBLAS 4.4-4.8 us), 64x64 for a vocabulary
-    head (lm_head [49152, 576]: 15.9 us, cuBLAS 16.1 us; 32x128 takes 20.4 us there)."""
+    Chosen from ``benchmarks/bench_rowinv_cuda.py`` inside CUDA graphs, 1-16 rows weighing most
+    (a decode step, a verify).
+
+    - SmolLM2 shapes (k < 2048; H200): narrow 32-column tiles with 128-deep K steps for the
+      layer weights (down [576, 1536]: 4.5 us against 6.5 us for 64x64, cuBLAS 4.4-4.8 us),
+      64x64 for a vocabulary head (lm_head [49152, 576]: 15.9 us, cuBLAS 16.1 us; 32x128 takes
+      20.4 us there).
+    - Llama-3-8B shapes (k >= 2048; H100, ``--shapes llama3-8b --grid``, each weight read from
+      memory): a layer's weight streams at one row in 32x128 tiles with 5 loads in flight (o
+      [4096, 4096]: 13.8 us against 17.4 us with 3, cuBLAS 16.0; down [4096, 14336]: 42.3
+      against 55.2, cuBLAS 42.7), a wide one (gate_up [28672, 4096], lm_head [128256, 4096])
+      in 64x256 tiles (77.5 and 332.2 us, cuBLAS 77.2 and 358.8)."""
+    if k >= 2048:
+        return (64, 256, 4, 3) if n >= 16384 else (32, 128, 4, 5)
     if n >= 16384:
         return 64, 64, 4, 3
-    del k
     return 32, 128, 4, 3
 
 

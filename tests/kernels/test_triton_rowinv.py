@@ -62,6 +62,18 @@ def test_linear_values(triton_device, dtype, m, n, k, bias):
     torch.testing.assert_close(y.double(), exact, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("m,n,k", [(3, 40, 2100), (2, 16400, 2048)], ids=["layer", "wide"])
+def test_linear_tiles_of_large_weights(triton_device, m, n, k):
+    """bf16 values with the tiles of an 8B model's weights (k >= 2048: a layer's narrow tile
+    with 5 loads in flight, a wide weight's 64x256; recorded for the sm_90 compile check)."""
+    gen = _gen(f"linbig/{m}/{n}/{k}")
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    y = row_invariant_linear(x.to(triton_device), w.to(triton_device)).cpu()
+    exact = F.linear(x.double(), w.double())
+    torch.testing.assert_close(y.double(), exact, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_linear_rows_do_not_depend_on_the_batch(triton_device, dtype):
     """Each row of a 37-row call equals, bitwise, that row computed alone, in a 6-row call at

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -638,6 +639,14 @@ class WorkerBase:
         if draft:
             return runner.forward_draft(batch, s.get("features"), static_prefix=max_prefix)
         return runner.forward_target(batch, static_prefix=max_prefix)
+
+    def _last_rows(self, lens: Sequence[int], done: Sequence[int]) -> torch.Tensor:  # [n] int64
+        """The rows of an extend's output holding the last token of requests ``done`` (indices
+        into ``lens``, each request's tokens in it), uploaded without waiting for the device
+        (indexing a device tensor with a host list copies the index synchronously: a wait for
+        all the work queued, after which the device idles while the host prepares more)."""
+        ends = list(itertools.accumulate(lens))
+        return self.builder.long([ends[i] - 1 for i in done])
 
     def _sample_first(self, rids: Sequence[int], last_hidden: torch.Tensor) -> list[int]:
         """First generated token of requests whose prompt is now complete."""

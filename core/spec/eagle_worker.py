@@ -165,10 +165,10 @@ class EagleWorker(WorkerBase):
         hidden, aux, starts, lens = self._target_extend(rids, ends)
         sts = [self.states[r] for r in rids]
         done = [i for i, s in enumerate(sts) if ends[i] == len(s.prompt)]
-        last = self.builder.long(lens).cumsum(0) - 1
+        last = self._last_rows(lens, done) if done else None  # [len(done)]
         first: dict[int, int] = {}
         if done:
-            tokens = self._sample_first([rids[i] for i in done], hidden[last[done]])
+            tokens = self._sample_first([rids[i] for i in done], hidden.index_select(0, last))
             first = {rids[i]: t for i, t in zip(done, tokens)}
         ids = []
         for r, s, st, e in zip(rids, sts, starts, ends):
@@ -183,8 +183,8 @@ class EagleWorker(WorkerBase):
         for s, e in zip(sts, ends):
             s.draft_len = e
         if done and not self.root_forward:
-            topk_p, topk_index = self.draft.topk(logit_h[last[done]], self.state_topk)
-            for i, p, t, f in zip(done, topk_p, topk_index, next_feat[last[done]]):
+            topk_p, topk_index = self.draft.topk(logit_h.index_select(0, last), self.state_topk)
+            for i, p, t, f in zip(done, topk_p, topk_index, next_feat.index_select(0, last)):
                 sts[i].topk_p, sts[i].topk_index, sts[i].draft_feature = p, t, f
         self.timer.lap("prefill")
         return first

@@ -28,8 +28,8 @@ class PlainWorker(WorkerBase):
         done = [i for i, r in enumerate(rids) if ends[i] == len(self.states[r].prompt)]
         first = {}
         if done:
-            last = [sum(lens[: i + 1]) - 1 for i in done]
-            tokens = self._sample_first([rids[i] for i in done], hidden[last])
+            last = self._last_rows(lens, done)  # [len(done)]
+            tokens = self._sample_first([rids[i] for i in done], hidden.index_select(0, last))
             first = {rids[i]: t for i, t in zip(done, tokens)}
         self.timer.lap("prefill")
         return first

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-BACKEND_API_VERSION = 3
+BACKEND_API_VERSION = 4
 """Version of this contract. A plugin built for another version is refused at load time, with
 a message naming both versions."""
 
@@ -410,6 +410,8 @@ class KernelSet:
     """Sampling: keep the top-k / top-p mass of each row and renormalise."""
     sample: Callable[..., Any]
     """Sampling: one token per row from probabilities and exponential noise."""
+    argmax: Callable[..., Any]
+    """Greedy decoding and verification: each row's first index of its maximum logit."""
     apply_token_bitmask: Callable[..., Any]
     """Structured output: ``-inf`` at the logits a row's token bitmask does not allow."""
 

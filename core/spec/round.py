@@ -58,7 +58,7 @@ from polyspec.backend import ForwardMode, HostLengths, KernelSet, TreeMaskMode
 from polyspec.constrain import RoundMasks
 from polyspec.runtime.graphs import block_slots, padded, static_batch
 from polyspec.runtime.model_runner import ModelRunner
-from polyspec.runtime.sampling import greedy_ids, target_probs
+from polyspec.runtime.sampling import target_probs
 
 
 class Tree(NamedTuple):
@@ -403,7 +403,7 @@ class SpecRound:
     def sample_next(self, logits, inputs) -> torch.Tensor:  # [b, V] -> [b] int64
         """Plain decoding's acceptance: the next token (argmax, or a draw with the noise)."""
         if self.greedy:
-            return greedy_ids(logits)
+            return self.p.kernels.argmax(logits)
         probs = target_probs(logits, inputs["sampling"], self.p.kernels)
         return self.p.kernels.sample(probs, inputs["noise"])
 
@@ -423,7 +423,7 @@ class SpecRound:
         accept_length = torch.empty(b, dtype=idx, device=dev)
         outs = (predicts, accept_index, accept_length)
         if self.greedy:
-            target_predict = greedy_ids(logits).view(b, N)
+            target_predict = p.kernels.argmax(logits).view(b, N)
             p.kernels.verify_tree_greedy(
                 candidates, retrive_index, next_token, next_sibling, target_predict, *outs
             )

@@ -813,3 +813,28 @@ def test_apply_token_bitmask_matches_reference(backend):
             wide = _cpu(wide)
             assert torch.equal(wide[:, 2 : 2 + vocab], expected), f"{dtype} a strided view"
             assert not wide[:, :2].any() and not wide[:, 2 + vocab :].any()
+
+
+def test_argmax_matches_reference(backend):
+    """Each row's greedy token, as the reference gives it (the first index of the row's
+    maximum): ties inside and far apart in a row, a row of -inf (index 0), logits in float32
+    and the backend's model dtypes, a vocabulary of SmolLM2's size, a strided view."""
+    from polyspec.kernels import reference
+
+    g = _gen(SEED + 61)
+    for dtype in (torch.float32, *_model_dtypes(backend)):
+        for rows, vocab in ((1, 49152), (6, 5000), (3, 7)):
+            logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+            if vocab > 4000:
+                logits[0, [17, vocab - 3]] = 1000.0  # a tie far apart: the first index
+            if rows > 2:
+                logits[1, [2, 3]] = 1000.0  # a tie of neighbours
+                logits[2] = float("-inf")
+            want = reference.argmax(logits)
+            if vocab > 4000:
+                assert want[0] == 17
+            got = backend.kernels.argmax(_dev(backend, logits))
+            assert torch.equal(_cpu(got).long(), want), f"{dtype} {rows}x{vocab}"
+        wide = (4 * torch.randn(2, 300, generator=g)).to(dtype)
+        got = backend.kernels.argmax(_dev(backend, wide)[:, 100:250])
+        assert torch.equal(_cpu(got).long(), reference.argmax(wide[:, 100:250])), "a view"

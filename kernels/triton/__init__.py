@@ -26,6 +26,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "topk": ("softmax_topk",),
     "draft": ("select_top_k", "organize_draft_results"),
     "bitmask": ("apply_token_bitmask",),
+    "argmax": ("argmax",),
 }
 """Kernel family module -> the KernelSet fields it provides."""
 

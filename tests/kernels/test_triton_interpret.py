@@ -680,3 +680,28 @@ def test_apply_token_bitmask_matches_reference(kernels, triton_device, dtype):
     kernels["apply_token_bitmask"](dev[:, 50:150], _on(mask, triton_device))
     assert torch.equal(dev.cpu()[:, 50:150], want)
     assert torch.equal(dev.cpu()[:, :50], wide[:, :50]), "wrote outside the view"
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_argmax_matches_reference(kernels, triton_device, dtype):
+    """Equal to the reference (the first index of each row's maximum): vocabularies of one
+    block, several and a ragged last block; ties inside a block and across blocks (the first
+    block's index wins), a maximum in the ragged tail, a row of -inf (index 0), a strided view."""
+    from polyspec.kernels.triton.argmax import BLOCK
+
+    g = _gen(SEED + 61)
+    for rows, vocab in ((3, 100), (4, 2 * BLOCK), (5, 3 * BLOCK + 17)):
+        logits = (4 * torch.randn(rows, vocab, generator=g)).to(dtype)
+        if vocab > BLOCK:
+            logits[1, [5, BLOCK + 3]] = 100.0  # a tie across blocks
+            logits[2, [BLOCK - 1, BLOCK - 2]] = 100.0  # a tie inside a block
+            logits[3, vocab - 1] = 100.0  # the maximum in the last block
+        logits[0] = float("-inf")
+        want = ref.argmax(logits)
+        got = kernels["argmax"](_on(logits, triton_device))
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), want), f"{rows}x{vocab}"
+    wide = (4 * torch.randn(2, 300, generator=g)).to(dtype)
+    view = wide[:, 100:250]
+    got = kernels["argmax"](_on(wide, triton_device)[:, 100:250])
+    assert torch.equal(got.cpu(), ref.argmax(view))
+    assert kernels["argmax"](_on(wide[:0], triton_device)).shape == (0,)

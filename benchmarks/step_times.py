@@ -9,8 +9,9 @@ runs every size of ``--batch-sizes``: that many requests of the MT-bench prompts
 ``--max-new-tokens`` each, two untimed generates (graphs captured), then one timed. It prints
 tokens/s, the steps and their time by kind (``prefill+TREE``: a step with a prefill chunk,
 under its decode round's tree; ``TREE``: a decode round alone), each catch-up of a draft
-behind after plain rounds (requests, positions, ms with the device synchronised), the slowest
-steps and the sequence of steps (requests decoding, kind, ms). The device is synchronised
+behind after plain rounds (requests, positions, ms with the device synchronised), the time
+outside steps (before the first, between them, after the last) with the garbage collector's
+pauses, the slowest steps and the sequence of steps (requests decoding, kind, ms). The device is synchronised
 only around the timed generate and the catch-ups, so a step's time is the host's (with
 overlapped rounds a step returns before its queued round has run).
 """

@@ -11,9 +11,9 @@ tokens/s, the steps and their time by kind (``prefill+TREE``: a step with a pref
 under its decode round's tree; ``TREE``: a decode round alone), each catch-up of a draft
 behind after plain rounds (requests, positions, ms with the device synchronised), the time
 outside steps (before the first, between them, after the last) with the garbage collector's
-pauses, the slowest steps and the sequence of steps (requests decoding, kind, ms). The device is synchronised
-only around the timed generate and the catch-ups, so a step's time is the host's (with
-overlapped rounds a step returns before its queued round has run).
+pauses, the slowest steps and the sequence of steps (requests decoding, kind, ms). The device
+is synchronised only around the timed generate and the catch-ups, so a step's time is the
+host's (with overlapped rounds a step returns before its queued round has run).
 """
 
 from __future__ import annotations

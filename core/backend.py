@@ -495,12 +495,21 @@ class Backend(abc.ABC):
         """``capabilities.index_dtype`` as a torch dtype: the engine builds index tensors in it."""
         return getattr(torch, self.capabilities.index_dtype)
 
-    def host_tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:  # [n]
-        """A 1-D device tensor of host integers (slot indices, lengths, token ids), built
-        without waiting for the device work already queued. The engine calls this several
-        times per decode round; a plain ``torch.tensor(values, device=...)`` from pageable
-        memory synchronises the stream on CUDA-like devices, so a backend overrides this with
-        a pinned, asynchronous copy. The default is the plain construction."""
+    def host_tensor(
+        self,
+        values: list[int] | torch.Tensor,  # [n]: a list, or a 1-D CPU tensor (copied)
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # [n] on the device
+        """A 1-D device tensor of host integers (slot indices, lengths, token ids, mask
+        words), built without waiting for the device work already queued. The engine calls
+        this several times per decode round, and hands a CPU tensor where it has one (a
+        structured-output round's masks: tens of thousands of words, which a list would cost
+        milliseconds to build); the result never shares memory with ``values``. A plain
+        ``torch.tensor(values, device=...)`` from pageable memory synchronises the stream on
+        CUDA-like devices, so a backend overrides this with a pinned, asynchronous copy. The
+        default is the plain construction."""
+        if isinstance(values, torch.Tensor):
+            return values.to(device=self.device(), dtype=dtype, copy=True)
         return torch.tensor(values, dtype=dtype, device=self.device())
 
     def read_async(self, tensor: torch.Tensor) -> HostRead:  # [n] device -> [n] host

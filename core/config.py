@@ -308,9 +308,9 @@ class SpeculativeConfig:
     ``num_draft_tokens``) below the first one. On an accelerator a wider tree costs little at
     batch 1 and more as the batch fills it, so the best tree shrinks as the batch grows
     (docs/benchmarks.md); where it does not pay at all, an entry with ``num_steps`` 0
-    (``MIN:plain``) runs plain rounds, the draft caught up when speculation resumes. Filled from the head's
-    ``polyspec.json`` with its own tree; where the engine times ``tree_candidates`` its
-    choice replaces them.
+    (``MIN:plain``) runs plain rounds, the draft caught up when speculation resumes. Filled
+    from the head's ``polyspec.json`` with its own tree; where the engine times
+    ``tree_candidates`` its choice replaces them.
     The output does not depend on the tree.
     """
 
@@ -538,10 +538,10 @@ class EngineConfig:
     EAGLE head). When requests leave the batch (a stop, the token limit) the queued round
     runs for the others; a greedy request that joins sits it out and is in the round queued
     behind it; any other change (a sampled or constrained request joins) drops it and the
-    next round is computed as usual, so the output is the same either way. ``"auto"`` (the default) turns it on where the backend's host reads are
-    asynchronous (``BackendCapabilities.async_host_reads``: cuda), since where they are not
-    nothing overlaps and queuing only adds host work; ``"on"`` / ``"off"`` (or true / false)
-    force it.
+    next round is computed as usual, so the output is the same either way. ``"auto"`` (the
+    default) turns it on where the backend's host reads are asynchronous
+    (``BackendCapabilities.async_host_reads``: cuda), since where they are not nothing overlaps
+    and queuing only adds host work; ``"on"`` / ``"off"`` (or true / false) force it.
 
     ``tensor_parallel_size``: the ranks one engine runs on (docs/distributed.md): the target's
     heads, MLP and vocabulary are split over them, the draft is replicated. Above 1, the

@@ -91,9 +91,9 @@ class PagedAllocator(KVAllocator):
         return self._pages_to_slots(pages)
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return ``slots`` [n] (host or device); with pages, every page touched must be passed whole. Raises
-        ``ValueError`` (and frees nothing) for reserved, out-of-range, duplicate, partial-page
-        or not-allocated slots."""
+        """Return ``slots`` [n] (host or device); with pages, every page touched must be passed
+        whole. Raises ``ValueError`` (and frees nothing) for reserved, out-of-range, duplicate,
+        partial-page or not-allocated slots."""
         if slots.dim() != 1:
             raise ValueError(f"free: slots must be 1-D, got shape {tuple(slots.shape)}")
         if slots.dtype.is_floating_point or slots.dtype == torch.bool:

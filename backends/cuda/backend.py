@@ -112,11 +112,14 @@ class CUDABackend(Backend):
         """Wait for all queued work on this backend's device."""
         torch.cuda.synchronize(self.device())
 
-    def host_tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:  # [n]
+    def host_tensor(self, values: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Pinned host tensor, copied with ``non_blocking=True``: the copy is queued behind the
         running graphs instead of waiting for them (PyTorch's pinned-memory cache keeps the
         host buffer alive until the copy has run)."""
-        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+        if isinstance(values, torch.Tensor):  # a pinned copy: the caller may reuse its buffer
+            host = torch.empty(values.shape, dtype=dtype, pin_memory=True).copy_(values)
+        else:
+            host = torch.tensor(values, dtype=dtype, pin_memory=True)
         return host.to(self.device(), non_blocking=True)
 
     def read_async(self, tensor: torch.Tensor) -> HostRead:  # [n] device -> [n] host

@@ -289,7 +289,7 @@ class WorkerBase:
 
     def _upload_mask(self, masks: np.ndarray) -> torch.Tensor:  # [n, W] int32 host -> device
         """Through the backend's upload, which does not wait for the device work queued."""
-        flat = self.backend.host_tensor(masks.ravel().tolist(), torch.int32)
+        flat = self.backend.host_tensor(torch.from_numpy(masks).reshape(-1), torch.int32)
         return flat.view(masks.shape)
 
     def _draft_vocab(self) -> DraftVocab | None:
@@ -532,9 +532,7 @@ class WorkerBase:
                 groups.append([i])
         if len(groups) > self.max_prefill_groups:
             return None
-        offsets = [0]
-        for n in lens:
-            offsets.append(offsets[-1] + n)
+        offsets = [0, *itertools.accumulate(lens)]
         parts = []
         for g in groups:
             at = [t for i in g for t in range(offsets[i], offsets[i + 1])]

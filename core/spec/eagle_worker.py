@@ -183,9 +183,7 @@ class EagleWorker(WorkerBase):
         for s, e in zip(sts, ends):
             s.draft_len = e
         if done and not self.root_forward:
-            topk_p, topk_index = self.draft.topk(logit_h.index_select(0, last), self.state_topk)
-            for i, p, t, f in zip(done, topk_p, topk_index, next_feat.index_select(0, last)):
-                sts[i].topk_p, sts[i].topk_index, sts[i].draft_feature = p, t, f
+            self._keep_head_state([sts[i] for i in done], logit_h, next_feat, last)
         self.timer.lap("prefill")
         return first
 
@@ -220,12 +218,18 @@ class EagleWorker(WorkerBase):
             self.draft_runner, [s.row for s in behind], starts, lens, ids, features
         )
         if not self.root_forward:
-            last = self.builder.long(lens).cumsum(0) - 1
-            topk_p, topk_index = self.draft.topk(logit_h[last], self.state_topk)
-            for s, p, t, f in zip(behind, topk_p, topk_index, next_feat[last]):
-                s.topk_p, s.topk_index, s.draft_feature = p, t, f
+            last = self._last_rows(lens, range(len(lens)))
+            self._keep_head_state(behind, logit_h, next_feat, last)
         for s in behind:
             s.draft_len = s.seq_len
+
+    def _keep_head_state(self, sts, logit_h, next_feat, last) -> None:
+        """Each request's EAGLE state after a draft extend (a prefill's, a catch-up's): the
+        head's top-K at its last row of the extend and the feature there. ``logit_h`` [T, H],
+        ``next_feat`` [T, H], ``last`` [len(sts)] rows into them."""
+        topk_p, topk_index = self.draft.topk(logit_h.index_select(0, last), self.state_topk)
+        for s, p, t, f in zip(sts, topk_p, topk_index, next_feat.index_select(0, last)):
+            s.topk_p, s.topk_index, s.draft_feature = p, t, f
 
     def _draft_state(self, rids: Sequence[int], sts: Sequence[SeqState]):
         """(topk_p [bs, K], topk_index [bs, K], feature [bs, H]) of this round's requests: the

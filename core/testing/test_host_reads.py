@@ -1,5 +1,6 @@
 """Conformance: ``Backend.read_async`` (device -> host copies the engine reads its tokens with,
-and with ``overlap_rounds`` queues the next round behind)."""
+and with ``overlap_rounds`` queues the next round behind) and ``Backend.host_tensor`` (the
+uploads of host integers it builds rounds from)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,19 @@ def test_async_host_reads_imply_async_execution(backend):
     host work)."""
     caps = backend.capabilities
     assert not caps.async_host_reads or caps.async_execution
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_host_tensor_from_a_list_or_a_cpu_tensor(backend, dtype):
+    """The same device tensor from a list and from a CPU tensor of another dtype (the engine
+    hands structured output's int32 mask words as a tensor), behind queued work; the result
+    keeps its values when the source is changed afterwards."""
+    values = [3, -1, 2**31 - 1, -(2**31), 0, 7]
+    source = torch.tensor(values, dtype=torch.int64)
+    _after_busy_work(backend, torch.zeros(1))
+    from_list = backend.host_tensor(values, dtype)
+    from_tensor = backend.host_tensor(source, dtype)
+    source.fill_(5)
+    for t in (from_list, from_tensor):
+        assert t.device.type == backend.device().type and t.dtype == dtype
+        assert t.cpu().tolist() == values

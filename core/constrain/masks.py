@@ -141,18 +141,14 @@ class RoundMasks:
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
-    def start_tree(
-        self,
-        candidates: torch.Tensor,  # [b, N] node tokens, the root first
-        first_child: torch.Tensor,  # [b, N] build_tree's retrive_next_token (-1: none)
-        next_sibling: torch.Tensor,  # [b, N] build_tree's retrive_next_sibling (-1: none)
-    ) -> None:
-        """Start the tree's copy to the host; :meth:`tree` builds its masks. Called before
-        the verify forward is launched, so that where the backend runs asynchronously the
-        host walks the tree while the device verifies it."""
-        self._tree_shape = tuple(candidates.shape)
-        packed = torch.cat([t.reshape(-1).long() for t in (candidates, first_child, next_sibling)])
-        self._tree_read = self.read(packed)
+    def start_tree(self, nodes: torch.Tensor) -> None:  # [b, 3, N] int64
+        """Start the tree's copy to the host (``nodes``: each request's node tokens, the root
+        first, then build_tree's first-child and next-sibling links, -1 for none);
+        :meth:`tree` builds its masks. Called before the verify forward is launched, so that
+        where the backend runs asynchronously the host walks the tree while the device
+        verifies it."""
+        self._tree_shape = (nodes.shape[0], nodes.shape[2])
+        self._tree_read = self.read(nodes.reshape(-1))
 
     def tree(self) -> torch.Tensor:  # [b * N, W] int32 on the device
         """The mask of the token after every node of each request's tree (the root's is
@@ -162,8 +158,8 @@ class RoundMasks:
         flat = self._tree_read.wait().tolist()  # waits for the draft
         t = time.perf_counter()
         self._tree_read = None
-        rows = [flat[k * b * n : (k + 1) * b * n] for k in range(3)]
-        toks, child, sib = ([r[i * n : (i + 1) * n] for i in range(b)] for r in rows)
+        per_request = [flat[i * 3 * n : (i + 1) * 3 * n] for i in range(b)]
+        toks, child, sib = ([r[k * n : (k + 1) * n] for r in per_request] for k in range(3))
         out = np.full((b * n, self.width), -1, dtype=np.int32)
         for i, m in enumerate(self.matchers):
             if m is None:

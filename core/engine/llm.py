@@ -672,8 +672,8 @@ class LLM:
         total)``: called after each graph.
 
         A few short greedy and sampled requests run first, at batch 1 and at the first batch
-        size of each draft tree (and, where structured output can run, a constrained one of
-        each), so that every round and prefill computation is known; then each is captured for
+        size of each draft tree (and, where structured output can run, constrained ones too),
+        so that every round and prefill computation is known; then each is captured for
         every bucket it can serve (a tree's rounds for the batch sizes that use that tree), on
         one rank: tensor-parallel ranks capture together, on first use. The engine loop the
         requests ran on is shut down after, so a loop made next (a server's) counts from
@@ -695,17 +695,23 @@ class LLM:
             for params in (greedy, sampled):
                 self.generate(prompt_token_ids=[prompt] * sizes[0], sampling_params=params)
         if self.scheduler.grammars is not None and importlib.util.find_spec("llguidance"):
-            # a constrained batch's plain rounds (the root's mask an input), at every size
-            for params in (greedy, sampled):
-                constrained = dataclasses.replace(params, regex="[a-z]{1,24}")
-                self.generate(prompt_token_ids=[prompt], sampling_params=constrained)
+            # a constrained batch's rounds: a plain round's graph, a speculative round's three
+            for sizes in served.values():
+                for params in (greedy, sampled):
+                    constrained = dataclasses.replace(params, regex="[a-z]{1,24}")
+                    prompts = [prompt] * sizes[0]
+                    self.generate(prompt_token_ids=prompts, sampling_params=constrained)
         if self.tp is None:
             top = graphs.buckets.batch_sizes[-1]
             for tree, sizes in served.items():
                 lo = graphs.buckets.batch_bucket(sizes[0]) or top
                 hi = graphs.buckets.batch_bucket(sizes[-1]) or top
                 for g in (True, False):
-                    graphs.restrict(worker.round_fn(tree, g).__name__, lo, hi)
+                    constrained = worker.round_fn(tree, g, True)
+                    names = [worker.round_fn(tree, g).__name__, constrained.__name__]
+                    names += [phase.__name__ for phase in constrained.phases()]
+                    for name in names:
+                        graphs.restrict(name, lo, hi)
             graphs.capture_all(cfg.max_batch_size, cfg.max_context, progress)
         self.shutdown()
         return {"graphs": graphs.num_captured - before, "seconds": time.perf_counter() - t0}

@@ -235,16 +235,9 @@ class WorkerBase:
         else:
             tree, rows, joined = self.tree_for(len(sts)), None, 0
             greedy = all(s.sampler.greedy for s in sts)
-            # A round with a constrained request reads its draft on the host (the grammar's
-            # masks): it runs eagerly and nothing is queued behind it. Where this batch's
-            # rounds replay graphs, it runs a plain round instead, which takes the root's
-            # mask as an input and replays its graph: an eager round costs a kernel launch
-            # per operation (on an H100 about 19 ms for SmolLM2's verify, against about 1 ms
-            # for a replayed round).
+            # A round with a constrained request works with the host in the middle (the
+            # grammar's masks), and nothing is queued behind it.
             masks = self._round_masks(sts)
-            if masks is not None and tree.num_steps > 0:
-                if self.executor.captures(len(sts), max(s.seq_len for s in sts)):
-                    tree = self.plain_tree
             launched = self._launch(tree, rids, sts, greedy, masks, lookahead)
         self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
         if lookahead and greedy and masks is None:
@@ -268,15 +261,51 @@ class WorkerBase:
             inputs["root_mask"] = masks.root()  # [bs, W] int32
         self.timer.lap(self.prepare_phase)
         host = HostView(seq_lens, self._lap, masks)
-        launched = self.executor.launch(
-            rids, fn.__name__, fn, inputs, max(seq_lens), host,
-            copy=lookahead and greedy and masks is None,
-            eager=masks is not None and tree.num_steps > 0,
-        )  # fmt: skip
+        if masks is None or tree.num_steps == 0:
+            launched = self.executor.launch(
+                rids, fn.__name__, fn, inputs, max(seq_lens), host,
+                copy=lookahead and greedy and masks is None,
+            )  # fmt: skip
+        elif self.executor.captures(len(sts), max(seq_lens)):
+            launched = self._launch_phases(fn, rids, inputs, max(seq_lens), host)
+        else:  # the whole round eagerly, every draft level masked
+            launched = self.executor.launch(
+                rids, fn.__name__, fn, inputs, max(seq_lens), host, eager=True
+            )
         if masks is not None:
             self.mask_seconds += masks.seconds
             self.constrained_rounds += 1
         return launched
+
+    def _launch_phases(self, fn: SpecRound, rids, inputs, max_prefix: int, host) -> Launched:
+        """A constrained speculative round where the batch replays graphs: its three phases
+        (:meth:`SpecRound.phases`), each replayed. The draft's levels take no lane masks (a
+        host read per level would leave the device idle each time); the root's mask is an
+        input. The tree starts towards the host as the verify is queued, so the host builds
+        the node masks while the device verifies. -> the accept phase, as the round's."""
+        draft, verify, accept = fn.phases()
+        masks, bs = host.masks, len(rids)
+        own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
+        state = {k: v for k, v in inputs.items() if k == "host" or k in own}
+        state["root_mask"] = masks.root_draft()  # [bs, W'] int32
+        launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
+        first = launch(draft.__name__, draft, state)
+        # copies of what the accept phase reads (a replay may overwrite a graph's outputs)
+        nodes, tree_mask, positions, drafted = (t[:bs] for t in first.outputs)
+        nodes, drafted = nodes.clone(), drafted.clone()
+        masks.start_tree(nodes)
+        tree = {"host": inputs["host"], "nodes": nodes}
+        second = launch(verify.__name__, verify, {**tree, "tree_mask": tree_mask,
+                                                  "positions": positions})  # fmt: skip
+        hidden, feats = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
+        self._lap("draft")
+        node_masks = masks.tree().view(bs, -1, masks.width)  # while the device verifies
+        self._lap("verify")
+        sampled = {k: v for k, v in inputs.items() if k not in state}  # sampling, coins
+        last = {**tree, **sampled, "hidden": hidden, "features": feats,
+                "node_masks": node_masks, "drafted": drafted}  # fmt: skip
+        out = launch(accept.__name__, accept, last)
+        return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
 
     def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
         """The mask builder of a round with a constrained request, else None."""
@@ -487,12 +516,13 @@ class WorkerBase:
         rows: Sequence[int],
         starts: Sequence[int],
         lens: Sequence[int],
-        ids: Sequence[int],
+        ids: Sequence[int] | torch.Tensor,  # [T]: host ints or int64 on the device
         features: torch.Tensor | None = None,  # [T, F]: a draft's input features
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """EXTEND (the target runner) or DRAFT_EXTEND (``features`` given, or a standalone
         draft) over ``lens[i]`` tokens of row ``rows[i]`` from ``starts[i]``; ``ids`` [T]
-        concatenated. -> the runner's two outputs for the T tokens, concatenated.
+        concatenated (a device tensor: ids the host has not read, such as a prefill's first
+        tokens). -> the runner's two outputs for the T tokens, concatenated.
 
         Replays a graph when the batch fits one: each request's chunk is padded to the
         smallest of :attr:`prefill_widths` that holds the longest, so that a prefill costs one
@@ -500,13 +530,15 @@ class WorkerBase:
         prompt among many short ones) replays a few, its requests grouped by length
         (:meth:`_extend_grouped`); only where that fails too does it run eagerly."""
         draft = runner is not self.target_runner
+        if not isinstance(ids, torch.Tensor):
+            ids = self.builder.long(ids)
         out = self._extend_graphed(runner, draft, rows, starts, lens, ids, features)
         if out is None:
             out = self._extend_grouped(runner, draft, rows, starts, lens, ids, features)
         if out is not None:
             return out
         mode = ForwardMode.DRAFT_EXTEND if draft else ForwardMode.EXTEND
-        batch = self.builder.build(mode, rows, starts, lens, self.builder.long(ids))
+        batch = self.builder.build(mode, rows, starts, lens, ids)
         if draft:
             return runner.forward_draft(batch, features)
         return runner.forward_target(batch)
@@ -539,7 +571,7 @@ class WorkerBase:
             at_t = self.builder.long(at)
             out = self._extend_graphed(
                 runner, draft, [rows[i] for i in g], [starts[i] for i in g],
-                [lens[i] for i in g], [ids[t] for t in at],
+                [lens[i] for i in g], ids.index_select(0, at_t),
                 None if features is None else features.index_select(0, at_t),
             )  # fmt: skip
             if out is None:  # the backend's graph budget is spent
@@ -599,17 +631,12 @@ class WorkerBase:
         width = self._prefill_width(bs, max(lens), max(starts))
         if width is None:
             return None
-        padded = [0] * (bs * width)  # request i's tokens at [i * width, i * width + lens[i])
-        keep: list[int] = []
-        at = 0
-        for i, n in enumerate(lens):
-            padded[i * width : i * width + n] = ids[at : at + n]
-            keep.extend(range(i * width, i * width + n))
-            at += n
+        # request i's tokens at [i * width, i * width + lens[i]), the padding id 0
+        keep = [t for i, n in enumerate(lens) for t in range(i * width, i * width + n)]
         keep_t = self.builder.long(keep)
         inputs = {
             "host": self.builder.long([*rows, *starts, *lens, *[0] * bs]).view(4, bs).t(),
-            "input_ids": self.builder.long(padded),
+            "input_ids": ids.new_zeros(bs * width).index_copy_(0, keep_t, ids),
         }
         if features is not None:
             spread = features.new_zeros(bs * width, *features.shape[1:])
@@ -647,14 +674,30 @@ class WorkerBase:
         return self.builder.long([ends[i] - 1 for i in done])
 
     def _sample_first(self, rids: Sequence[int], last_hidden: torch.Tensor) -> list[int]:
-        """First generated token of requests whose prompt is now complete."""
+        """First generated token of requests whose prompt is now complete (``last_hidden``
+        [n, H], their last prompt rows)."""
+        return self._commit_first(rids, self._first_tokens(rids, last_hidden))
+
+    def _first_tokens(
+        self,
+        rids: Sequence[int],
+        last_hidden: torch.Tensor,  # [n, H]
+    ) -> torch.Tensor:  # [n] int64 on the device, not read yet
+        """The first tokens of requests whose prompt is now complete, left on the device so
+        that work depending on them (a draft's extend) queues before the host waits for them."""
         sts = [self.states[r] for r in rids]
         logits = self.target.compute_logits(last_hidden)
         masks = self._round_masks(sts)
         if masks is not None:
             self.kernels.apply_token_bitmask(logits, masks.root())
         sb = SamplingBatch([s.sampler for s in sts], 1, self.device)
-        tokens = sb.sample(logits, self.kernels).tolist()
+        return sb.sample(logits, self.kernels)
+
+    def _commit_first(self, rids: Sequence[int], tokens: torch.Tensor) -> list[int]:  # [n]
+        """Read the first tokens of :meth:`_first_tokens` (the prefill's one wait for the
+        device) and commit them to their requests."""
+        sts = [self.states[r] for r in rids]
+        tokens = tokens.tolist()
         for s, t in zip(sts, tokens):
             s.last_token = t
             s.generated.append(t)

@@ -166,24 +166,33 @@ class EagleWorker(WorkerBase):
         sts = [self.states[r] for r in rids]
         done = [i for i, s in enumerate(sts) if ends[i] == len(s.prompt)]
         last = self._last_rows(lens, done) if done else None  # [len(done)]
-        first: dict[int, int] = {}
-        if done:
-            tokens = self._sample_first([rids[i] for i in done], hidden.index_select(0, last))
-            first = {rids[i]: t for i, t in zip(done, tokens)}
-        ids = []
-        for r, s, st, e in zip(rids, sts, starts, ends):
+        done_rids = [rids[i] for i in done]
+        first_t = self._first_tokens(done_rids, hidden.index_select(0, last)) if done else None
+        # The draft's extend is queued before the host reads the first tokens: an EAGLE head
+        # reads a completed prompt's first token at its last position, scattered in on the
+        # device (the device would idle while the host built the extend after that read).
+        ids: list[int] = []
+        first_at: list[int] = []  # where in ids each done request's first token goes
+        for s, st, e in zip(sts, starts, ends):
             if self.root_forward:
                 ids.extend(s.prompt[st:e])
             else:  # an EAGLE head pairs the target feature at position p with token p + 1
-                ids.extend(s.prompt[st + 1 : e] + [first[r] if r in first else s.prompt[e]])
+                ids.extend(s.prompt[st + 1 : e])
+                if e == len(s.prompt):
+                    first_at.append(len(ids))
+                ids.append(s.prompt[e] if e < len(s.prompt) else 0)
+        ids_t = self.builder.long(ids)
+        if first_at:
+            ids_t.index_copy_(0, self.builder.long(first_at), first_t)
         features = None if self.root_forward else (aux if self.use_aux else hidden)
         logit_h, next_feat = self._extend(
-            self.draft_runner, [s.row for s in sts], starts, lens, ids, features
+            self.draft_runner, [s.row for s in sts], starts, lens, ids_t, features
         )
         for s, e in zip(sts, ends):
             s.draft_len = e
         if done and not self.root_forward:
             self._keep_head_state([sts[i] for i in done], logit_h, next_feat, last)
+        first = dict(zip(done_rids, self._commit_first(done_rids, first_t))) if done else {}
         self.timer.lap("prefill")
         return first
 

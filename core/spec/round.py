@@ -10,10 +10,10 @@ backend; None inside a graph).
 
 Plain decoding is the same program without a draft: a one-node tree (the newest token), its
 forward a DECODE, acceptance the sampling of the next token. A speculative engine runs that
-tree too (``batch_trees`` ``MIN:plain``, for batches where speculation does not pay; and for a
-constrained batch that replays graphs), without its draft: an EAGLE head's round keeps the
-target's feature at the root (``plain_features``), from which the worker brings the draft up
-to date before the next speculative round (a standalone LM reads the committed tokens then).
+tree too (``batch_trees`` ``MIN:plain``, for batches where speculation does not pay), without
+its draft: an EAGLE head's round keeps the target's feature at the root (``plain_features``),
+from which the worker brings the draft up to date before the next speculative round (a
+standalone LM reads the committed tokens then).
 A standalone draft LM differs from an EAGLE head only in where its draft state comes from: it
 stores token p at position p, so the round starts with its forward over the root; an EAGLE
 head's state is the last round's draft extend.
@@ -34,11 +34,16 @@ request's grammar matcher, which the round applies with the ``apply_token_bitmas
 the root's mask to the draft's first top-K (and to plain decoding's logits), each draft
 level's lane masks to the draft's logits before its top-K, and one mask per tree node to the
 target's verify logits, so both greedy and sampled acceptance follow the constrained target
-distribution. The round reads the drafted tokens on the host for that, so a constrained round
-with a draft runs eagerly, never from a graph and never queued; a constrained plain round
-needs only the root's mask, which it takes as an input (``root_mask`` [b, W] int32), so it
-replays a graph like any plain round (never queued: the grammar advances on the host between
-rounds). An unconstrained round is the plain function, with none of this.
+distribution. Run whole (eagerly at the batch's exact size: every draft level masked, the
+drafted tokens read on the host for the lanes' masks), or where the batch replays graphs as
+three phases (:meth:`SpecRound.phases`): ``.draft`` (the root's top-K under ``root_mask``
+[b, W'], an input; the draft levels unmasked, since a host read per level would leave the
+device idle; the tree), ``.verify`` (the target's forward over the tree, while the host reads
+the tree and builds the node masks) and ``.accept`` (the logits under ``node_masks``
+[b, N, W], acceptance, compaction, the draft extend). Never queued: the grammar advances on
+the host between rounds. A constrained plain round needs only the root's mask, which it takes
+as an input (``root_mask`` [b, W] int32), so it replays a graph like any plain round (never
+queued either). An unconstrained round is the plain function, with none of this.
 
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
 node ids) + [b * N] each node's predicted token + [1] draft levels drafted``, then an EAGLE
@@ -138,6 +143,7 @@ class SpecRound:
         kind = "decode" if parts.draft is None else "round"
         mode = ("greedy" if greedy else "sampled") + ("_constrained" if constrained else "")
         self.__name__ = f"{kind}_{mode}{tree.suffix}"
+        self._phases: tuple[RoundPhase, ...] | None = None
 
     def __call__(
         self, inputs: Mapping[str, torch.Tensor], b: int, max_prefix: int | None, host: Any
@@ -147,10 +153,38 @@ class SpecRound:
         if tree.num_steps == 0:  # plain decoding: the root's forward and the next token
             return self.plain_round(rows, seq_lens, roots, live, inputs, b, max_prefix, host)
         masks = host.masks if self.constrained else None
+        # (a constrained round's root top-K under the grammar's mask at the root)
+        root_mask = None if masks is None else masks.root_draft()
+        candidates, tree_mask, positions, next_token, next_sibling, drafted = self.draft_tree(
+            rows, seq_lens, roots, live, inputs, b, max_prefix, host, root_mask, masks
+        )
+        if masks is not None:  # the tree on its way to the host while the target verifies
+            masks.start_tree(tree_nodes(candidates, next_token, next_sibling))
+        _lap(host, "draft")
+        # 4. the target's forward over the tree (a constrained round's: masked per node)
+        hidden, feats = self.verify_hidden(
+            rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
+        )
+        logits = p.target.compute_logits(hidden)
+        if masks is not None:
+            p.kernels.apply_token_bitmask(logits, masks.tree())
+        _lap(host, "verify")
+        return self.accept_and_extend(
+            rows, seq_lens, live, inputs, candidates, next_token, next_sibling, logits, feats,
+            drafted, max_prefix, host,
+        )  # fmt: skip
+
+    def draft_tree(
+        self, rows, seq_lens, roots, live, inputs, b: int, max_prefix, host, root_mask=None,
+        masks=None,
+    ):  # fmt: skip
+        """Steps 1-3: the draft's state, its S levels and the tree -> (candidates [b, N],
+        tree_mask [b, N, N], positions [b * N], next_token / next_sibling [b, N], levels
+        drafted [1]). ``root_mask`` [b, W'] (a constrained round): the root's top-K under it;
+        ``masks`` (an eager constrained round): each level's lanes masked too."""
+        p = self.p
         # 1. the draft's state: an EAGLE head's from the last round, a standalone LM's from
         #    its forward over the root (it stores token p at position p)
-        #    (a constrained round's root top-K under the grammar's mask at the root)
-        root_mask = None if masks is None else masks.root_draft()
         if self.standalone:
             state = self.root_forward(rows, seq_lens, roots, live, max_prefix, host, root_mask)
             draft_lens = seq_lens + 1  # the root is in the draft's prefix
@@ -162,19 +196,15 @@ class SpecRound:
             draft_lens = seq_lens
         # 2. S levels of top-K, S - 1 draft forwards; 3. the tree of the N - 1 best
         levels, drafted = self.draft(rows, draft_lens, live, *state, b, max_prefix, host, masks)
-        candidates, tree_mask, positions, next_token, next_sibling = self.build_tree(
-            levels, roots, seq_lens
-        )
-        if masks is not None:  # the tree on its way to the host while the target verifies
-            masks.start_tree(candidates, next_token, next_sibling)
-        _lap(host, "draft")
-        # 4. the target's forward over the tree (a constrained round's: masked per node)
-        logits, feats = self.verify(
-            rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
-        )
-        if masks is not None:
-            p.kernels.apply_token_bitmask(logits, masks.tree())
-        _lap(host, "verify")
+        return (*self.build_tree(levels, roots, seq_lens), drafted)
+
+    def accept_and_extend(
+        self, rows, seq_lens, live, inputs, candidates, next_token, next_sibling, logits, feats,
+        drafted, max_prefix, host,
+    ):  # fmt: skip
+        """Steps 5-7 over the verified tree (``logits`` [b * N, V], masked where constrained)
+        -> the packed host vector, then an EAGLE head's next draft state."""
+        p, tree = self.p, self.tree
         # 5. accept: the longest path the target agrees with, and its bonus token
         predicts, accept_index, accept_length = self.accept(
             candidates, next_token, next_sibling, logits, inputs
@@ -195,6 +225,59 @@ class SpecRound:
             )
         _lap(host, "draft_extend")
         return packed, *next_state
+
+    def phases(self) -> tuple[RoundPhase, RoundPhase, RoundPhase]:
+        """A constrained speculative round as three computations that replay graphs, with the
+        host's work between them (module docstring): ``.draft`` (steps 1-3: the root's
+        top-K under ``root_mask``, the draft levels unmasked, the tree), ``.verify`` (the
+        target's forward over the tree, to its hidden states) and ``.accept`` (the logits
+        masked by ``node_masks``, steps 5-7)."""
+        if self._phases is None:
+            self._phases = tuple(
+                RoundPhase(f"{self.__name__}.{step}", fn)
+                for step, fn in (
+                    ("draft", self._draft_phase),
+                    ("verify", self._verify_phase),
+                    ("accept", self._accept_phase),
+                )
+            )
+        return self._phases
+
+    def _draft_phase(self, inputs, b: int, max_prefix, host):
+        """-> (nodes [b, 3, N] int64 (:func:`tree_nodes`, the host's read), tree_mask
+        [b, N, N], positions [b, N], levels drafted [b] (the same for every request))."""
+        rows, seq_lens, roots, live = self._columns(inputs["host"])
+        root_mask = torch.where(live.view(-1, 1) > 0, inputs["root_mask"], -1)  # padding: ones
+        candidates, tree_mask, positions, next_token, next_sibling, drafted = self.draft_tree(
+            rows, seq_lens, roots, live, inputs, b, max_prefix, host, root_mask
+        )
+        nodes = tree_nodes(candidates, next_token, next_sibling)
+        return nodes, tree_mask, positions.view(b, -1), drafted.repeat(b)
+
+    def _verify_phase(self, inputs, b: int, max_prefix, host):
+        """-> (hidden [b * N, H], draft features [b * N, F]) of the tree ``nodes``."""
+        rows, seq_lens, _, live = self._columns(inputs["host"])
+        return self.verify_hidden(
+            rows, seq_lens, inputs["nodes"][:, 0], live, inputs["positions"].reshape(-1),
+            inputs["tree_mask"], max_prefix, host,
+        )  # fmt: skip
+
+    def _accept_phase(self, inputs, b: int, max_prefix, host):
+        """The logits of ``hidden`` [b, N, H] under ``node_masks`` [b, N, W] (a padding
+        request's zeros read as all ones), then steps 5-7 (:meth:`accept_and_extend`)."""
+        p = self.p
+        rows, seq_lens, _, live = self._columns(inputs["host"])
+        nodes = inputs["nodes"]
+        idx = seq_lens.dtype
+        candidates = nodes[:, 0].contiguous()
+        next_token, next_sibling = nodes[:, 1].to(idx), nodes[:, 2].to(idx)
+        logits = p.target.compute_logits(inputs["hidden"].flatten(0, 1))
+        masks = torch.where(live.view(-1, 1, 1) > 0, inputs["node_masks"], -1)
+        p.kernels.apply_token_bitmask(logits, masks.flatten(0, 1))
+        return self.accept_and_extend(
+            rows, seq_lens, live, inputs, candidates, next_token, next_sibling, logits,
+            inputs["features"].flatten(0, 1), inputs["drafted"][:1], max_prefix, host,
+        )  # fmt: skip
 
     def plain_round(self, rows, seq_lens, roots, live, inputs, b: int, max_prefix, host):
         """A round of the plain tree: the target's DECODE of the root and the next token. In a
@@ -387,6 +470,16 @@ class SpecRound:
     def verify(self, rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host):
         """The target's forward over each request's N candidates (TARGET_VERIFY with the tree
         mask; a one-node tree is a DECODE) -> (logits [b * N, V], draft features [b * N, F])."""
+        hidden, feats = self.verify_hidden(
+            rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
+        )
+        return self.p.target.compute_logits(hidden), feats
+
+    def verify_hidden(
+        self, rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
+    ):  # fmt: skip
+        """:meth:`verify` up to the target's final hidden states: (hidden [b * N, H], draft
+        features [b * N, F])."""
         p = self.p
         n = candidates.shape[1]
         slots, pos = block_slots(p.req_to_token, rows, seq_lens, live * n, n, p.arange(n))
@@ -398,7 +491,7 @@ class SpecRound:
             p.target_runner, mode, rows, seq_lens, n, live, candidates.reshape(-1), pos, slots,
             max_prefix, host, _committed, **extra,
         )  # fmt: skip
-        return p.target.compute_logits(hidden), (aux if p.use_aux else hidden)
+        return hidden, (aux if p.use_aux else hidden)
 
     def sample_next(self, logits, inputs) -> torch.Tensor:  # [b, V] -> [b] int64
         """Plain decoding's acceptance: the next token (argmax, or a draw with the noise)."""
@@ -485,6 +578,29 @@ class SpecRound:
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, start, S, live,
             predicts[path_node], positions, slots, max_prefix, host, _after_root,
         )  # fmt: skip
+
+
+class RoundPhase:
+    """One of :meth:`SpecRound.phases`: a round function (``fn(inputs, b, max_prefix, host)``,
+    as the executor runs it) named for its graphs."""
+
+    def __init__(self, name: str, fn: Callable[..., tuple[torch.Tensor, ...]]):
+        self.__name__ = name
+        self._fn = fn
+
+    def __call__(
+        self, inputs: Mapping[str, torch.Tensor], b: int, max_prefix: int | None, host: Any
+    ) -> tuple[torch.Tensor, ...]:
+        return self._fn(inputs, b, max_prefix, host)
+
+
+def tree_nodes(
+    candidates: torch.Tensor,  # [b, N] node tokens, the root first
+    next_token: torch.Tensor,  # [b, N] build_tree's first-child links (-1: none)
+    next_sibling: torch.Tensor,  # [b, N] build_tree's next-sibling links (-1: none)
+) -> torch.Tensor:  # [b, 3, N] int64
+    """A tree as one tensor for the host's read (a constrained round's node masks)."""
+    return torch.stack([candidates.long(), next_token.long(), next_sibling.long()], dim=1)
 
 
 def _committed(seq_lens: list[int]) -> tuple[list[int], None]:

@@ -57,9 +57,9 @@ CHOICES = ["alpha", "beta gamma", 'say "hi"']
 
 
 def _llm(backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="off", **spec):
-    """An engine over the tiny models. ``graphs`` "off" by default: where rounds replay graphs
-    a constrained batch runs plain rounds (:meth:`polyspec.spec.base.Worker.decode`), and these
-    tests are about the constrained speculative round."""
+    """An engine over the tiny models. ``graphs`` "off" by default: the eager constrained round
+    masks every draft level (where rounds replay graphs, only the root's, and
+    :func:`test_constrained_rounds_replay_graphs` runs that one)."""
     from polyspec.engine.llm import LLM
 
     draft = speculative = None
@@ -150,14 +150,12 @@ def test_constrained_greedy_spec_equals_plain(
 
 
 @pytest.mark.parametrize("algorithm", [None, "self", "eagle3"])
-def test_constrained_rounds_replay_graphs_as_plain_rounds(
-    backend, backend_name, tiny_models, plain, algorithm
-):
-    """Where rounds replay graphs, a batch with a constrained request runs plain rounds that
-    replay a graph with the root's mask as an input (a constrained speculative round would
-    run eagerly): greedy outputs equal eager plain decoding's, constrained outputs satisfy
-    their constraints, and once the constrained requests have finished the others speculate
-    again."""
+def test_constrained_rounds_replay_graphs(backend, backend_name, tiny_models, plain, algorithm):
+    """Where rounds replay graphs, a constrained round replays them too: a plain round with
+    the root's mask as an input, a speculative one as its three phases (draft, verify,
+    accept) with the node masks built on the host in between. Greedy outputs equal eager
+    plain decoding's, constrained outputs satisfy their constraints, the constrained
+    requests speculate, and once they have finished the others speculate on."""
     require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     spec = {} if algorithm is None else {"topk": 2, "num_steps": 3}
@@ -173,13 +171,15 @@ def test_constrained_rounds_replay_graphs_as_plain_rounds(
         if p.constrained:
             _check_output(p, g.text, g.finish_reason)
     names = {name for name, _, _ in llm.worker.graphs.captured}
-    assert any(n.endswith("constrained") or "constrained@" in n for n in names), names
-    if algorithm is not None:
-        assert llm.worker.rounds_by_tree.get("plain", 0) > 0
-        free = [
-            n for p, o in zip(params, got) if not p.constrained for n in o.stats.accepted_per_round
-        ]
-        assert max(free) > 1, "the unconstrained requests never speculated again"
+    if algorithm is None:
+        assert "decode_greedy_constrained" in names, names
+        return
+    assert {"round_greedy_constrained.draft", "round_greedy_constrained.verify",
+            "round_greedy_constrained.accept"} <= names, names  # fmt: skip
+    for constrained in (True, False):
+        accepted = [n for p, o in zip(params, got) if p.constrained == constrained
+                    for n in o.stats.accepted_per_round]  # fmt: skip
+        assert max(accepted) > 1, f"constrained={constrained}: no draft token was accepted"
 
 
 @pytest.mark.parametrize("algorithm", ["self", "eagle3"])
@@ -257,17 +257,21 @@ def exact_law(plain):
 
 
 @pytest.mark.parametrize(
-    "algorithm,topk,num_steps", [(None, 1, 0), ("self", 2, 3), ("eagle3", 2, 3)]
+    "algorithm,topk,num_steps,graphs",
+    [(None, 1, 0, "off"), ("self", 2, 3, "off"), ("eagle3", 2, 3, "off"), ("eagle3", 2, 3, "on")],
 )
 def test_constrained_sampling_follows_the_constrained_target(
-    backend, backend_name, tiny_models, exact_law, algorithm, topk, num_steps
+    backend, backend_name, tiny_models, exact_law, algorithm, topk, num_steps, graphs
 ):
     """Seeded sampling, plain and speculative, under a regex: the outputs' law is the
     target's masked distribution (chi-square against the exact enumeration); a negative
-    control (the law at another temperature) is rejected at this sample size."""
+    control (the law at another temperature) is rejected at this sample size. With graphs
+    on, the speculative rounds replay the constrained round's three phases."""
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    if graphs == "on":
+        require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     spec = {} if algorithm is None else {"topk": topk, "num_steps": num_steps}
-    llm = _llm(backend, backend_name, tiny_models, algorithm, **spec)
+    llm = _llm(backend, backend_name, tiny_models, algorithm, graphs=graphs, **spec)
     params = [
         SamplingParams(max_new_tokens=6, temperature=TEMPERATURE, seed=i, regex=SAMPLE_REGEX)
         for i in range(NUM_SAMPLES)
@@ -279,6 +283,8 @@ def test_constrained_sampling_follows_the_constrained_target(
         counts[tuple(o.token_ids)] += 1
     rejected, msg = chi_square_rejects(counts, exact_law, NUM_SAMPLES)
     assert not rejected, msg
+    if graphs == "on":
+        assert "round_sampled_constrained.accept" in {n for n, _, _ in llm.worker.graphs.captured}
     if algorithm is None:  # negative control, once
         flat = {k: v**0.3 for k, v in exact_law.items()}
         total = sum(flat.values())

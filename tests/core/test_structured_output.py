@@ -179,10 +179,7 @@ def test_round_masks_compute_each_node_once(llm):
     next_sibling = [-1, 2, 3, -1, 5, -1, -1, -1, 9, -1]
     n = len(tokens)
     none = [-1] * n
-    masks.start_tree(
-        torch.tensor([tokens, [0] * n]), torch.tensor([first_child, none]),
-        torch.tensor([next_sibling, none]),
-    )  # fmt: skip
+    masks.start_tree(torch.tensor([[tokens, first_child, next_sibling], [[0] * n, none, none]]))
     tree = masks.tree().numpy()
     parents = {c: p for p, c in enumerate(first_child) if c != -1}
     for node, sib in enumerate(next_sibling):

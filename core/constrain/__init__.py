@@ -8,7 +8,7 @@ runs without it until a request asks for a constraint.
 
 from polyspec.constrain.grammars import GrammarCache, constraint_of
 from polyspec.constrain.masks import DraftVocab, RoundMasks
-from polyspec.constrain.matcher import ConstraintViolation, Matcher
+from polyspec.constrain.matcher import ConstraintViolation, Matcher, next_masks
 
 __all__ = [
     "ConstraintViolation",
@@ -17,4 +17,5 @@ __all__ = [
     "Matcher",
     "RoundMasks",
     "constraint_of",
+    "next_masks",
 ]

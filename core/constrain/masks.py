@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyspec.constrain.matcher import Matcher, mask_width
+from polyspec.constrain.matcher import Matcher, fill_masks, mask_width
 
 
 class DraftVocab:
@@ -77,6 +77,7 @@ class RoundMasks:
         self._tree_read: Any = None
         self._tree_shape: tuple[int, int] = (0, 0)
         self.draft_vocab = draft_vocab
+        self.executor = next((m.executor for m in self.matchers if m is not None), None)
         # Host seconds spent on the grammar for this round: the matchers' commits of the
         # last round's tokens and their next masks (the scheduler's, between rounds), and
         # this round's masks. Waits for the device (reading the draft) are not counted.
@@ -134,9 +135,12 @@ class RoundMasks:
                 for i in range(b)
             ]
         out = np.full((b * K, self.width), -1, dtype=np.int32)
-        for i, m in enumerate(self.matchers):
-            if m is not None:
-                self._fill(i, m, [(i * K + j, path) for j, path in enumerate(self._lanes[i])], out)
+        work = [
+            (i, m, [(i * K + j, path) for j, path in enumerate(self._lanes[i])])
+            for i, m in enumerate(self.matchers)
+            if m is not None
+        ]
+        self._fill(work, out)
         out = self._to_draft(out)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
@@ -161,6 +165,7 @@ class RoundMasks:
         per_request = [flat[i * 3 * n : (i + 1) * 3 * n] for i in range(b)]
         toks, child, sib = ([r[k * n : (k + 1) * n] for r in per_request] for k in range(3))
         out = np.full((b * n, self.width), -1, dtype=np.int32)
+        work = []
         for i, m in enumerate(self.matchers):
             if m is None:
                 continue
@@ -172,47 +177,53 @@ class RoundMasks:
                 nodes.append((i * n + node, path))
                 below = reversed(_children(child[i], sib[i], node))
                 stack += [(c, path + [toks[i][c]]) for c in below]
-            self._fill(i, m, nodes, out)
+            work.append((i, m, nodes))
+        self._fill(work, out)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
     def _fill(
         self,
-        i: int,
-        m: Matcher,
-        nodes: Sequence[tuple[int, list[int]]],  # (row of out, draft path)
+        work: Sequence[tuple[int, Matcher, Sequence[tuple[int, list[int]]]]],
         out: np.ndarray,  # [R, W] int32, all ones where nothing is written
     ) -> None:
-        """Request ``i``'s masks after each path into its row: known ones copied, the rest
-        computed in one walk of the matcher (in path order, so that neighbours share their
-        prefix), nothing computed below a node no output reaches."""
-        known = self._known[i]
-        todo: dict[tuple[int, ...], int] = {}  # path -> the row computing it
-        copies: list[tuple[int, tuple[int, ...]]] = []
-        for row, path in nodes:
-            key = tuple(path)
-            if key in known:
-                if known[key] is not None:
-                    out[row] = known[key]
-            elif _unreachable(known, key):
-                known[key] = None
-            elif key in todo:
-                copies.append((row, key))
-            else:
-                todo[key] = row
-        if todo:
-            keys = sorted(todo)
-            rows = [todo[k] for k in keys]
-            ok = m.fill_paths([list(k) for k in keys], out, rows)
-            for key, row, good in zip(keys, rows, ok):
-                if good:
-                    known[key] = out[row]
-                else:
+        """The masks after draft paths into rows of ``out``: ``work`` holds (request i, its
+        matcher, (row of out, draft path) pairs). Masks known this round are copied; each
+        other path is forked from its request's matcher and all are computed in one parallel
+        call (:func:`~polyspec.constrain.matcher.fill_masks`); a node no output reaches stays
+        all ones, and nothing below one already known to be such is forked."""
+        jobs: list[tuple[int, tuple[int, ...], int, object]] = []  # (i, path, row, state)
+        copies: list[tuple[int, int, tuple[int, ...]]] = []  # (i, row, path computed elsewhere)
+        for i, m, nodes in work:
+            known = self._known[i]
+            todo: dict[tuple[int, ...], int] = {}  # path -> the row computing it
+            for row, path in nodes:
+                key = tuple(path)
+                if key in known:
+                    if known[key] is not None:
+                        out[row] = known[key]
+                elif _unreachable(known, key):
                     known[key] = None
-                    out[row] = -1
-        for row, key in copies:
-            if known[key] is not None:
-                out[row] = known[key]
+                elif key in todo:
+                    copies.append((i, row, key))
+                else:
+                    todo[key] = row
+            for key, row in todo.items():
+                state = m.fork(key)
+                if state is None:
+                    known[key] = None
+                else:
+                    jobs.append((i, key, row, state))
+        fill_masks(self.executor, [(state, row) for _, _, row, state in jobs], out)
+        for i, key, row, _ in jobs:
+            if out[row].any():
+                self._known[i][key] = out[row]
+            else:  # a dead end below this node: no output reaches it
+                self._known[i][key] = None
+                out[row] = -1
+        for i, row, key in copies:
+            if self._known[i][key] is not None:
+                out[row] = self._known[i][key]
 
     def _to_draft(self, masks: np.ndarray) -> np.ndarray:  # [n, W] -> [n, W'] int32
         """Target-vocabulary masks as masks over the draft head's own vocabulary."""

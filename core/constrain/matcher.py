@@ -25,11 +25,15 @@ class Matcher:
     """An llguidance matcher of one request, advanced by the tokens the request commits.
 
     The newest committed token (a round's root) is always consumed: :meth:`next_mask` gives
-    the mask of the token after it, :meth:`fill_paths` the masks after draft paths below it."""
+    the mask of the token after it, :meth:`fork` the grammar's state after a draft path below
+    it, whose mask :func:`fill_masks` computes (many at once, on llguidance's threads)."""
 
-    def __init__(self, ll_matcher: Any, vocab_size: int):
+    def __init__(self, ll_matcher: Any, vocab_size: int, executor: Any = None):
+        """``executor``: an ``llguidance.LLExecutor`` (the engine's, :func:`next_masks` and
+        :func:`fill_masks` compute on its threads); None: one mask at a time."""
         self._m = ll_matcher
         self.vocab_size = vocab_size
+        self.executor = executor
         self._next: np.ndarray | None = None  # the next token's mask, until the next advance
         # host seconds in advance and next_mask since the last take_seconds (the scheduler
         # calls them between rounds; the next round's mask time counts them)
@@ -82,65 +86,58 @@ class Matcher:
             out = np.zeros(mask_width(self.vocab_size), dtype=np.int32)
             self._compute(out)
             self._seconds += time.perf_counter() - start
-            if self._m.is_error() or not (out.any() or self._m.is_stopped()):
+            if not self._continues(out):
                 raise self._dead_end()
             self._next = out
         return self._next
 
-    def fill_paths(
-        self,
-        paths: Sequence[Sequence[int]],
-        out: np.ndarray,  # [R, W] int32
-        rows: Sequence[int],
-    ) -> list[bool]:
-        """The mask after each of ``paths`` (draft tokens below the newest committed token)
-        into ``out[rows[k]]``, with one matcher walked from path to path: each path rolls
-        back to the prefix it shares with the one before and consumes only the rest, so
-        paths given depth first (a tree's, or sorted lanes) cost one consume and one mask
-        per node, not one consume per token of every path. -> per path: False, its row left
-        alone, when the grammar refuses a token of it or is complete before its end (a node
-        no output can reach: the caller allows every token there, since verification never
-        accepts it). The state is rolled back to the committed tokens at the end."""
-        m = self._m
-        held: list[int] = []  # draft tokens consumed beyond the committed ones
-        dead: list[int] | None = None  # the shortest unreachable prefix of the last failure
-        ok: list[bool] = []
-        for path, row in zip(paths, rows):
-            if dead is not None and path[: len(dead)] == dead:
-                ok.append(False)  # below a node no output reaches
-                continue
-            common = 0
-            for a, b in zip(held, path):
-                if a != b:
-                    break
-                common += 1
-            if common < len(held):
-                m.rollback(len(held) - common)
-                del held[common:]
-            rest = path[common:]
-            if rest:
-                taken = m.try_consume_tokens(rest)
-                held += rest[:taken]
-                if taken < len(rest):
-                    dead = list(path[: common + taken + 1])
-                    ok.append(False)
-                    continue
-            if m.is_stopped():  # complete at this node: nothing follows it
-                dead = list(path)
-                ok.append(False)
-                continue
-            self._compute(out[row])
-            good = bool(out[row].any())
-            if not good:
-                dead = list(path)
-            ok.append(good)
-        if held:
-            m.rollback(len(held))
-        return ok
+    def _continues(self, mask: np.ndarray) -> bool:  # [W] int32, the next token's
+        """Whether the grammar can go on: some token allowed, or complete."""
+        return not self._m.is_error() and (bool(mask.any()) or self._m.is_stopped())
 
-    def fill_after(self, path: Sequence[int], out: np.ndarray) -> bool:  # out [W] int32
-        """The mask after one ``path`` (:meth:`fill_paths` of one path)."""
-        return self.fill_paths([list(path)], out[None, :], [0])[0]
+    def fork(self, path: Sequence[int]) -> Any | None:
+        """A copy of the grammar's state after ``path`` (draft tokens below the newest
+        committed one), for :func:`fill_masks`; None at a node no output can reach: the
+        grammar refuses a token of the path, or is complete before its end (the caller
+        allows every token there, since verification never accepts one)."""
+        state = self._m.deep_copy()
+        if state.try_consume_tokens(list(path)) < len(path) or state.is_stopped():
+            return None
+        return state
 
     def _compute(self, out: np.ndarray) -> None:
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+
+def fill_masks(
+    executor: Any,
+    states: Sequence[tuple[Any, int]],  # (a state of Matcher.fork or a matcher's, row of out)
+    out: np.ndarray,  # [R, W] int32, C-contiguous
+) -> None:
+    """Each state's next-token mask into its row of ``out``: in parallel on ``executor``'s
+    threads (an ``llguidance.LLExecutor``), else one after another."""
+    if not states:
+        return
+    if executor is None:
+        for state, row in states:
+            state.unsafe_compute_mask_ptr(out[row].ctypes.data, out[row].nbytes)
+        return
+    assert out.flags.c_contiguous and out.dtype == np.int32
+    executor.unsafe_compute_mask_ptr(list(states), out.ctypes.data, out[0].nbytes, out.shape[0])
+
+
+def next_masks(matchers: Sequence[Matcher]) -> None:
+    """Compute the next masks of ``matchers`` that have none yet in one parallel call (a
+    batch's, between rounds); each :meth:`Matcher.next_mask` then returns its own, or raises
+    for its request alone."""
+    todo = [m for m in matchers if m._next is None]
+    if len(todo) < 2:
+        return  # next_mask computes a single one itself
+    start = time.perf_counter()
+    out = np.zeros((len(todo), mask_width(todo[0].vocab_size)), dtype=np.int32)
+    fill_masks(todo[0].executor, [(m._m, i) for i, m in enumerate(todo)], out)
+    share = (time.perf_counter() - start) / len(todo)
+    for m, row in zip(todo, out):
+        m._seconds += share
+        if m._continues(row):
+            m._next = row  # a dead end is left to its next_mask, which computes and raises

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from polyspec.config import EngineConfig
-from polyspec.constrain import ConstraintViolation, GrammarCache, constraint_of
+from polyspec.constrain import ConstraintViolation, GrammarCache, constraint_of, next_masks
 from polyspec.engine.request import Request
 from polyspec.engine.stop import StopChecker
 from polyspec.errors import RankFailure, RequestError
@@ -277,9 +277,18 @@ class Scheduler:
             return True
         return False
 
+    def _next_masks(self, batch: list[Request]) -> None:
+        """The constrained requests' next masks in one parallel call (``_grammar_failed``
+        then reads each one's)."""
+        states = (self.worker.states.get(r.rid) for r in batch)
+        matchers = [m for m in (getattr(s, "matcher", None) for s in states) if m is not None]
+        if len(matchers) > 1:
+            next_masks([m for m in matchers if not m.done])
+
     def _decode(self, batch: list[Request], finished: list[Request]) -> None:
         self.rounds += 1
         new_tokens = self.worker.decode([r.rid for r in batch], lookahead=self.overlap)
+        self._next_masks(batch)
         for req, toks in zip(batch, new_tokens):
             if not toks:  # it joined this step and sits this round out (the worker's decode)
                 continue

@@ -158,13 +158,15 @@ def test_round_masks_compute_each_node_once(llm):
     m = cache.matcher(constraint)
     m.next_mask()
     computed = []
-    compute = m._compute
+    fork = m.fork
 
-    def counting(out):  # the real computation, counted
-        computed.append(1)
-        compute(out)
+    def counting(path):  # the real fork, counted where a mask is computed from it
+        state = fork(path)
+        if state is not None:
+            computed.append(tuple(path))
+        return state
 
-    m._compute = counting
+    m.fork = counting
     masks = RoundMasks([m, None], cache.vocab_size, torch.from_numpy, llm.backend.read_async)
     K = 2
     # level 0: lanes "a" and "q" (refused); level 1: both lanes continue "a"

@@ -500,11 +500,11 @@ class Backend(abc.ABC):
         values: list[int] | torch.Tensor,  # [n]: a list, or a 1-D CPU tensor (copied)
         dtype: torch.dtype,
     ) -> torch.Tensor:  # [n] on the device
-        """A 1-D device tensor of host integers (slot indices, lengths, token ids, mask
-        words), built without waiting for the device work already queued. The engine calls
-        this several times per decode round, and hands a CPU tensor where it has one (a
-        structured-output round's masks: tens of thousands of words, which a list would cost
-        milliseconds to build); the result never shares memory with ``values``. A plain
+        """A 1-D device tensor of host values (slot indices, lengths, token ids, mask words;
+        a sampled round's settings as float32), built without waiting for the device work
+        already queued. The engine calls this several times per decode round, and hands a
+        CPU tensor where it has one (a structured-output round's masks: tens of thousands of
+        words, which a list would cost milliseconds to build); the result never shares memory with ``values``. A plain
         ``torch.tensor(values, device=...)`` from pageable memory synchronises the stream on
         CUDA-like devices, so a backend overrides this with a pinned, asynchronous copy. The
         default is the plain construction."""

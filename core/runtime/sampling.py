@@ -8,7 +8,7 @@ seed, not on what else shares its batch. All draws stay on the device: no host s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,11 +69,18 @@ class SamplingBatch:
     times (N tree nodes per request when verifying)."""
 
     def __init__(
-        self, samplers: Sequence[RequestSampler], rows_per_request: int, device: torch.device
+        self,
+        samplers: Sequence[RequestSampler],
+        rows_per_request: int,
+        device: torch.device,
+        upload: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
+        """``upload``: a 1-D CPU tensor -> the same on ``device`` without waiting for the
+        work queued there (``Backend.host_tensor``); None: ``Tensor.to``, which may wait."""
         self.samplers = list(samplers)
         self.rows = rows_per_request
         self.device = device
+        self.upload = upload
         self.all_greedy = all(s.greedy for s in samplers)
 
     def params(self) -> torch.Tensor:  # [bs, 4] fp32
@@ -83,7 +90,10 @@ class SamplingBatch:
             (s.temperature, float(s.top_k), s.top_p, 0.0 if s.greedy else 1.0)
             for s in self.samplers
         ]
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
+        host = torch.tensor(values, dtype=torch.float32)
+        if self.upload is None:
+            return host.to(self.device)
+        return self.upload(host.reshape(-1)).view(-1, 4)
 
     def probs(self, logits: torch.Tensor, kernels: KernelSet) -> torch.Tensor:
         """Target distribution after temperature, top-k and top-p: [n, V] fp32. Greedy rows

@@ -321,6 +321,9 @@ class WorkerBase:
         flat = self.backend.host_tensor(torch.from_numpy(masks).reshape(-1), torch.int32)
         return flat.view(masks.shape)
 
+    def _upload_float(self, values: torch.Tensor) -> torch.Tensor:  # [n] fp32 host -> device
+        return self.backend.host_tensor(values, torch.float32)
+
     def _draft_vocab(self) -> DraftVocab | None:
         """The draft's vocabulary as target ids, when its logits are over a vocabulary of
         its own (an EAGLE-3 head's reduced one); None: over the target's."""
@@ -338,7 +341,7 @@ class WorkerBase:
         values += [s.last_token for s in sts] + [N] * bs + [self._end_len(s) for s in sts]
         inputs = {"host": self.builder.long(values).view(5, bs).t()}
         if not greedy:
-            sb = SamplingBatch([s.sampler for s in sts], 1, self.device)
+            sb = SamplingBatch([s.sampler for s in sts], 1, self.device, self._upload_float)
             inputs["sampling"] = sb.params()
             if tree.num_steps == 0:
                 inputs["noise"] = sb.exponential(self.target.config.vocab_size)
@@ -690,7 +693,7 @@ class WorkerBase:
         masks = self._round_masks(sts)
         if masks is not None:
             self.kernels.apply_token_bitmask(logits, masks.root())
-        sb = SamplingBatch([s.sampler for s in sts], 1, self.device)
+        sb = SamplingBatch([s.sampler for s in sts], 1, self.device, self._upload_float)
         return sb.sample(logits, self.kernels)
 
     def _commit_first(self, rids: Sequence[int], tokens: torch.Tensor) -> list[int]:  # [n]

@@ -68,3 +68,15 @@ def test_host_tensor_from_a_list_or_a_cpu_tensor(backend, dtype):
     for t in (from_list, from_tensor):
         assert t.device.type == backend.device().type and t.dtype == dtype
         assert t.cpu().tolist() == values
+
+
+def test_host_tensor_of_floats(backend):
+    """float32 values from a CPU tensor (a sampled round's settings), exact, behind queued
+    work, not sharing the source's memory."""
+    values = [0.7, 50.0, 0.95, 1.0, 1e-6, 0.0]
+    source = torch.tensor(values, dtype=torch.float32)
+    _after_busy_work(backend, torch.zeros(1))
+    t = backend.host_tensor(source, torch.float32)
+    source.fill_(5)
+    assert t.device.type == backend.device().type and t.dtype == torch.float32
+    assert torch.equal(t.cpu(), torch.tensor(values, dtype=torch.float32))

@@ -29,7 +29,15 @@ from polyspec.runtime.kv_cache import KVCacheManager
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.req_pool import ReqToTokenPool
 from polyspec.runtime.sampling import RequestSampler, SamplingBatch
-from polyspec.spec.round import PLAIN, HostView, RoundParts, SpecRound, Tree, next_round_inputs
+from polyspec.spec.round import (
+    PLAIN,
+    HostView,
+    RoundParts,
+    SpecRound,
+    Tree,
+    level_keys,
+    next_round_inputs,
+)
 
 
 @dataclasses.dataclass
@@ -278,20 +286,27 @@ class WorkerBase:
         return launched
 
     def _launch_phases(self, fn: SpecRound, rids, inputs, max_prefix: int, host) -> Launched:
-        """A constrained speculative round where the batch replays graphs: its three phases
-        (:meth:`SpecRound.phases`), each replayed. The draft's levels take no lane masks (a
-        host read per level would leave the device idle each time); the root's mask is an
-        input. The tree starts towards the host as the verify is queued, so the host builds
-        the node masks while the device verifies. -> the accept phase, as the round's."""
-        draft, verify, accept = fn.phases()
-        masks, bs = host.masks, len(rids)
+        """A constrained speculative round where the batch replays graphs: its phases
+        (:meth:`SpecRound.phases`), each replayed, the host's masks built between them: the
+        root's before the draft, each level's lanes' after it (the device waits for them),
+        and the tree's nodes while the device verifies (the tree starts towards the host as
+        the verify is queued). -> the accept phase, as the round's."""
+        *levels, verify, accept = fn.phases()
+        masks, bs, K = host.masks, len(rids), fn.tree.topk
         own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
         state = {k: v for k, v in inputs.items() if k == "host" or k in own}
         state["root_mask"] = masks.root_draft()  # [bs, W'] int32
         launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
-        first = launch(draft.__name__, draft, state)
+        out = launch(levels[0].__name__, levels[0], state)
+        for i, phase in enumerate(levels[1:], start=1):
+            keys = level_keys(i, fn.stop_below > 0)
+            level = {k: t[:bs] for k, t in zip(keys, out.outputs)}
+            tokens, parents = level["input_ids"].reshape(-1), level["parents"]
+            lane_masks = masks.lanes(i - 1, tokens, parents if i > 1 else None, K)
+            level["lane_masks"] = lane_masks.view(bs, K, -1)
+            out = launch(phase.__name__, phase, {"host": inputs["host"], **level})
         # copies of what the accept phase reads (a replay may overwrite a graph's outputs)
-        nodes, tree_mask, positions, drafted = (t[:bs] for t in first.outputs)
+        nodes, tree_mask, positions, drafted = (t[:bs] for t in out.outputs)
         nodes, drafted = nodes.clone(), drafted.clone()
         masks.start_tree(nodes)
         tree = {"host": inputs["host"], "nodes": nodes}

@@ -54,6 +54,7 @@ plain round: :class:`~polyspec.spec.eagle_worker.EagleWorker` catches the draft 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -121,6 +122,22 @@ class RoundParts:
     plain_features: torch.Tensor | None = None
 
 
+class DraftLevel(NamedTuple):
+    """The draft loop's state after a level (:meth:`SpecRound.level`), and the next level's
+    candidates (:meth:`SpecRound.lane_topk`)."""
+
+    input_ids: torch.Tensor | None  # [b * K] the lanes' newest tokens
+    parents: torch.Tensor | None  # [b, K] (level 0: [b, K + 1]) select_top_k's tree_parents
+    logit_h: torch.Tensor | None  # [b * K, H] the lanes' draft forward (None at the last level)
+    hidden: torch.Tensor  # [b * K, F] the lanes' features ([b, F] before level 0)
+    scores: torch.Tensor | None  # [b, K] the lanes' path probabilities
+    levels: tuple[list, list, list]  # each level's (scores, tokens, parents) so far
+    stopped: torch.Tensor | None  # [] bool, dynamic depth: the levels below are not drafted
+    drafted: torch.Tensor | None  # [] int64, dynamic depth: levels drafted past the first
+    topk_p: torch.Tensor | None = None  # [b or b * K, K] the next level's candidates
+    topk_index: torch.Tensor | None = None  # [b or b * K, K]
+
+
 class SpecRound:
     """One round of one tree, greedy or sampled (see the module docstring)."""
 
@@ -182,21 +199,29 @@ class SpecRound:
         tree_mask [b, N, N], positions [b * N], next_token / next_sibling [b, N], levels
         drafted [1]). ``root_mask`` [b, W'] (a constrained round): the root's top-K under it;
         ``masks`` (an eager constrained round): each level's lanes masked too."""
+        topk_p, topk_index, hidden, draft_lens = self.draft_state(
+            rows, seq_lens, roots, live, inputs, max_prefix, host, root_mask
+        )
+        # 2. S levels of top-K, S - 1 draft forwards; 3. the tree of the N - 1 best
+        levels, drafted = self.draft(
+            rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host, masks
+        )
+        return (*self.build_tree(levels, roots, seq_lens), drafted)
+
+    def draft_state(self, rows, seq_lens, roots, live, inputs, max_prefix, host, root_mask):
+        """Step 1, the draft's state -> (topk_p [b, K'], topk_index [b, K'], feature [b, F],
+        the draft's prefix lengths [b]): an EAGLE head's from the last round, a standalone
+        LM's from its forward over the root (it stores token p at position p); the root's
+        top-K under ``root_mask`` [b, W'] where given."""
         p = self.p
-        # 1. the draft's state: an EAGLE head's from the last round, a standalone LM's from
-        #    its forward over the root (it stores token p at position p)
         if self.standalone:
             state = self.root_forward(rows, seq_lens, roots, live, max_prefix, host, root_mask)
-            draft_lens = seq_lens + 1  # the root is in the draft's prefix
-        else:
-            state = inputs["topk_p"], inputs["topk_index"], inputs["hidden"]
-            if root_mask is not None:
-                logit_h = p.draft.feature_logit_hidden(state[2])
-                state = (*p.draft.topk(logit_h, p.state_topk, root_mask), state[2])
-            draft_lens = seq_lens
-        # 2. S levels of top-K, S - 1 draft forwards; 3. the tree of the N - 1 best
-        levels, drafted = self.draft(rows, draft_lens, live, *state, b, max_prefix, host, masks)
-        return (*self.build_tree(levels, roots, seq_lens), drafted)
+            return (*state, seq_lens + 1)  # the root is in the draft's prefix
+        state = inputs["topk_p"], inputs["topk_index"], inputs["hidden"]
+        if root_mask is not None:
+            logit_h = p.draft.feature_logit_hidden(state[2])
+            state = (*p.draft.topk(logit_h, p.state_topk, root_mask), state[2])
+        return (*state, seq_lens)
 
     def accept_and_extend(
         self, rows, seq_lens, live, inputs, candidates, next_token, next_sibling, logits, feats,
@@ -226,32 +251,55 @@ class SpecRound:
         _lap(host, "draft_extend")
         return packed, *next_state
 
-    def phases(self) -> tuple[RoundPhase, RoundPhase, RoundPhase]:
-        """A constrained speculative round as three computations that replay graphs, with the
-        host's work between them (module docstring): ``.draft`` (steps 1-3: the root's
-        top-K under ``root_mask``, the draft levels unmasked, the tree), ``.verify`` (the
-        target's forward over the tree, to its hidden states) and ``.accept`` (the logits
-        masked by ``node_masks``, steps 5-7)."""
+    def phases(self) -> tuple[RoundPhase, ...]:
+        """A constrained speculative round as computations that replay graphs, with the
+        host's work between them (module docstring): ``.draft`` (step 1, the root's top-K
+        under ``root_mask``, and the draft's level 0), ``.level1`` .. ``.level{S-1}`` (each
+        the lanes' top-K under the ``lane_masks`` the host built from the level before, then
+        its level; the last one builds the tree), ``.verify`` (the target's forward over the
+        tree, to its hidden states) and ``.accept`` (the logits masked by ``node_masks``,
+        steps 5-7)."""
         if self._phases is None:
-            self._phases = tuple(
-                RoundPhase(f"{self.__name__}.{step}", fn)
-                for step, fn in (
-                    ("draft", self._draft_phase),
-                    ("verify", self._verify_phase),
-                    ("accept", self._accept_phase),
-                )
+            S = self.tree.num_steps
+            levels = [RoundPhase(f"{self.__name__}.draft", functools.partial(self._level_phase, 0))]
+            levels += [
+                RoundPhase(f"{self.__name__}.level{i}", functools.partial(self._level_phase, i))
+                for i in range(1, S)
+            ]
+            self._phases = (
+                *levels,
+                RoundPhase(f"{self.__name__}.verify", self._verify_phase),
+                RoundPhase(f"{self.__name__}.accept", self._accept_phase),
             )
         return self._phases
 
-    def _draft_phase(self, inputs, b: int, max_prefix, host):
-        """-> (nodes [b, 3, N] int64 (:func:`tree_nodes`, the host's read), tree_mask
-        [b, N, N], positions [b, N], levels drafted [b] (the same for every request))."""
+    def _level_phase(self, i: int, inputs, b: int, max_prefix, host):
+        """Level ``i`` of a phased round's draft (:meth:`phases`). Below the last level ->
+        the loop's state (:func:`level_outputs`, the lanes' tokens and parents first: the
+        host builds the next level's masks from them); the last level -> (nodes [b, 3, N]
+        int64 (:func:`tree_nodes`, the host's read), tree_mask [b, N, N], positions [b, N],
+        levels drafted [b] (the same for every request))."""
         rows, seq_lens, roots, live = self._columns(inputs["host"])
-        root_mask = torch.where(live.view(-1, 1) > 0, inputs["root_mask"], -1)  # padding: ones
-        candidates, tree_mask, positions, next_token, next_sibling, drafted = self.draft_tree(
-            rows, seq_lens, roots, live, inputs, b, max_prefix, host, root_mask
+        if i == 0:
+            root_mask = torch.where(live.view(-1, 1) > 0, inputs["root_mask"], -1)  # padding
+            topk_p, topk_index, hidden, draft_lens = self.draft_state(
+                rows, seq_lens, roots, live, inputs, max_prefix, host, root_mask
+            )
+            state = self.first_level(topk_p, topk_index, hidden)
+        else:
+            draft_lens = seq_lens + 1 if self.standalone else seq_lens
+            lane_masks = torch.where(live.view(-1, 1, 1) > 0, inputs["lane_masks"], -1)
+            state = self.lane_topk(level_inputs(inputs, i - 1), lane_masks.flatten(0, 1))
+        S = self.tree.num_steps
+        lanes = self.lane_slots(rows, draft_lens, b, copy_prefix=i == 0) if S > 1 else None
+        level = self.level(i, state, rows, live, lanes, max_prefix, host)
+        if i < S - 1:
+            return level_outputs(level, b)
+        candidates, tree_mask, positions, next_token, next_sibling = self.build_tree(
+            level.levels, roots, seq_lens
         )
         nodes = tree_nodes(candidates, next_token, next_sibling)
+        drafted = self.levels_drafted(level, rows.device)
         return nodes, tree_mask, positions.view(b, -1), drafted.repeat(b)
 
     def _verify_phase(self, inputs, b: int, max_prefix, host):
@@ -365,74 +413,105 @@ class SpecRound:
         round's (the root's top-K is already the grammar's): each level's draft logits are
         masked per lane before its top-K, so no tree node is spent on a token the grammar
         refuses while allowed ones remain."""
-        p, tree = self.p, self.tree
-        K, S = tree.topk, tree.num_steps
-        if topk_p.shape[1] != K:  # the state kept for a wider tree: this tree's top-K first
-            topk_p, topk_index = topk_p[:, :K].contiguous(), topk_index[:, :K].contiguous()
-        if S > 1:
-            lane_locs, tails = self._assign_lanes(rows, draft_lens, b)
-            start = draft_lens.to(torch.int64) - tails  # the lane's page-aligned prefix
-            prefix = start.to(rows.dtype)
-            # Every step's lane column, slots, positions and lane lengths at once (a few
-            # launches for the whole loop). Step i writes lane column tail + i at seq_len + i.
-            col = p.arange(S - 1)[:, None] + tails[None, :]  # [S-1, b]
-            out_locs = lane_locs.gather(2, col.t()[:, None, :].expand(b, K, -1))  # [b, K, S-1]
-            out_locs = out_locs.permute(2, 0, 1).contiguous()  # [S-1, b, K]
-            positions = (col + start[None, :])[:, :, None].expand(-1, -1, K).contiguous()
-            lane_lens = (col + 1).to(rows.dtype)  # [S-1, b]
-            # the same lengths on the host (eager forwards, and the captured forwards' prepare)
-            grow, ps = (1 if self.standalone else 0), p.page_size
-
-            def lanes_rule(i: int):
-                def rule(seq_lens: list[int]) -> tuple[list[int], list[int]]:
-                    lens = [n + grow for n in seq_lens]
-                    return [n - n % ps for n in lens], [n % ps + i + 1 for n in lens]
-
-                return rule
-
-        scores = None
-        levels: tuple[list, list, list] = ([], [], [])
-        stopped = drafted = None
-        for i in range(S):
-            input_ids, hidden, scores, level = p.kernels.select_top_k(
-                i, topk_p, topk_index, hidden, scores, K
-            )
-            for acc, t in zip(levels, level):
-                acc.append(t)
-            if i == S - 1:
-                break
+        K, S = self.tree.topk, self.tree.num_steps
+        lanes = self.lane_slots(rows, draft_lens, b) if S > 1 else None
+        level = self.level(0, self.first_level(topk_p, topk_index, hidden), rows, live, lanes,
+                           max_prefix, host)  # fmt: skip
+        for i in range(1, S):
             lane_masks = None
             if masks is not None:  # the grammar at each lane's path: the next level's mask
-                lane_masks = masks.lanes(i, input_ids, level[2] if i else None, K)
+                lane_masks = masks.lanes(
+                    i - 1, level.input_ids, level.parents if i > 1 else None, K
+                )
+            level = self.level(i, self.lane_topk(level, lane_masks), rows, live, lanes,
+                               max_prefix, host)  # fmt: skip
+        return level.levels, self.levels_drafted(level, rows.device)
+
+    def first_level(self, topk_p, topk_index, hidden) -> DraftLevel:
+        """The loop's state before level 0: the root's top-K (this tree's K of the K' kept)."""
+        K = self.tree.topk
+        if topk_p.shape[1] != K:  # the state kept for a wider tree: this tree's top-K first
+            topk_p, topk_index = topk_p[:, :K].contiguous(), topk_index[:, :K].contiguous()
+        return DraftLevel(None, None, None, hidden, None, ([], [], []), None, None, topk_p,
+                          topk_index)  # fmt: skip
+
+    def level(self, i: int, state: DraftLevel, rows, live, lanes, max_prefix, host) -> DraftLevel:
+        """Level ``i`` of the draft from ``state`` (its ``topk_p`` / ``topk_index`` the
+        candidates): ``select_top_k``, then, below the last level, the lanes' DRAFT_DECODE
+        forward (its ``logit_h`` for the next level's top-K)."""
+        p, K = self.p, self.tree.topk
+        input_ids, hidden, scores, tree_level = p.kernels.select_top_k(
+            i, state.topk_p, state.topk_index, state.hidden, state.scores, K
+        )
+        levels = tuple([*acc, t] for acc, t in zip(state.levels, tree_level))
+        logit_h = None
+        if i < self.tree.num_steps - 1:
+            lane_locs, prefix, out_locs, positions, lane_lens = lanes
             logit_h, hidden = self._forward(
                 p.draft_runner, ForwardMode.DRAFT_DECODE, rows, prefix, K, live, input_ids,
-                positions[i].view(-1), out_locs[i].view(-1), max_prefix, host, lanes_rule(i),
-                hidden, lane_locs=lane_locs, lane_lens=lane_lens[i], topk=K,
+                positions[i].view(-1), out_locs[i].view(-1), max_prefix, host,
+                self._lanes_rule(i), hidden, lane_locs=lane_locs, lane_lens=lane_lens[i], topk=K,
             )  # fmt: skip
-            if lane_masks is None:
-                topk_p, topk_index = p.draft.topk(logit_h, K)
-            else:
-                topk_p, topk_index = p.draft.topk(logit_h, K, lane_masks)
-            if self.stop_below > 0:
-                # Dynamic depth on the device: once no request's best path of this level
-                # reaches the threshold, the deeper levels' candidates (each lane's own token)
-                # get probability 0, so the tree keeps its N nodes and takes them only where
-                # the drafted levels have too few.
-                low = scores.max() < self.stop_below
-                stopped = low if stopped is None else stopped | low
-                drafted = (~stopped).long() if drafted is None else drafted + ~stopped
-                topk_p = torch.where(stopped, 0.0, topk_p)
-                own = input_ids.view(-1, 1).expand(-1, K)
-                topk_index = torch.where(stopped, own, topk_index)
-        if drafted is None:
-            drafted = torch.full((1,), S, dtype=torch.int64, device=rows.device)
-        else:
-            drafted = (drafted + 1).view(1)
-        return levels, drafted
+        return DraftLevel(input_ids, tree_level[2], logit_h, hidden, scores, levels,
+                          state.stopped, state.drafted)  # fmt: skip
 
-    def _assign_lanes(self, rows, draft_lens, b: int):
+    def lane_topk(self, level: DraftLevel, lane_masks=None) -> DraftLevel:
+        """The next level's candidates: each lane's top-K of the draft (under ``lane_masks``
+        [b * K, W'] where given) and dynamic depth."""
+        p, K = self.p, self.tree.topk
+        if lane_masks is None:
+            topk_p, topk_index = p.draft.topk(level.logit_h, K)
+        else:
+            topk_p, topk_index = p.draft.topk(level.logit_h, K, lane_masks)
+        stopped, drafted = level.stopped, level.drafted
+        if self.stop_below > 0:
+            # Dynamic depth on the device: once no request's best path of this level reaches
+            # the threshold, the deeper levels' candidates (each lane's own token) get
+            # probability 0, so the tree keeps its N nodes and takes them only where the
+            # drafted levels have too few.
+            low = level.scores.max() < self.stop_below
+            stopped = low if stopped is None else stopped | low
+            drafted = (~stopped).long() if drafted is None else drafted + ~stopped
+            topk_p = torch.where(stopped, 0.0, topk_p)
+            own = level.input_ids.view(-1, 1).expand(-1, K)
+            topk_index = torch.where(stopped, own, topk_index)
+        return level._replace(topk_p=topk_p, topk_index=topk_index, stopped=stopped,
+                              drafted=drafted)  # fmt: skip
+
+    def levels_drafted(self, level: DraftLevel, device) -> torch.Tensor:  # [1] int64
+        """The levels drafted: S, or fewer where dynamic depth stopped."""
+        if level.drafted is None:
+            return torch.full((1,), self.tree.num_steps, dtype=torch.int64, device=device)
+        return (level.drafted + 1).view(1)
+
+    def lane_slots(self, rows, draft_lens, b: int, copy_prefix: bool = True):
+        """Where the lanes write, every level at once (a few launches for the whole loop): ->
+        (lane_locs [b, K, W], prefix [b], out_locs [S-1, b, K], positions [S-1, b, K],
+        lane_lens [S-1, b]); level i writes lane column tail + i at position seq_len + i.
+        ``copy_prefix``: copy the prefix's partial last page into each lane (once a round)."""
+        p, S, K = self.p, self.tree.num_steps, self.tree.topk
+        lane_locs, tails = self._assign_lanes(rows, draft_lens, b, copy_prefix)
+        start = draft_lens.to(torch.int64) - tails  # the lane's page-aligned prefix
+        col = p.arange(S - 1)[:, None] + tails[None, :]  # [S-1, b]
+        out_locs = lane_locs.gather(2, col.t()[:, None, :].expand(b, K, -1))  # [b, K, S-1]
+        out_locs = out_locs.permute(2, 0, 1).contiguous()  # [S-1, b, K]
+        positions = (col + start[None, :])[:, :, None].expand(-1, -1, K).contiguous()
+        return lane_locs, start.to(rows.dtype), out_locs, positions, (col + 1).to(rows.dtype)
+
+    def _lanes_rule(self, i: int):
+        """Level ``i``'s lengths on the host (eager forwards, and the captured forwards'
+        prepare): the lanes' page-aligned prefixes and their lengths."""
+        grow, ps = (1 if self.standalone else 0), self.p.page_size
+
+        def rule(seq_lens: list[int]) -> tuple[list[int], list[int]]:
+            lens = [n + grow for n in seq_lens]
+            return [n - n % ps for n in lens], [n % ps + i + 1 for n in lens]
+
+        return rule
+
+    def _assign_lanes(self, rows, draft_lens, b: int, copy_prefix: bool = True):
         """The lanes' slots ([b, K, W]) and each request's prefix tail in its last page (int64
-        [b]); with pages, every lane gets a copy of that tail first."""
+        [b]); with pages (and ``copy_prefix``), every lane gets a copy of that tail first."""
         p, tree = self.p, self.tree
         K, ps, W = tree.topk, p.page_size, tree.lane_width
         idx, dev = p.index_dtype, rows.device
@@ -445,7 +524,7 @@ class SpecRound:
             rows, p.req_to_token, draft_lens, scratch, K, tree.num_steps, ps, lane_locs, tail,
             copy_src, copy_dst,
         )  # fmt: skip
-        if ps > 1:
+        if ps > 1 and copy_prefix:
             p.draft_runner.kv_pool.move(copy_dst, copy_src)
         return lane_locs, tail.to(torch.int64)
 
@@ -592,6 +671,46 @@ class RoundPhase:
         self, inputs: Mapping[str, torch.Tensor], b: int, max_prefix: int | None, host: Any
     ) -> tuple[torch.Tensor, ...]:
         return self._fn(inputs, b, max_prefix, host)
+
+
+LEVEL_KEYS = ("input_ids", "parents", "logit_h", "hidden", "scores")
+"""The names of a phased round's draft state between levels (:func:`level_outputs`), then
+``level{j}_{scores,tokens,parents}`` per level drafted, then ``stopped`` and ``drafted``
+under dynamic depth."""
+
+
+def level_outputs(level: DraftLevel, b: int) -> tuple[torch.Tensor, ...]:
+    """A draft level's state as per-request tensors ([b, ...] each), in the order of
+    :func:`level_keys`."""
+    out = [level.input_ids.view(b, -1), level.parents, level.logit_h.view(b, -1, level.logit_h.shape[-1]),
+           level.hidden.view(b, -1, level.hidden.shape[-1]), level.scores]  # fmt: skip
+    for scores, tokens, parents in zip(*level.levels):
+        out += [scores, tokens, parents]
+    if level.stopped is not None:
+        out += [level.stopped.view(1).repeat(b), level.drafted.view(1).repeat(b)]
+    return tuple(out)
+
+
+def level_keys(num_levels: int, dynamic_depth: bool) -> tuple[str, ...]:
+    """The names of :func:`level_outputs` after ``num_levels`` levels."""
+    keys = [*LEVEL_KEYS]
+    for j in range(num_levels):
+        keys += [f"level{j}_scores", f"level{j}_tokens", f"level{j}_parents"]
+    return (*keys, *(("stopped", "drafted") if dynamic_depth else ()))
+
+
+def level_inputs(inputs: Mapping[str, torch.Tensor], i: int) -> DraftLevel:
+    """The state after level ``i`` from a phase's inputs (:func:`level_outputs` by name)."""
+    levels = tuple(
+        [inputs[f"level{j}_{part}"] for j in range(i + 1)]
+        for part in ("scores", "tokens", "parents")
+    )
+    stopped = inputs["stopped"][0] if "stopped" in inputs else None
+    drafted = inputs["drafted"][0] if "drafted" in inputs else None
+    return DraftLevel(
+        inputs["input_ids"].reshape(-1), inputs["parents"], inputs["logit_h"].flatten(0, 1),
+        inputs["hidden"].flatten(0, 1), inputs["scores"], levels, stopped, drafted,
+    )  # fmt: skip
 
 
 def tree_nodes(

@@ -149,16 +149,23 @@ def test_constrained_greedy_spec_equals_plain(
     assert max(accepted) > 1, "no constrained round accepted a draft token: nothing proven"
 
 
-@pytest.mark.parametrize("algorithm", [None, "self", "eagle3"])
-def test_constrained_rounds_replay_graphs(backend, backend_name, tiny_models, plain, algorithm):
+@pytest.mark.parametrize(
+    "algorithm,dynamic_depth", [(None, 0.0), ("self", 0.0), ("eagle3", 0.0), ("eagle3", 0.999)]
+)
+def test_constrained_rounds_replay_graphs(
+    backend, backend_name, tiny_models, plain, algorithm, dynamic_depth
+):
     """Where rounds replay graphs, a constrained round replays them too: a plain round with
-    the root's mask as an input, a speculative one as its three phases (draft, verify,
-    accept) with the node masks built on the host in between. Greedy outputs equal eager
-    plain decoding's, constrained outputs satisfy their constraints, the constrained
-    requests speculate, and once they have finished the others speculate on."""
+    the root's mask as an input, a speculative one as its phases (the draft's levels, the
+    verify, the acceptance) with the masks built on the host in between (each level's lanes',
+    the tree's nodes). Greedy outputs equal eager plain decoding's (with dynamic depth too),
+    constrained outputs satisfy their constraints, the constrained requests speculate, and
+    once they have finished the others speculate on."""
     require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     spec = {} if algorithm is None else {"topk": 2, "num_steps": 3}
+    if dynamic_depth:
+        spec["dynamic_depth"] = dynamic_depth
     llm = _llm(backend, backend_name, tiny_models, algorithm, graphs="on", **spec)
     prompts, params = _batch()
     # the unconstrained requests run on after the constrained ones have finished
@@ -174,12 +181,14 @@ def test_constrained_rounds_replay_graphs(backend, backend_name, tiny_models, pl
     if algorithm is None:
         assert "decode_greedy_constrained" in names, names
         return
-    assert {"round_greedy_constrained.draft", "round_greedy_constrained.verify",
-            "round_greedy_constrained.accept"} <= names, names  # fmt: skip
+    phases = ("draft", "level1", "level2", "verify", "accept")  # num_steps 3
+    assert {f"round_greedy_constrained.{p}" for p in phases} <= names, names
     for constrained in (True, False):
         accepted = [n for p, o in zip(params, got) if p.constrained == constrained
                     for n in o.stats.accepted_per_round]  # fmt: skip
         assert max(accepted) > 1, f"constrained={constrained}: no draft token was accepted"
+    if dynamic_depth:  # rounds stopped drafting early
+        assert sum(llm.worker.drafted_levels[1:3]) > 0, llm.worker.drafted_levels
 
 
 @pytest.mark.parametrize("algorithm", ["self", "eagle3"])

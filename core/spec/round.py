@@ -34,13 +34,14 @@ request's grammar matcher, which the round applies with the ``apply_token_bitmas
 the root's mask to the draft's first top-K (and to plain decoding's logits), each draft
 level's lane masks to the draft's logits before its top-K, and one mask per tree node to the
 target's verify logits, so both greedy and sampled acceptance follow the constrained target
-distribution. Run whole (eagerly at the batch's exact size: every draft level masked, the
-drafted tokens read on the host for the lanes' masks), or where the batch replays graphs as
-three phases (:meth:`SpecRound.phases`): ``.draft`` (the root's top-K under ``root_mask``
-[b, W'], an input; the draft levels unmasked, since a host read per level would leave the
-device idle; the tree), ``.verify`` (the target's forward over the tree, while the host reads
-the tree and builds the node masks) and ``.accept`` (the logits under ``node_masks``
-[b, N, W], acceptance, compaction, the draft extend). Never queued: the grammar advances on
+distribution. Run whole (eagerly at the batch's exact size, the drafted tokens read on the
+host for the lanes' masks), or where the batch replays graphs as phases
+(:meth:`SpecRound.phases`): ``.draft`` (the root's top-K under ``root_mask`` [b, W'], an
+input; level 0), ``.level1`` .. ``.level{S-1}`` (the lanes' top-K under ``lane_masks``
+[b, K, W'], built by the host from the level before; the last one builds the tree),
+``.verify`` (the target's forward over the tree, while the host reads the tree and builds the
+node masks) and ``.accept`` (the logits under ``node_masks`` [b, N, W], acceptance,
+compaction, the draft extend). Never queued: the grammar advances on
 the host between rounds. A constrained plain round needs only the root's mask, which it takes
 as an input (``root_mask`` [b, W] int32), so it replays a graph like any plain round (never
 queued either). An unconstrained round is the plain function, with none of this.

@@ -416,16 +416,16 @@ class SpecRound:
         refuses while allowed ones remain."""
         K, S = self.tree.topk, self.tree.num_steps
         lanes = self.lane_slots(rows, draft_lens, b) if S > 1 else None
-        level = self.level(0, self.first_level(topk_p, topk_index, hidden), rows, live, lanes,
-                           max_prefix, host)  # fmt: skip
+        state = self.first_level(topk_p, topk_index, hidden)
+        level = self.level(0, state, rows, live, lanes, max_prefix, host)
         for i in range(1, S):
             lane_masks = None
             if masks is not None:  # the grammar at each lane's path: the next level's mask
                 lane_masks = masks.lanes(
                     i - 1, level.input_ids, level.parents if i > 1 else None, K
                 )
-            level = self.level(i, self.lane_topk(level, lane_masks), rows, live, lanes,
-                               max_prefix, host)  # fmt: skip
+            state = self.lane_topk(level, lane_masks)
+            level = self.level(i, state, rows, live, lanes, max_prefix, host)
         return level.levels, self.levels_drafted(level, rows.device)
 
     def first_level(self, topk_p, topk_index, hidden) -> DraftLevel:
@@ -433,8 +433,9 @@ class SpecRound:
         K = self.tree.topk
         if topk_p.shape[1] != K:  # the state kept for a wider tree: this tree's top-K first
             topk_p, topk_index = topk_p[:, :K].contiguous(), topk_index[:, :K].contiguous()
-        return DraftLevel(None, None, None, hidden, None, ([], [], []), None, None, topk_p,
-                          topk_index)  # fmt: skip
+        return DraftLevel(
+            None, None, None, hidden, None, ([], [], []), None, None, topk_p, topk_index
+        )
 
     def level(self, i: int, state: DraftLevel, rows, live, lanes, max_prefix, host) -> DraftLevel:
         """Level ``i`` of the draft from ``state`` (its ``topk_p`` / ``topk_index`` the
@@ -453,8 +454,10 @@ class SpecRound:
                 positions[i].view(-1), out_locs[i].view(-1), max_prefix, host,
                 self._lanes_rule(i), hidden, lane_locs=lane_locs, lane_lens=lane_lens[i], topk=K,
             )  # fmt: skip
-        return DraftLevel(input_ids, tree_level[2], logit_h, hidden, scores, levels,
-                          state.stopped, state.drafted)  # fmt: skip
+        return DraftLevel(
+            input_ids, tree_level[2], logit_h, hidden, scores, levels, state.stopped,
+            state.drafted,
+        )  # fmt: skip
 
     def lane_topk(self, level: DraftLevel, lane_masks=None) -> DraftLevel:
         """The next level's candidates: each lane's top-K of the draft (under ``lane_masks``
@@ -476,8 +479,9 @@ class SpecRound:
             topk_p = torch.where(stopped, 0.0, topk_p)
             own = level.input_ids.view(-1, 1).expand(-1, K)
             topk_index = torch.where(stopped, own, topk_index)
-        return level._replace(topk_p=topk_p, topk_index=topk_index, stopped=stopped,
-                              drafted=drafted)  # fmt: skip
+        return level._replace(
+            topk_p=topk_p, topk_index=topk_index, stopped=stopped, drafted=drafted
+        )
 
     def levels_drafted(self, level: DraftLevel, device) -> torch.Tensor:  # [1] int64
         """The levels drafted: S, or fewer where dynamic depth stopped."""

@@ -695,7 +695,7 @@ class LLM:
             for params in (greedy, sampled):
                 self.generate(prompt_token_ids=[prompt] * sizes[0], sampling_params=params)
         if self.scheduler.grammars is not None and importlib.util.find_spec("llguidance"):
-            # a constrained batch's rounds: a plain round's graph, a speculative round's three
+            # a constrained batch's rounds: a plain round's graph, a speculative round's phases
             for sizes in served.values():
                 for params in (greedy, sampled):
                     constrained = dataclasses.replace(params, regex="[a-z]{1,24}")

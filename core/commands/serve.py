@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import sys
 
@@ -149,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
     if under_torchrun() and int(os.environ["RANK"]) != 0:  # rank 0 serves; this rank follows
         llm, _, _ = engine_from_args(args)
+        _freeze_heap()
         llm.follow()
         return 0
 
@@ -170,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
             warm = llm.warm_up(progress)
             say(f"polyspec serve: {warm['graphs']} graphs captured in {warm['seconds']:.1f} s")
+        _freeze_heap()
         return llm, sampling
 
     print(
@@ -178,3 +181,12 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return run_server(settings, args.host, args.port, load)
+
+
+def _freeze_heap() -> None:
+    """Move everything alive at start-up (the engine lives as long as the server) out of the
+    garbage collector's generations: with SmolLM2 and the shipped head loaded (~183k tracked
+    objects) a full collection took 50-70 ms on a 2-core CPU, a stall of every request in
+    flight whenever the oldest generation was collected; frozen, it takes microseconds."""
+    gc.collect()
+    gc.freeze()

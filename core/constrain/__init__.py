@@ -7,7 +7,7 @@ runs without it until a request asks for a constraint.
 """
 
 from polyspec.constrain.grammars import GrammarCache, constraint_of
-from polyspec.constrain.masks import DraftVocab, RoundMasks
+from polyspec.constrain.masks import DraftVocab, RoundMasks, draft_bitmask
 from polyspec.constrain.matcher import ConstraintViolation, Matcher, next_masks
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "Matcher",
     "RoundMasks",
     "constraint_of",
+    "draft_bitmask",
     "next_masks",
 ]

@@ -54,6 +54,24 @@ class DraftVocab:
         return out
 
 
+def draft_bitmask(
+    mask: torch.Tensor,  # [n, W] int32 over the target's vocabulary
+    draft_to_target: torch.Tensor,  # [V'] int64: each draft token's target id
+) -> torch.Tensor:  # [n, W'] int32 over the draft's vocabulary (bits past V' clear)
+    """:meth:`DraftVocab.to_draft` on the device, in a few tensor ops that a captured graph
+    can hold: draft token ``j``'s bit is target token ``draft_to_target[j]``'s. A phased
+    constrained round converts its root's and lanes' masks this way, so that the host, which
+    the device waits for between the draft's levels, builds target-vocabulary masks only."""
+    n, size = mask.shape[0], draft_to_target.shape[0]
+    width = (size + 31) // 32
+    words = mask.long().index_select(1, draft_to_target >> 5) & 0xFFFFFFFF  # [n, V']
+    bits = (words >> (draft_to_target & 31)) & 1
+    bits = torch.nn.functional.pad(bits, (0, width * 32 - size)).view(n, width, 32)
+    shifts = torch.arange(32, device=mask.device, dtype=torch.int64)
+    packed = (bits << shifts).sum(-1)  # [n, W'] in [0, 2^32)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
 class RoundMasks:
     """The host side of a constrained round (handed to it in its
     :class:`~polyspec.spec.round.HostView`). ``matchers``: one per request, None where it is
@@ -118,13 +136,19 @@ class RoundMasks:
         tokens: torch.Tensor,  # [b * K] each lane's newest draft token
         parents: torch.Tensor | None,  # [b, K] select_top_k's tree_parents (step >= 1)
         topk: int,
+        draft_vocab: bool = True,
     ) -> torch.Tensor:  # [b * K, W'] int32 over the draft's vocabulary, on the device
         """The masks of the draft's next token at each lane of level ``step``: lane ``j`` of
         a level after the first continues lane ``(parents[:, j] - K - K*K*(step-1)) // K`` of
-        the level before (select_top_k's candidate ids)."""
+        the level before (select_top_k's candidate ids). ``draft_vocab`` False: over the
+        target's vocabulary ([b * K, W]; the caller converts them, :func:`draft_bitmask`)."""
         b, K = len(self.matchers), topk
-        toks = tokens.view(b, K).tolist()  # waits for the draft level
-        par = None if step == 0 else parents.tolist()
+        read = tokens.view(b, K)
+        if step > 0:
+            read = torch.cat([read, parents.to(read.dtype)], 1)
+        both = read.tolist()  # waits for the draft level (one read)
+        toks = [row[:K] for row in both]
+        par = None if step == 0 else [row[K:] for row in both]
         t = time.perf_counter()
         if step == 0:
             self._lanes = [[[tok] for tok in row] for row in toks]
@@ -141,7 +165,8 @@ class RoundMasks:
             if m is not None
         ]
         self._fill(work, out)
-        out = self._to_draft(out)
+        if draft_vocab:
+            out = self._to_draft(out)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 

@@ -295,15 +295,15 @@ class WorkerBase:
         masks, bs, K = host.masks, len(rids), fn.tree.topk
         own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
         state = {k: v for k, v in inputs.items() if k == "host" or k in own}
-        state["root_mask"] = masks.root_draft()  # [bs, W'] int32
+        state["root_mask"] = masks.root()  # [bs, W] int32 (the phase takes the draft's vocab)
         launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
         out = launch(levels[0].__name__, levels[0], state)
         for i, phase in enumerate(levels[1:], start=1):
             keys = level_keys(i, fn.stop_below > 0)
             level = {k: t[:bs] for k, t in zip(keys, out.outputs)}
             tokens, parents = level["input_ids"].reshape(-1), level["parents"]
-            lane_masks = masks.lanes(i - 1, tokens, parents if i > 1 else None, K)
-            level["lane_masks"] = lane_masks.view(bs, K, -1)
+            lane_masks = masks.lanes(i - 1, tokens, parents if i > 1 else None, K, False)
+            level["lane_masks"] = lane_masks.view(bs, K, -1)  # [bs, K, W] int32
             out = launch(phase.__name__, phase, {"host": inputs["host"], **level})
         # copies of what the accept phase reads (a replay may overwrite a graph's outputs)
         nodes, tree_mask, positions, drafted = (t[:bs] for t in out.outputs)

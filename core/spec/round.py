@@ -36,9 +36,10 @@ level's lane masks to the draft's logits before its top-K, and one mask per tree
 target's verify logits, so both greedy and sampled acceptance follow the constrained target
 distribution. Run whole (eagerly at the batch's exact size, the drafted tokens read on the
 host for the lanes' masks), or where the batch replays graphs as phases
-(:meth:`SpecRound.phases`): ``.draft`` (the root's top-K under ``root_mask`` [b, W'], an
+(:meth:`SpecRound.phases`): ``.draft`` (the root's top-K under ``root_mask`` [b, W], an
 input; level 0), ``.level1`` .. ``.level{S-1}`` (the lanes' top-K under ``lane_masks``
-[b, K, W'], built by the host from the level before; the last one builds the tree),
+[b, K, W], built by the host from the level before; the last one builds the tree; both over
+the target's vocabulary, an EAGLE-3 head's own taken on the device),
 ``.verify`` (the target's forward over the tree, while the host reads the tree and builds the
 node masks) and ``.accept`` (the logits under ``node_masks`` [b, N, W], acceptance,
 compaction, the draft extend). Never queued: the grammar advances on
@@ -62,7 +63,7 @@ from typing import Any, NamedTuple
 import torch
 
 from polyspec.backend import ForwardMode, HostLengths, KernelSet, TreeMaskMode
-from polyspec.constrain import RoundMasks
+from polyspec.constrain import RoundMasks, draft_bitmask
 from polyspec.runtime.graphs import block_slots, padded, static_batch
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.sampling import target_probs
@@ -284,13 +285,14 @@ class SpecRound:
         if i == 0:
             root_mask = torch.where(live.view(-1, 1) > 0, inputs["root_mask"], -1)  # padding
             topk_p, topk_index, hidden, draft_lens = self.draft_state(
-                rows, seq_lens, roots, live, inputs, max_prefix, host, root_mask
+                rows, seq_lens, roots, live, inputs, max_prefix, host, self._to_draft(root_mask)
             )
             state = self.first_level(topk_p, topk_index, hidden)
         else:
             draft_lens = seq_lens + 1 if self.standalone else seq_lens
             lane_masks = torch.where(live.view(-1, 1, 1) > 0, inputs["lane_masks"], -1)
-            state = self.lane_topk(level_inputs(inputs, i - 1), lane_masks.flatten(0, 1))
+            lane_masks = self._to_draft(lane_masks.flatten(0, 1))
+            state = self.lane_topk(level_inputs(inputs, i - 1), lane_masks)
         S = self.tree.num_steps
         lanes = self.lane_slots(rows, draft_lens, b, copy_prefix=i == 0) if S > 1 else None
         level = self.level(i, state, rows, live, lanes, max_prefix, host)
@@ -302,6 +304,12 @@ class SpecRound:
         nodes = tree_nodes(candidates, next_token, next_sibling)
         drafted = self.levels_drafted(level, rows.device)
         return nodes, tree_mask, positions.view(b, -1), drafted.repeat(b)
+
+    def _to_draft(self, mask: torch.Tensor) -> torch.Tensor:  # [n, W] -> [n, W'] int32
+        """A phase's target-vocabulary mask over the draft's vocabulary (an EAGLE-3 head's
+        own, converted on the device), or as it is (a draft over the target's)."""
+        d2t = getattr(self.p.draft, "draft_to_target", None)
+        return mask if d2t is None else draft_bitmask(mask, d2t)
 
     def _verify_phase(self, inputs, b: int, max_prefix, host):
         """-> (hidden [b * N, H], draft features [b * N, F]) of the tree ``nodes``."""

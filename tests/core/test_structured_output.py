@@ -141,6 +141,26 @@ def test_draft_vocabulary_masks():
     assert np.flatnonzero(bits[1]).tolist() == list(range(len(d2t)))
 
 
+def test_draft_bitmask_on_the_device_equals_the_host_conversion():
+    """``draft_bitmask`` (a phased round's conversion, tensor ops) gives the words of
+    ``DraftVocab.to_draft`` (the host's) for random masks, all-ones and all-zeros rows, with a
+    draft vocabulary that is not a multiple of 32 and sign bits set."""
+    import torch
+
+    from polyspec.constrain import DraftVocab, draft_bitmask
+
+    rng = np.random.default_rng(0)
+    vocab, size = 1000, 613
+    d2t = np.sort(rng.choice(vocab, size, replace=False)).astype(np.int64)
+    width = (vocab + 31) // 32
+    rows = rng.integers(-(2**31), 2**31, (6, width), dtype=np.int64).astype(np.int32)
+    rows[1] = -1
+    rows[2] = 0
+    want = DraftVocab(d2t).to_draft(rows)
+    got = draft_bitmask(torch.from_numpy(rows), torch.from_numpy(d2t)).numpy()
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+
+
 def test_round_masks_compute_each_node_once(llm):
     """A round's masks equal masks computed afresh for every node's path (a refused token
     and the grammar's end give all-ones rows, and so does everything below them), while

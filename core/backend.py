@@ -504,10 +504,10 @@ class Backend(abc.ABC):
         a sampled round's settings as float32), built without waiting for the device work
         already queued. The engine calls this several times per decode round, and hands a
         CPU tensor where it has one (a structured-output round's masks: tens of thousands of
-        words, which a list would cost milliseconds to build); the result never shares memory with ``values``. A plain
-        ``torch.tensor(values, device=...)`` from pageable memory synchronises the stream on
-        CUDA-like devices, so a backend overrides this with a pinned, asynchronous copy. The
-        default is the plain construction."""
+        words, which a list would cost milliseconds to build); the result never shares memory
+        with ``values``. A plain ``torch.tensor(values, device=...)`` from pageable memory
+        synchronises the stream on CUDA-like devices, so a backend overrides this with a
+        pinned, asynchronous copy. The default is the plain construction."""
         if isinstance(values, torch.Tensor):
             return values.to(device=self.device(), dtype=dtype, copy=True)
         return torch.tensor(values, dtype=dtype, device=self.device())

@@ -186,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
 def _freeze_heap() -> None:
     """Move everything alive at start-up (the engine lives as long as the server) out of the
     garbage collector's generations: with SmolLM2 and the shipped head loaded (~183k tracked
-    objects) a full collection took 50-70 ms on a 2-core CPU, a stall of every request in
-    flight whenever the oldest generation was collected; frozen, it takes microseconds."""
+    objects) a full collection took 50-70 ms on a 2-core CPU (``benchmarks/gc_pause.py``), a
+    stall of every request in flight whenever the oldest generation was collected; frozen, it
+    takes microseconds."""
     gc.collect()
     gc.freeze()

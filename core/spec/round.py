@@ -695,8 +695,9 @@ under dynamic depth."""
 def level_outputs(level: DraftLevel, b: int) -> tuple[torch.Tensor, ...]:
     """A draft level's state as per-request tensors ([b, ...] each), in the order of
     :func:`level_keys`."""
-    out = [level.input_ids.view(b, -1), level.parents, level.logit_h.view(b, -1, level.logit_h.shape[-1]),
-           level.hidden.view(b, -1, level.hidden.shape[-1]), level.scores]  # fmt: skip
+    lanes = (level.logit_h, level.hidden)  # [b * K, H] each
+    out = [level.input_ids.view(b, -1), level.parents]
+    out += [t.view(b, -1, t.shape[-1]) for t in lanes] + [level.scores]
     for scores, tokens, parents in zip(*level.levels):
         out += [scores, tokens, parents]
     if level.stopped is not None:

@@ -232,3 +232,25 @@ def test_target_size_script_times_both_engines_and_a_linear_tile_override(tmp_pa
     for kind in ("plain", "spec"):
         assert row[kind]["tokens"] == 4, row[kind]
         assert row[kind]["forward"]["method"] == "graph_replay", row[kind]["forward"]
+
+
+def test_gc_pause_script_reports_and_leaves_the_heap_unfrozen(tmp_path):
+    """``benchmarks/gc_pause.py`` on a tiny speculative engine: it reports the tracked objects
+    and a time per collection, and undoes its ``gc.freeze()`` (the objects it froze would
+    otherwise never be collected in the calling process)."""
+    import gc
+    import importlib.util
+    from pathlib import Path
+
+    from polyspec.testing import builders
+
+    target = builders.build_tiny_target(tmp_path / "target", seed=0)
+    head = builders.build_tiny_eagle3(tmp_path / "eagle3", target, seed=2)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gc_pause.py"
+    spec = importlib.util.spec_from_file_location("gc_pause", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    frozen_before = gc.get_freeze_count()
+    out = script.main(["--target", str(target), "--draft", str(head), "--repeats", "2"])
+    assert gc.get_freeze_count() == frozen_before
+    assert out["tracked"] > 0 and len(out["collect_ms"]) == 2 and out["frozen_ms"] >= 0

@@ -148,9 +148,10 @@ class EagleWorker(WorkerBase):
         self._settle(schedule)
 
     plain_tree = PLAIN_ROUNDS
-    # P: the plain rounds' roots whose features are kept per request. A request whose plain
-    # rounds outnumber them is caught up over its last P positions only; the draft's KV of
-    # the positions before stays unwritten (its drafts may be accepted less, never wrong).
+    # P: the positions whose features are kept per request while rounds are plain (a prompt's
+    # prefilled then, the plain rounds' roots). A request with more is caught up over its last
+    # P positions only; the draft's KV of the positions before stays unwritten (its drafts
+    # may be accepted less, never wrong).
     plain_feature_positions = 64
 
     def tree_for(self, bs: int) -> Tree:
@@ -159,7 +160,8 @@ class EagleWorker(WorkerBase):
 
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, rids: Sequence[int], ends: Sequence[int]) -> dict[int, int]:
-        """Target extend over a prompt chunk, then draft extend over the shifted chunk."""
+        """Target extend over a prompt chunk, then draft extend over the shifted chunk (left
+        to the request's first speculative round while the batch's rounds are plain)."""
         self.timer.start()
         self._own_draft_batch()
         hidden, aux, starts, lens = self._target_extend(rids, ends)
@@ -168,6 +170,16 @@ class EagleWorker(WorkerBase):
         last = self._last_rows(lens, done) if done else None  # [len(done)]
         done_rids = [rids[i] for i in done]
         first_t = self._first_tokens(done_rids, hidden.index_select(0, last)) if done else None
+        if self.tree_for(len(self.states)).num_steps == 0:
+            # Rounds of a batch this large are plain: the draft reads the prompt when the
+            # request's first speculative round catches it up (never, if the batch stays this
+            # large), so speculation costs a plain engine no draft prefill. An EAGLE head's
+            # features of the chunk's last P positions are kept for that catch-up.
+            if not self.root_forward:
+                self._keep_prompt_features(sts, starts, lens, aux if self.use_aux else hidden)
+            first = dict(zip(done_rids, self._commit_first(done_rids, first_t))) if done else {}
+            self.timer.lap("prefill")
+            return first
         # The draft's extend is queued before the host reads the first tokens: an EAGLE head
         # reads a completed prompt's first token at its last position, scattered in on the
         # device (the device would idle while the host built the extend after that read).
@@ -195,6 +207,22 @@ class EagleWorker(WorkerBase):
         first = dict(zip(done_rids, self._commit_first(done_rids, first_t))) if done else {}
         self.timer.lap("prefill")
         return first
+
+    def _keep_prompt_features(self, sts, starts, lens, features) -> None:
+        """``plain_features[row, p % P] = features`` [T, F] (a prefill's, concatenated) for the
+        last P positions ``p`` of each request's chunk: where a plain round keeps its root's."""
+        P = self.plain_features.shape[1]
+        src, rows_at, positions = [], [], []
+        offset = 0
+        for s, st, n in zip(sts, starts, lens):
+            first = max(st, st + n - P)
+            src += range(offset + first - st, offset + n)
+            rows_at += [s.row] * (st + n - first)
+            positions += [p % P for p in range(first, st + n)]
+            offset += n
+        at = self.builder.long(src + rows_at + positions).view(3, -1)
+        kept = features.index_select(0, at[0]).to(self.plain_features.dtype)
+        self.plain_features.index_put_((at[1], at[2]), kept)
 
     # -- the draft's state between rounds -----------------------------------------------------
     def _catch_up(self, sts: Sequence[SeqState]) -> None:

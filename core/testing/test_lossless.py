@@ -185,10 +185,12 @@ def test_plain_rounds_in_a_speculative_engine_equal_plain_greedy(
 
 
 def test_plain_rounds_keep_an_eagle_head_current(backend, backend_name, tiny_models):
-    """After plain rounds (which skip the draft) an EAGLE head's state (its KV of the rounds'
-    tokens, and the feature and top-K the next speculative round drafts from) is what a
-    prefill of the same tokens gives: the catch-up before that round is the draft extend of
-    the tokens the plain rounds committed, from the target features they kept."""
+    """After a prefill and plain rounds at a batch size whose rounds are plain (both skip the
+    draft) an EAGLE head's state (its KV of the prompt and the rounds' tokens, and the
+    feature and top-K the next speculative round drafts from) is what a prefill of the same
+    tokens gives: the catch-up before that round is the draft extend of the prompt and the
+    tokens the plain rounds committed, from the target features the prefill and the rounds
+    kept."""
     import torch
 
     from polyspec.runtime.sampling import RequestSampler
@@ -204,21 +206,25 @@ def test_plain_rounds_keep_an_eagle_head_current(backend, backend_name, tiny_mod
         w.add_request(0, prompt, sampler, kv_reserved=64)
         w.add_request(1, prompt[:5], sampler, kv_reserved=64)
         first = w.prefill([0, 1], [len(prompt), 5])[0]
+        assert w.states[0].draft_len == 0  # a batch of two: the prefill skipped the draft
         tokens = [first]
         for _ in range(4):  # plain rounds: a batch of two
             tokens += w.decode([0, 1])[0]
         w.remove_request(1)
-        assert w.states[0].draft_len < w.states[0].seq_len  # the plain rounds skipped it
+        assert w.states[0].draft_len == 0  # so did the plain rounds
         state = w._draft_state([0], [w.states[0]])  # caught up first
-        # the same tokens prefilled: the head's state at the same position
+        assert w.states[0].draft_len == w.states[0].seq_len
+        w.remove_request(0)
+        # the same tokens prefilled alone (so the draft reads them): the head's state at the
+        # same position
         w.add_request(2, prompt + tokens[:-1], sampler, kv_reserved=64)
         assert w.prefill([2], [len(prompt) + len(tokens) - 1])[2] == tokens[-1]
         ref = w.states[2]
+        assert ref.draft_len == ref.seq_len
         torch.testing.assert_close(state[2][0], ref.draft_feature, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(state[0][0], ref.topk_p, atol=1e-4, rtol=1e-4)
         assert state[1][0].tolist() == ref.topk_index.tolist()
-        for r in (0, 2):
-            w.remove_request(r)
+        w.remove_request(2)
 
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "self"])

@@ -29,9 +29,11 @@ holds a graph's outputs across another replay fails here instead of on the devic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -84,6 +86,20 @@ def copy_inputs(
         buf[:n].copy_(new, non_blocking=non_blocking)
         if n < buf.shape[0]:
             buf[n:].zero_()
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """The garbage collector off for a device graph's capture: a collection started by the
+    capture's Python work can free another engine's graph, whose destructor (a device call)
+    is illegal while the stream captures, and the capture fails."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def never_captured(runner: str, key: Any, captured: list[Any]) -> KeyError:

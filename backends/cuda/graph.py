@@ -23,6 +23,7 @@ from polyspec.backends.common.graph import (
     checked_static_inputs,
     copy_inputs,
     never_captured,
+    no_collection,
 )
 
 
@@ -74,7 +75,7 @@ class CUDAGraphRunner(GraphRunner):
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with no_collection(), torch.cuda.graph(graph, pool=self._pool):
                 outputs = fn(inputs)
             graph.replay()
         self._graphs[key] = _Graph(graph, inputs, outputs)

@@ -31,6 +31,7 @@ from polyspec.backends.common.graph import (
     checked_static_inputs,
     copy_inputs,
     never_captured,
+    no_collection,
 )
 
 from .runtime import import_torch_npu
@@ -105,7 +106,7 @@ class NPUGraphRunner(GraphRunner):
         tasks: list[AttentionTask] = []
         _recording.append(tasks)
         try:
-            with npu.graph(graph, pool=self._pool):
+            with no_collection(), npu.graph(graph, pool=self._pool):
                 outputs = fn(inputs)
         finally:
             _recording.pop()

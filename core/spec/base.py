@@ -390,6 +390,9 @@ class WorkerBase:
         # The next round starts at most ``depth`` past the prefixes the host knows (a
         # request that sat this round out: at its prefix).
         members, new = sts[: len(sts) - joined], sts[len(sts) - joined :]
+        if tree.num_steps and any(s.draft_len < s.seq_len for s in new):
+            return None  # a joining request's draft is behind (its prefill skipped it): the
+            # next round catches it up first (a draft extend, which cannot be queued here)
         max_prefix = max([s.seq_len + depth for s in members] + [s.seq_len for s in new])
         if not launched.captured or not self.executor.captures(len(sts), max_prefix):
             return None

@@ -32,7 +32,7 @@ def _prompts(n: int, vocab: int = 250) -> list[list[int]]:
 
 def _llm(
     backend_name, tiny, algorithm=None, page_size=1, graphs="off", overlap_rounds=False,
-    max_batch_size=5, **spec,
+    max_batch_size=5, engine=None, **spec,
 ):  # fmt: skip
     from polyspec.engine.llm import LLM
 
@@ -46,7 +46,7 @@ def _llm(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
         dtype="float32", page_size=page_size, max_batch_size=max_batch_size, max_context=256,
         graphs=graphs,
-        overlap_rounds=overlap_rounds,
+        overlap_rounds=overlap_rounds, **(engine or {}),
     )  # fmt: skip
 
 
@@ -372,6 +372,41 @@ def test_overlapped_rounds_with_requests_joining_and_leaving(
         else:  # the same request alone: its seeded stream gives the same tokens
             alone = llm.generate(prompt_token_ids=[prompts[i]], sampling_params=p)[0].token_ids
             assert outs[i] == alone, i
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "self"])
+def test_prompts_prefilled_during_plain_rounds_join_queued_rounds(
+    backend, backend_name, tiny_models, algorithm
+):
+    """Five requests in flight (plain rounds from 5: ``5:plain``) prefill in chunks of 8 and
+    finish their prompts a step apart. Each prompt is prefilled while five are in flight, so
+    it skips the draft, then joins a batch whose speculative rounds are queued one behind the
+    other: the round queued when it joins is not used for it, and its draft catches up
+    before its first speculative round. The output is plain greedy decoding's."""
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(
+        not backend.capabilities.graph_needs_prepare,
+        "graphs without prepare (a queued round's lengths are not on the host yet)",
+    )
+    page_size = default_page_size(backend)
+    topk = 2 if backend.capabilities.tree_attention else 1
+    spec = {"num_steps": 3, "topk": topk, "num_draft_tokens": 2 * topk + 1}
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (6, 14, 22, 30, 38)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = _llm(backend_name, tiny_models, page_size=page_size)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = _llm(
+        backend_name, tiny_models, algorithm, page_size=page_size, graphs="on",
+        overlap_rounds=True, engine={"prefill_chunk_size": 8}, batch_trees="5:plain", **spec,
+    )  # fmt: skip
+    free_before = llm.kv_slots_free
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+    rounds = llm.worker.rounds_by_tree
+    assert rounds["plain"] > 0 and sum(rounds.values()) > rounds["plain"], rounds
+    assert llm.worker.queued_rounds["used"] > 0, llm.worker.queued_rounds
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])

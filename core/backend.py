@@ -545,17 +545,6 @@ class Backend(abc.ABC):
         inside the callable (the cpu backend prepacks bf16 weights for oneDNN)."""
         return None
 
-    def gated_linear_fn(
-        self,
-        weight: torch.Tensor,  # [out, in], as returned by prepare_linear_weight
-    ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None:
-        """A gated MLP's down projection in one kernel: ``fn(x [T, 2 * in], bias [out] | None)
-        -> [T, out]`` equal, bit for bit, to :attr:`kernels` ``.silu_and_mul(x)`` followed by
-        this weight's :meth:`linear_fn` (``F.linear`` where that is None); or None (the
-        default: the model makes the two calls). Called once per ``down_proj`` weight at load
-        time, after :meth:`linear_fn`."""
-        return None
-
     def quantized_linear_fn(
         self,
         weight: torch.Tensor,  # [out, in] float

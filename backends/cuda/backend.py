@@ -162,23 +162,6 @@ class CUDABackend(Backend):
 
         return linear
 
-    def gated_linear_fn(self, weight: torch.Tensor):  # weight [out, in]
-        """The row-invariant linear reading ``silu(gate) * up`` as it loads its input, where
-        :meth:`linear_fn` is that linear and ``silu_and_mul`` the Triton kernel whose
-        rounding it repeats: one launch and no activation tensor in memory."""
-        from polyspec.kernels.triton.activation import silu_and_mul
-        from polyspec.kernels.triton.linear import row_invariant_linear
-
-        if self.linear_fn(weight) is None or self.kernels.silu_and_mul is not silu_and_mul:
-            return None
-
-        w = weight.contiguous()
-
-        def gated_linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return row_invariant_linear(x, w, bias, gated=True)
-
-        return gated_linear
-
     def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
         """A token-slot (``page_size == 1``) or paged allocator; free lists stay on the host,
         slots are handed out on the device."""

@@ -28,7 +28,7 @@ from torch import nn
 from polyspec.backend import AttentionBackend, AttentionMetadata, KernelSet
 from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig
-from polyspec.model.linear import gated_linear, linear
+from polyspec.model.linear import linear
 from polyspec.model.rope import cos_sin_cache
 from polyspec.parallel.group import TPGroup
 from polyspec.parallel.shard import ShardLayout
@@ -120,8 +120,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """SwiGLU MLP with one fused gate/up matmul (row parallel down_proj under tp)."""
-        gate_up = linear(x, self.gate_up_proj)  # [T, 2I]
-        out = gated_linear(gate_up, self.down_proj, self.kernels.silu_and_mul)
+        out = linear(self.kernels.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def load_weights(self, get: Getter, prefix: str, skip_input_norm: bool = False) -> None:

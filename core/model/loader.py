@@ -182,7 +182,7 @@ def apply_weight_layout(model: torch.nn.Module, backend: Backend) -> None:
                     if new is not w.data:
                         w = torch.nn.Parameter(new, requires_grad=False)
                         setattr(module, name, w)
-                    attach_linear_fn(w, backend, gated=name == "down_proj")
+                    attach_linear_fn(w, backend)
         if isinstance(model, CausalLM) and model.lm_head is None:
             embed = model.embed_tokens.data
             tied = backend.prepare_linear_weight(embed)
@@ -195,17 +195,12 @@ def apply_weight_layout(model: torch.nn.Module, backend: Backend) -> None:
                     model.lm_head.polyspec_linear = fn
 
 
-def attach_linear_fn(weight: torch.Tensor, backend: Backend, gated: bool = False) -> None:
+def attach_linear_fn(weight: torch.Tensor, backend: Backend) -> None:
     """Store the backend's :meth:`Backend.linear_fn` for ``weight`` on it, where
-    :func:`polyspec.model.linear.linear` finds it; with ``gated`` (a down projection) its
-    :meth:`Backend.gated_linear_fn` too, paired with that linear
-    (:func:`polyspec.model.linear.gated_linear`)."""
+    :func:`polyspec.model.linear.linear` finds it."""
     fn = backend.linear_fn(weight.data)
     if fn is not None:
         weight.polyspec_linear = fn
-    gated_fn = backend.gated_linear_fn(weight.data) if gated else None
-    if gated_fn is not None:
-        weight.polyspec_gated_linear = (fn, gated_fn)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

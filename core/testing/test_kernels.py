@@ -702,27 +702,6 @@ def test_silu_and_mul_matches_reference(backend, reference_backend):
         torch.testing.assert_close(ref, expected, **_TOL[dtype])
 
 
-def test_gated_linear_is_silu_and_mul_then_linear(backend):
-    """``Backend.gated_linear_fn``, where the backend has one: bit for bit its
-    ``silu_and_mul`` followed by the weight's ``linear_fn``, for every row count (a decode
-    step's one row, a verify's many)."""
-    import torch.nn.functional as F
-
-    g = _gen(SEED + 34)
-    for dtype in _model_dtypes(backend):
-        w = torch.randn(40, 96, generator=g) / 10
-        w = backend.prepare_linear_weight(_dev(backend, w.to(dtype)))
-        fn = backend.gated_linear_fn(w)
-        if fn is None:
-            pytest.skip(f"backend {backend.name!r} has no gated linear")
-        linear = backend.linear_fn(w) or (lambda x, b, w=w: F.linear(x, w, b))
-        for rows in (1, 7, 33):
-            x = _dev(backend, (3 * torch.randn(rows, 2 * 96, generator=g)).to(dtype))
-            got = fn(x, None)
-            assert got.dtype == dtype and got.shape == (rows, 40)
-            assert torch.equal(_cpu(got), _cpu(linear(backend.kernels.silu_and_mul(x), None)))
-
-
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_softmax_topk_matches_reference(backend, k):
     """The draft's top-k: the same ids (as a set of logits: equal ones may swap) in descending

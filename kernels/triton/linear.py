@@ -10,11 +10,6 @@ column block and K, never on how many rows came with it or where in the batch it
 zero rows padding a tile never mix into it: a matrix-multiply unit sums each output element
 over k alone).
 
-With ``gated`` the input is a gated MLP's ``[gate | up]`` pair and each loaded chunk is
-``silu(gate) * up`` in fp32 rounded to the input dtype, exactly as ``silu_and_mul`` stores it:
-the down projection reads its input without that kernel's launch and round trip through
-memory, and its sums are the two calls' bit for bit.
-
 ``M`` is never specialised (``do_not_specialize``): Triton would otherwise compile a separate
 variant for ``M == 1``. The grid runs row blocks fastest, so the programs that share a column
 block of ``W`` run together and ``W`` streams from memory once per call.
@@ -57,7 +52,7 @@ def tile_config(n: int, k: int) -> tuple[int, int, int, int]:
 
 @triton.jit(do_not_specialize=["M"])
 def _row_invariant_linear_kernel(
-    x_ptr,  # [M, K] ([M, 2K]: gate, up when GATED)
+    x_ptr,  # [M, K]
     w_ptr,  # [N, K]
     b_ptr,  # [N] (read only when HAS_BIAS)
     y_ptr,  # [M, N]
@@ -68,7 +63,6 @@ def _row_invariant_linear_kernel(
     stride_wn,
     stride_ym,
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -88,12 +82,7 @@ def _row_invariant_linear_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
-        x_ok = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_rows + k[None, :], mask=x_ok, other=0.0)
-        if GATED:  # silu(gate) * up, rounded as silu_and_mul's output is
-            up = tl.load(x_rows + K + k[None, :], mask=x_ok, other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             # The interpreter: numpy's BLAS may round a row differently by its place in the
@@ -112,23 +101,19 @@ def _row_invariant_linear_kernel(
 
 
 def row_invariant_linear(
-    x: torch.Tensor,  # [..., K] ([..., 2K] with gated)
+    x: torch.Tensor,  # [..., K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     config: tuple[int, int, int, int] | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:  # [..., N] in x's dtype
     """``F.linear(x, weight, bias)`` with fp32 accumulation in a fixed order (module doc), for
-    fp32 (exact fp32 products, no TF32), bf16 and fp16 inputs of the weight's dtype;
-    ``gated``: ``F.linear(silu_and_mul(x), weight, bias)``, bit for bit. ``config``
-    overrides :func:`tile_config` (benchmarks only: a weight must keep one)."""
+    fp32 (exact fp32 products, no TF32), bf16 and fp16 inputs of the weight's dtype.
+    ``config`` overrides :func:`tile_config` (benchmarks only: a weight must keep one)."""
     check(weight.dim() == 2, f"linear: weight must be [N, K], got {list(weight.shape)}")
     n, k = weight.shape
-    width = 2 * k if gated else k
     check(
-        x.shape[-1] == width,
-        f"linear: x has {x.shape[-1]} features but the weight [{n}, {k}] expects {width}"
-        + (" (gate and up)" if gated else ""),
+        x.shape[-1] == k,
+        f"linear: x has {x.shape[-1]} features but the weight [{n}, {k}] expects {k}",
     )
     check(
         x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16),
@@ -140,7 +125,7 @@ def row_invariant_linear(
         f"linear: bias must be [{n}], got {None if bias is None else list(bias.shape)}",
     )
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, width)
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -154,7 +139,7 @@ def row_invariant_linear(
     _row_invariant_linear_kernel[grid](
         x2, w, bias if bias is not None else w, y,
         m, n, k, x2.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, IEEE=x.dtype == torch.float32 or upcast,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or upcast,
         UPCAST=upcast,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         num_stages=num_stages,

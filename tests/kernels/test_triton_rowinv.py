@@ -92,25 +92,6 @@ def test_linear_rows_do_not_depend_on_the_batch(triton_device, dtype):
     assert torch.equal(row_invariant_linear(x[perm], w, b), y[perm])
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (37, 130, 200)])
-def test_gated_linear_is_silu_and_mul_then_linear(triton_device, dtype, m, n, k):
-    """``gated``: the down projection of ``[gate | up]``, bitwise the Triton ``silu_and_mul``
-    followed by the linear (the rounding of the activation included), and its rows
-    independent of the batch."""
-    from polyspec.kernels.triton.activation import silu_and_mul
-
-    gen = _gen(f"gated/{dtype}/{m}/{n}/{k}")
-    dt = DTYPES[dtype]
-    dev = triton_device
-    x = (3 * torch.randn(m, 2 * k, generator=gen)).to(dt).to(dev)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dt).to(dev)
-    b = torch.randn(n, generator=gen).to(dt).to(dev)
-    y = row_invariant_linear(x, w, b, gated=True)
-    assert torch.equal(y, row_invariant_linear(silu_and_mul(x), w, b))
-    assert torch.equal(row_invariant_linear(x[-1:], w, b, gated=True), y[-1:])
-
-
 def test_linear_shapes_and_errors(triton_device):
     dev = triton_device
     w = torch.randn(8, 16).to(dev)
@@ -119,8 +100,6 @@ def test_linear_shapes_and_errors(triton_device):
     assert row_invariant_linear(torch.randn(0, 16).to(dev), w).shape == (0, 8)
     with pytest.raises(ValueError, match="x has 15 features but the weight"):
         row_invariant_linear(torch.randn(2, 15).to(dev), w)
-    with pytest.raises(ValueError, match="expects 32 \\(gate and up\\)"):
-        row_invariant_linear(torch.randn(2, 16).to(dev), w, gated=True)
     with pytest.raises(ValueError, match="must share one of"):
         row_invariant_linear(torch.randn(2, 16).to(dev).bfloat16(), w)
     with pytest.raises(ValueError, match="bias must be"):

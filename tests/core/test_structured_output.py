@@ -231,3 +231,23 @@ def test_round_masks_compute_each_node_once(llm):
     # lanes: a, a-x, a-y (q is refused); the tree: b and b-x only
     assert (lanes_computed, len(computed)) == (3, 5)
     assert masks.seconds > 0
+
+
+def test_mask_cost_script_times_copies_and_masks(tiny):
+    """``benchmarks/mask_cost.py`` on the tiny model with a regex: one state per position of
+    the output that leaves a path below it, and a time for the copies, the masks one at a
+    time and the masks on the executor at each thread count asked for."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "mask_cost.py"
+    spec = importlib.util.spec_from_file_location("mask_cost", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = script.main(
+        ["--target", str(tiny), "--backend", "cpu", "--regex", "[a-z]{12}", "--threads", "1,2",
+         "--max-new-tokens", "16", "--repeats", "1"]
+    )  # fmt: skip
+    assert out["states"] == out["tokens"] - 2 > 0
+    assert out["fork_us"] > 0 and out["one_at_a_time_us"] > 0
+    assert set(out["executor_us"]) == {1, 2} and all(v > 0 for v in out["executor_us"].values())

@@ -55,6 +55,10 @@ OVERLAP_MODES = ("auto", "on", "off")
 """When greedy decode rounds are queued behind the last one (:class:`EngineConfig`,
 ``overlap_rounds``)."""
 
+CONSTRAINED_SPECULATION_MODES = ("auto", "on", "off")
+"""Which rounds a batch with a constrained request runs (:class:`EngineConfig`,
+``constrained_speculation``)."""
+
 ENV_VARIABLES = (
     "POLYSPEC_CONFIG", "POLYSPEC_PLUGINS", "POLYSPEC_DISABLE_PLUGIN_AUTOLOAD",
     "POLYSPEC_STRICT_PLUGINS", "POLYSPEC_CPU_KERNELS", "POLYSPEC_ROWINV_ISA",
@@ -543,6 +547,13 @@ class EngineConfig:
     (``BackendCapabilities.async_host_reads``: cuda), since where they are not nothing overlaps
     and queuing only adds host work; ``"on"`` / ``"off"`` (or true / false) force it.
 
+    ``constrained_speculation``: the rounds of a batch with a constrained request (structured
+    output) in a speculative engine: ``"on"`` its batch size's tree, ``"off"`` plain rounds,
+    ``"auto"`` (the default) the kind whose rounds gave more tokens a second, measured as the
+    engine runs for each range of batch sizes (a constrained round's masks are host work, and
+    whether speculation pays depends on the grammar and the host; docs/structured-output.md).
+    The output is the same either way.
+
     ``tensor_parallel_size``: the ranks one engine runs on (docs/distributed.md): the target's
     heads, MLP and vocabulary are split over them, the draft is replicated. Above 1, the
     process that builds the engine becomes rank 0 and starts the others itself, unless
@@ -566,6 +577,7 @@ class EngineConfig:
     max_graph_batch_size: int | None = None
     prefill_wait_steps: int = 0
     overlap_rounds: str = "auto"
+    constrained_speculation: str = "auto"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
 
@@ -608,6 +620,9 @@ class EngineConfig:
         _check_int("prefill_chunk_size", self.prefill_chunk_size, 1, budget)
         _check_int("seed", self.seed, 0, MAX_SEED)
         _check_choice("graphs", self.graphs, GRAPH_MODES)
+        _check_choice(
+            "constrained_speculation", self.constrained_speculation, CONSTRAINED_SPECULATION_MODES
+        )
         if self.max_graph_batch_size == "auto":
             object.__setattr__(self, "max_graph_batch_size", None)
         if self.max_graph_batch_size is not None:
@@ -677,6 +692,7 @@ _KINDS: dict[str, str] = {
     "max_graph_batch_size": "auto_int",
     "prefill_wait_steps": "int",
     "overlap_rounds": "auto_bool",
+    "constrained_speculation": "str",
     "tensor_parallel_size": "int",
     "distributed_timeout_s": "float",
 }

@@ -90,6 +90,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "backend's host reads are asynchronous (cuda); the flag alone means on",
     )
     p.add_argument(
+        "--constrained-speculation",
+        choices=["auto", "on", "off"],
+        dest="constrained_speculation",
+        help="rounds of a batch with a constrained request (structured output): on = the "
+        "draft tree, off = plain rounds, auto (default) = the faster, measured as it runs",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         dest="tensor_parallel_size",
@@ -108,7 +115,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
-                "max_graph_batch_size", "prefill_wait_steps", "overlap_rounds", "tensor_parallel_size", "algorithm", "num_steps", "topk", "num_draft_tokens",
+                "max_graph_batch_size", "prefill_wait_steps", "overlap_rounds", "constrained_speculation", "tensor_parallel_size", "algorithm", "num_steps", "topk", "num_draft_tokens",
                 "draft_quantization", "dynamic_depth", "batch_trees",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 

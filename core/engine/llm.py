@@ -694,13 +694,28 @@ class LLM:
         for sizes in served.values():
             for params in (greedy, sampled):
                 self.generate(prompt_token_ids=[prompt] * sizes[0], sampling_params=params)
+        # A batch with a constrained request may run plain rounds at any size in a speculative
+        # engine (EngineConfig.constrained_speculation): they run here at batch 1 too, and
+        # their graphs are captured for every bucket.
+        choice = self.scheduler.constrained
+        plain_any_size = choice.mode != "on" and any(t.num_steps for t in served)
         if self.scheduler.grammars is not None and importlib.util.find_spec("llguidance"):
             # a constrained batch's rounds: a plain round's graph, a speculative round's phases
-            for sizes in served.values():
-                for params in (greedy, sampled):
+            # (the rounds of the kind the choice forces; these rounds do not count as its
+            # measurements)
+            choice.forced = choice.mode == "off"
+            try:
+                for sizes in served.values():
+                    for params in (greedy, sampled):
+                        constrained = dataclasses.replace(params, regex="[a-z]{1,24}")
+                        prompts = [prompt] * sizes[0]
+                        self.generate(prompt_token_ids=prompts, sampling_params=constrained)
+                choice.forced = True
+                for params in (greedy, sampled) if plain_any_size else ():
                     constrained = dataclasses.replace(params, regex="[a-z]{1,24}")
-                    prompts = [prompt] * sizes[0]
-                    self.generate(prompt_token_ids=prompts, sampling_params=constrained)
+                    self.generate(prompt_token_ids=[prompt], sampling_params=constrained)
+            finally:
+                choice.forced = None
         if self.tp is None:
             top = graphs.buckets.batch_sizes[-1]
             for tree, sizes in served.items():
@@ -712,6 +727,8 @@ class LLM:
                     names += [phase.__name__ for phase in constrained.phases()]
                     for name in names:
                         graphs.restrict(name, lo, hi)
+                    if plain_any_size and tree == worker.plain_tree:
+                        graphs.restrict(constrained.__name__, 1, hi)
             graphs.capture_all(cfg.max_batch_size, cfg.max_context, progress)
         self.shutdown()
         return {"graphs": graphs.num_captured - before, "seconds": time.perf_counter() - t0}

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from polyspec.config import EngineConfig
 from polyspec.constrain import ConstraintViolation, GrammarCache, constraint_of, next_masks
+from polyspec.engine.constrained_choice import ConstrainedChoice
 from polyspec.engine.request import Request
 from polyspec.engine.stop import StopChecker
 from polyspec.errors import RankFailure, RequestError
@@ -65,6 +66,8 @@ class Scheduler:
         self._failed: list[Request] = []  # failed on admission this step
         self._chunked: list[Request] = []  # the requests of this step's prefill forward
         self.rounds = 0  # decode rounds run
+        # speculative or plain rounds for a batch with a constrained request
+        self.constrained = ConstrainedChoice(config.constrained_speculation)
 
     def check(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raise :class:`RequestError` when a request of this size can never run here."""
@@ -287,7 +290,16 @@ class Scheduler:
 
     def _decode(self, batch: list[Request], finished: list[Request]) -> None:
         self.rounds += 1
-        new_tokens = self.worker.decode([r.rid for r in batch], lookahead=self.overlap)
+        rids = [r.rid for r in batch]
+        speculates = self.worker.tree_for(len(rids)).num_steps > 0
+        if speculates and any(self.worker.states[r].matcher is not None for r in rids):
+            plain = self.constrained.plain(len(rids))
+            start = time.perf_counter()  # a constrained round is never queued: its whole time
+            new_tokens = self.worker.decode(rids, lookahead=self.overlap, plain=plain)
+            seconds = time.perf_counter() - start
+            self.constrained.record(len(rids), plain, sum(map(len, new_tokens)), seconds)
+        else:
+            new_tokens = self.worker.decode(rids, lookahead=self.overlap)
         self._next_masks(batch)
         for req, toks in zip(batch, new_tokens):
             if not toks:  # it joined this step and sits this round out (the worker's decode)

@@ -224,12 +224,16 @@ class WorkerBase:
         graph bucket (for benchmarks that time the forwards by replaying them)."""
         return (self.round_fn(self.tree_for(batch_size), greedy).__name__,)
 
-    def decode(self, rids: Sequence[int], lookahead: bool = False) -> list[list[int]]:
+    def decode(
+        self, rids: Sequence[int], lookahead: bool = False, plain: bool = False
+    ) -> list[list[int]]:
         """One round for ``rids`` -> each request's new tokens. ``lookahead``: queue the next
         round behind this one (``EngineConfig.overlap_rounds``); only all-greedy rounds
         without a constraint are queued. A request that has just joined may get no token
         (``[]``) when the round the last call queued is run for the others: it sits this
-        round out and is in the one queued behind it."""
+        round out and is in the one queued behind it. ``plain``: a plain round whatever the
+        batch size's tree (the engine's choice for a constrained batch,
+        ``EngineConfig.constrained_speculation``)."""
         sts = [self.states[r] for r in rids]
         self.timer.start()
         # The last call may have queued this round: for these requests, or for a batch some
@@ -242,6 +246,8 @@ class WorkerBase:
             greedy = True
         else:
             tree, rows, joined = self.tree_for(len(sts)), None, 0
+            if plain:
+                tree = self.plain_tree
             greedy = all(s.sampler.greedy for s in sts)
             # A round with a constrained request works with the host in the middle (the
             # grammar's masks), and nothing is queued behind it.

@@ -56,10 +56,14 @@ REGEX = r"[a-e]{2}@(x|yz)\.(com|org)"
 CHOICES = ["alpha", "beta gamma", 'say "hi"']
 
 
-def _llm(backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="off", **spec):
-    """An engine over the tiny models. ``graphs`` "off" by default: the eager constrained round
-    masks every draft level (where rounds replay graphs, only the root's, and
-    :func:`test_constrained_rounds_replay_graphs` runs that one)."""
+def _llm(
+    backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="off",
+    constrained_speculation="on", **spec,
+):  # fmt: skip
+    """An engine over the tiny models. ``graphs`` "off" by default: the eager constrained
+    round (:func:`test_constrained_rounds_replay_graphs` runs the replayed phases). A batch
+    with a constrained request speculates (``constrained_speculation`` "on"), unless asked
+    otherwise (:func:`test_constrained_batches_run_the_rounds_chosen`)."""
     from polyspec.engine.llm import LLM
 
     draft = speculative = None
@@ -70,7 +74,7 @@ def _llm(backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="o
     return LLM(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
         dtype=dtype, max_batch_size=64, max_context=160, page_size=default_page_size(backend),
-        graphs=graphs,
+        graphs=graphs, constrained_speculation=constrained_speculation,
     )  # fmt: skip
 
 
@@ -189,6 +193,39 @@ def test_constrained_rounds_replay_graphs(
         assert max(accepted) > 1, f"constrained={constrained}: no draft token was accepted"
     if dynamic_depth:  # rounds stopped drafting early
         assert sum(llm.worker.drafted_levels[1:3]) > 0, llm.worker.drafted_levels
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_constrained_batches_run_the_rounds_chosen(backend, backend_name, tiny_models, plain, mode):
+    """``constrained_speculation``: "off" runs plain rounds for every batch with a
+    constrained request (its requests commit one token a round; the unconstrained ones
+    speculate once the constrained ones have finished); "auto" measures both kinds (the
+    first rounds alternate) and runs the one with more tokens a second. Greedy outputs equal
+    plain decoding's either way."""
+    topk = 2 if backend.capabilities.tree_attention else 1
+    llm = _llm(
+        backend, backend_name, tiny_models, "eagle3", constrained_speculation=mode,
+        topk=topk, num_steps=3,
+    )  # fmt: skip
+    prompts, params = _batch()
+    params = [p if p.constrained else SamplingParams(max_new_tokens=120, ignore_eos=True)
+              for p in params]  # fmt: skip
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for p, g in zip(params, got):
+        if p.constrained:
+            _check_output(p, g.text, g.finish_reason)
+    constrained = [n for p, o in zip(params, got) if p.constrained
+                   for n in o.stats.accepted_per_round]  # fmt: skip
+    others = [n for p, o in zip(params, got) if not p.constrained
+              for n in o.stats.accepted_per_round]  # fmt: skip
+    assert max(others) > 1, "the unconstrained requests never speculated"
+    rates = llm.scheduler.constrained.rates()
+    if mode == "off":
+        assert max(constrained) == 1 and rates == {}, (constrained, rates)
+    else:  # both kinds measured (the first rounds of a range alternate)
+        assert any(spec > 0 and plain_ > 0 for spec, plain_ in rates.values()), rates
 
 
 @pytest.mark.parametrize("algorithm", ["self", "eagle3"])

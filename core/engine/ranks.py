@@ -174,9 +174,12 @@ class LeaderWorker:
         args = (list(rids), list(ends))
         return self._call("prefill", args, args)
 
-    def decode(self, rids: Sequence[int], lookahead: bool = False) -> list[list[int]]:
-        """One decode round on every rank; -> rank 0's new tokens per request."""
-        args = (list(rids), bool(lookahead))
+    def decode(
+        self, rids: Sequence[int], lookahead: bool = False, plain: bool = False
+    ) -> list[list[int]]:
+        """One decode round on every rank (the same kind on each: ``plain`` travels too);
+        -> rank 0's new tokens per request."""
+        args = (list(rids), bool(lookahead), bool(plain))
         return self._call("decode", args, args)
 
     def remove_request(self, rid: int) -> None:

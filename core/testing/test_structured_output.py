@@ -153,6 +153,29 @@ def test_constrained_greedy_spec_equals_plain(
     assert max(accepted) > 1, "no constrained round accepted a draft token: nothing proven"
 
 
+def _mixed_batch_equals_plain(llm, plain, run_on: bool = True):
+    """:func:`_batch` on ``llm`` (with ``run_on`` its unconstrained requests running on after
+    the constrained ones have finished): the outputs equal plain greedy decoding's and
+    satisfy their constraints. -> (the requests' params, ``llm``'s outputs)."""
+    prompts, params = _batch()
+    if run_on:
+        params = [p if p.constrained else SamplingParams(max_new_tokens=120, ignore_eos=True)
+                  for p in params]  # fmt: skip
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for p, g in zip(params, got):
+        if p.constrained:
+            _check_output(p, g.text, g.finish_reason)
+    return params, got
+
+
+def _accepted(params, outputs, constrained: bool) -> list[int]:
+    """Tokens each round committed, over the (un)constrained requests' rounds."""
+    return [n for p, o in zip(params, outputs) if p.constrained == constrained
+            for n in o.stats.accepted_per_round]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "algorithm,dynamic_depth", [(None, 0.0), ("self", 0.0), ("eagle3", 0.0), ("eagle3", 0.999)]
 )
@@ -171,16 +194,7 @@ def test_constrained_rounds_replay_graphs(
     if dynamic_depth:
         spec["dynamic_depth"] = dynamic_depth
     llm = _llm(backend, backend_name, tiny_models, algorithm, graphs="on", **spec)
-    prompts, params = _batch()
-    # the unconstrained requests run on after the constrained ones have finished
-    params = [p if p.constrained else SamplingParams(max_new_tokens=120, ignore_eos=True)
-              for p in params]  # fmt: skip
-    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
-    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for p, g in zip(params, got):
-        if p.constrained:
-            _check_output(p, g.text, g.finish_reason)
+    params, got = _mixed_batch_equals_plain(llm, plain)
     names = {name for name, _, _ in llm.worker.graphs.captured}
     if algorithm is None:
         assert "decode_greedy_constrained" in names, names
@@ -188,8 +202,7 @@ def test_constrained_rounds_replay_graphs(
     phases = ("draft", "level1", "level2", "verify", "accept")  # num_steps 3
     assert {f"round_greedy_constrained.{p}" for p in phases} <= names, names
     for constrained in (True, False):
-        accepted = [n for p, o in zip(params, got) if p.constrained == constrained
-                    for n in o.stats.accepted_per_round]  # fmt: skip
+        accepted = _accepted(params, got, constrained)
         assert max(accepted) > 1, f"constrained={constrained}: no draft token was accepted"
     if dynamic_depth:  # rounds stopped drafting early
         assert sum(llm.worker.drafted_levels[1:3]) > 0, llm.worker.drafted_levels
@@ -207,20 +220,9 @@ def test_constrained_batches_run_the_rounds_chosen(backend, backend_name, tiny_m
         backend, backend_name, tiny_models, "eagle3", constrained_speculation=mode,
         topk=topk, num_steps=3,
     )  # fmt: skip
-    prompts, params = _batch()
-    params = [p if p.constrained else SamplingParams(max_new_tokens=120, ignore_eos=True)
-              for p in params]  # fmt: skip
-    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
-    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for p, g in zip(params, got):
-        if p.constrained:
-            _check_output(p, g.text, g.finish_reason)
-    constrained = [n for p, o in zip(params, got) if p.constrained
-                   for n in o.stats.accepted_per_round]  # fmt: skip
-    others = [n for p, o in zip(params, got) if not p.constrained
-              for n in o.stats.accepted_per_round]  # fmt: skip
-    assert max(others) > 1, "the unconstrained requests never speculated"
+    params, got = _mixed_batch_equals_plain(llm, plain)
+    constrained = _accepted(params, got, True)
+    assert max(_accepted(params, got, False)) > 1, "the unconstrained requests never speculated"
     rates = llm.scheduler.constrained.rates()
     if mode == "off":
         assert max(constrained) == 1 and rates == {}, (constrained, rates)
@@ -240,15 +242,9 @@ def test_constrained_greedy_spec_equals_plain_in_bf16(
         pytest.skip("backend makes no row-invariance claim for bfloat16")
     plain = _llm(backend, backend_name, tiny_models, dtype="bfloat16")
     spec = _llm(backend, backend_name, tiny_models, algorithm, "bfloat16", topk=2, num_steps=3)
-    prompts, params = _batch()
-    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
-    got = spec.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for p, o in zip(params, got):
-        if p.constrained:
-            _check_output(p, o.text, o.finish_reason)
+    params, got = _mixed_batch_equals_plain(spec, plain, run_on=False)
     assert spec.worker.constrained_rounds > 0
-    accepted = [n for p, o in zip(params, got) if p.constrained for n in o.stats.accepted_per_round]
+    accepted = _accepted(params, got, True)
     assert max(accepted) > 1, "no constrained round accepted a draft token: nothing proven"
 
 

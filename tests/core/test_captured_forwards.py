@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from polyspec.plugins import create_backend
@@ -188,3 +189,24 @@ def test_a_prefill_too_wide_for_one_graph_replays_a_few_and_changes_nothing():
         grouped, replays = outputs(draft, "on")
         assert grouped == eager
         assert replays and all(replays), replays  # target (and draft) prefill: grouped replays
+
+
+def test_captures_run_with_the_collector_off():
+    """``no_collection`` (what the cuda and npu graph runners capture under): the collector
+    is off inside, and back as it was after, an exception included; left off when it was."""
+    import gc
+
+    from polyspec.backends.common.graph import no_collection
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_collection():
+        assert not gc.isenabled()
+        raise RuntimeError("a capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -382,6 +382,14 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         )  # fmt: skip
         if schema is not None:
             settings["mask_ms_per_round"]["spec"] = _mask_ms(llm.worker)
+            choice = llm.scheduler.constrained  # warm-up and every repeat included
+            settings["constrained_speculation"] = {
+                "mode": choice.mode,
+                "tokens_per_s": {
+                    str(b): {"spec": spec_rate, "plain": plain_rate}
+                    for b, (spec_rate, plain_rate) in choice.rates().items()
+                },
+            }
         if spec_cfg.speculative.dynamic_depth:  # warm-up and every repeat included
             settings["rounds_by_levels_drafted"] = llm.worker.drafted_levels[1:]
         if spec.batch_trees:  # engine rounds per tree, warm-up and every repeat included
@@ -436,6 +444,13 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     if schema is not None:
         ms = ", ".join(f"{k} {v:.3f}" for k, v in settings["mask_ms_per_round"].items())
         print(f"grammar mask time per constrained round (ms, host): {ms}")
+        chosen = settings.get("constrained_speculation")
+        if chosen and chosen["tokens_per_s"]:
+            rates = "; ".join(
+                f"from batch {b}: spec {r['spec']:.1f}, plain {r['plain']:.1f}"
+                for b, r in chosen["tokens_per_s"].items()
+            )
+            print(f"constrained rounds measured ({chosen['mode']}), tokens/s: {rates}")
     if args.json:
         report.write_json(rep, args.json)
     if args.markdown:

@@ -126,7 +126,12 @@ def test_bench_json_schema(tiny, tmp_path, capsys):
     assert set(settings["mask_ms_per_round"]) == {"plain", "spec"}
     assert all(ms > 0 for ms in settings["mask_ms_per_round"].values())
     assert rep["systems"]["spec"]["mean_acceptance_length"] > 1.0  # drafts accepted
-    assert "grammar mask time per constrained round (ms, host): plain" in capsys.readouterr().out
+    chosen = settings["constrained_speculation"]  # auto: both kinds measured
+    assert chosen["mode"] == "auto" and chosen["tokens_per_s"], chosen
+    assert any(r["spec"] > 0 and r["plain"] > 0 for r in chosen["tokens_per_s"].values()), chosen
+    out = capsys.readouterr().out
+    assert "grammar mask time per constrained round (ms, host): plain" in out
+    assert "constrained rounds measured (auto), tokens/s: from batch" in out
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert main(["bench", "--dataset", str(tiny["data"]), "--json-schema", str(bad)]) == 2

@@ -330,12 +330,12 @@ def _torchrun_rank(rank: int, port: int, target: str, draft: str, out: str) -> N
                 raise RuntimeError(f"injected failure on rank {rank}, alike")
         return all_reduce(x)
 
-    def failing(rids, lookahead=False):
+    def failing(rids, lookahead=False, plain=False):
         state["decodes"] += 1
         state["reduces"] = 0 if state["decodes"] == 2 else None
         if rank == 1 and min(rids) >= 4:  # the third generate call's requests
             raise RuntimeError("injected failure on rank 1")
-        return decode(rids, lookahead)
+        return decode(rids, lookahead, plain)
 
     tp.all_reduce, worker.decode = reduce, failing
     if rank == 1:

@@ -280,19 +280,16 @@ class Scheduler:
             return True
         return False
 
-    def _next_masks(self, batch: list[Request]) -> None:
-        """The constrained requests' next masks in one parallel call (``_grammar_failed``
-        then reads each one's)."""
+    def _matchers(self, batch: list[Request]) -> list:
+        """The grammar matchers of the batch's constrained requests."""
         states = (self.worker.states.get(r.rid) for r in batch)
-        matchers = [m for m in (getattr(s, "matcher", None) for s in states) if m is not None]
-        if len(matchers) > 1:
-            next_masks([m for m in matchers if not m.done])
+        return [m for m in (getattr(s, "matcher", None) for s in states) if m is not None]
 
     def _decode(self, batch: list[Request], finished: list[Request]) -> None:
         self.rounds += 1
         rids = [r.rid for r in batch]
-        speculates = self.worker.tree_for(len(rids)).num_steps > 0
-        if speculates and any(self.worker.states[r].matcher is not None for r in rids):
+        matchers = self._matchers(batch)
+        if matchers and self.worker.tree_for(len(rids)).num_steps > 0:
             plain = self.constrained.plain(len(rids))
             start = time.perf_counter()  # a constrained round is never queued: its whole time
             new_tokens = self.worker.decode(rids, lookahead=self.overlap, plain=plain)
@@ -300,7 +297,8 @@ class Scheduler:
             self.constrained.record(len(rids), plain, sum(map(len, new_tokens)), seconds)
         else:
             new_tokens = self.worker.decode(rids, lookahead=self.overlap)
-        self._next_masks(batch)
+        if len(matchers) > 1:  # their next masks in one parallel call (_grammar_failed reads them)
+            next_masks([m for m in matchers if not m.done])
         for req, toks in zip(batch, new_tokens):
             if not toks:  # it joined this step and sits this round out (the worker's decode)
                 continue

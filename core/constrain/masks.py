@@ -7,10 +7,24 @@ as they are. A node no output can reach (below a token the grammar refuses, or p
 grammar's end) is all ones too: its row is never used, since verification only accepts a
 child its parent's masked distribution allows.
 
-Each mask is computed once a round: a draft lane's path is a node of the tree the round
+A sampled round computes each mask once: a draft lane's path is a node of the tree the round
 verifies (the lanes of a level are the best candidates of that level, and only lanes get
 children), so the tree walk takes the lanes' masks and computes only the rest, which are
 leaves.
+
+A greedy round computes few masks, since greedy acceptance reads the masked argmax only at
+the nodes it walks, and the draft may propose any token (verification decides):
+
+- a lane's mask allows those of the draft's top candidates there (``candidates``, read with
+  the lanes' tokens) that the grammar's parser takes, each checked alone
+  (:func:`~polyspec.constrain.matcher.allows`); a whole mask only where it takes none;
+- the tree's masks (:meth:`RoundMasks.greedy_tree`) come after the verify forward: from the
+  root, a node's whole mask and the target's top logits there give the token greedy
+  acceptance takes (:func:`~polyspec.constrain.matcher.greedy_choice`), and the walk goes on
+  into the child that drafted it. So only the accepted path's masks and the bonus token's
+  are computed (the root's is known); the nodes off that path are never read (verification
+  stops where the walk does) and stay all ones. Where the top logits do not settle a node's
+  token, every node below it gets its whole mask.
 """
 
 from __future__ import annotations
@@ -22,7 +36,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyspec.constrain.matcher import Matcher, fill_masks, mask_width
+from polyspec.constrain.matcher import (
+    Matcher,
+    advanced,
+    allows,
+    bitmask_of,
+    fill_masks,
+    greedy_choice,
+    mask_width,
+)
+
+CANDIDATES = 16
+"""The top tokens of the draft (at each lane) and of the target (at each tree node) a greedy
+constrained round reads on the host."""
 
 
 class DraftVocab:
@@ -78,7 +104,8 @@ class RoundMasks:
     unconstrained; ``vocab_size``: the target's logits width; ``draft_vocab``: the draft
     head's own vocabulary (None: the draft's logits are over the target's); ``upload``: host
     int32 array -> the same on the round's device; ``read``: a device tensor -> its host copy
-    on the way (``Backend.read_async``)."""
+    on the way (``Backend.read_async``); ``greedy``: every request of the round is greedy
+    (the lanes' masks from candidates, the tree's by :meth:`greedy_tree`)."""
 
     def __init__(
         self,
@@ -87,9 +114,12 @@ class RoundMasks:
         upload: Callable[[np.ndarray], torch.Tensor],
         read: Callable[[torch.Tensor], Any],
         draft_vocab: DraftVocab | None = None,
+        greedy: bool = False,
     ):
         self.matchers = list(matchers)
+        self.greedy = greedy
         self.width = mask_width(vocab_size)
+        self.computed = 0  # whole masks computed in the round (the root's are not counted)
         self.upload = upload
         self.read = read
         self._tree_read: Any = None
@@ -105,6 +135,8 @@ class RoundMasks:
         # per request: the masks computed this round by draft path (None: no output reaches
         # the path's node), so that a lane's mask serves its tree node too
         self._known: list[dict[tuple[int, ...], np.ndarray | None]] = [{} for _ in matchers]
+        # per request, a greedy round's grammar states by draft path (None: no output reaches)
+        self._states: list[dict[tuple[int, ...], Any]] = [{} for _ in matchers]
 
     def root(self) -> torch.Tensor:  # [b, W] int32 on the device
         """The mask of each request's next token (after its newest committed one)."""
@@ -137,18 +169,23 @@ class RoundMasks:
         parents: torch.Tensor | None,  # [b, K] select_top_k's tree_parents (step >= 1)
         topk: int,
         draft_vocab: bool = True,
+        candidates: torch.Tensor | None = None,  # [b * K, C] (or [b, K * C]) target ids
     ) -> torch.Tensor:  # [b * K, W'] int32 over the draft's vocabulary, on the device
         """The masks of the draft's next token at each lane of level ``step``: lane ``j`` of
         a level after the first continues lane ``(parents[:, j] - K - K*K*(step-1)) // K`` of
         the level before (select_top_k's candidate ids). ``draft_vocab`` False: over the
-        target's vocabulary ([b * K, W]; the caller converts them, :func:`draft_bitmask`)."""
+        target's vocabulary ([b * K, W]; the caller converts them, :func:`draft_bitmask`).
+        ``candidates``: each lane's top tokens by the draft, best first; a lane's mask then
+        allows those of them the grammar takes (a whole mask where it takes none)."""
         b, K = len(self.matchers), topk
         read = tokens.view(b, K)
         if step > 0:
             read = torch.cat([read, parents.to(read.dtype)], 1)
+        if candidates is not None:
+            read = torch.cat([read, candidates.view(b, -1).to(read.dtype)], 1)
         both = read.tolist()  # waits for the draft level (one read)
         toks = [row[:K] for row in both]
-        par = None if step == 0 else [row[K:] for row in both]
+        par = None if step == 0 else [row[K : 2 * K] for row in both]
         t = time.perf_counter()
         if step == 0:
             self._lanes = [[[tok] for tok in row] for row in toks]
@@ -159,16 +196,65 @@ class RoundMasks:
                 for i in range(b)
             ]
         out = np.full((b * K, self.width), -1, dtype=np.int32)
-        work = [
-            (i, m, [(i * K + j, path) for j, path in enumerate(self._lanes[i])])
-            for i, m in enumerate(self.matchers)
-            if m is not None
-        ]
-        self._fill(work, out)
+        if candidates is not None:
+            per_lane = candidates.numel() // (b * K)
+            start = K if step == 0 else 2 * K
+            cands = [
+                [row[start + j * per_lane : start + (j + 1) * per_lane] for j in range(K)]
+                for row in both
+            ]
+            self._candidate_lanes(cands, out)
+        else:
+            work = [
+                (i, m, [(i * K + j, path) for j, path in enumerate(self._lanes[i])])
+                for i, m in enumerate(self.matchers)
+                if m is not None
+            ]
+            self._fill(work, out)
         if draft_vocab:
             out = self._to_draft(out)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
+
+    def _candidate_lanes(self, cands: list[list[list[int]]], out: np.ndarray) -> None:
+        """Each lane's mask (rows of ``out`` [b * K, W]) from ``cands`` (per request, per
+        lane: the draft's top tokens there): those the grammar takes, else the whole mask."""
+        K = len(cands[0])
+        whole = []  # (state, row) of lanes where the grammar takes none of the candidates
+        for i, m in enumerate(self.matchers):
+            if m is None:
+                continue
+            for j, path in enumerate(self._lanes[i]):
+                state = self._state(i, tuple(path))
+                if state is None:
+                    continue  # no output reaches the lane: its row is never read
+                allowed = [t for t in cands[i][j] if allows(state, t)]
+                if allowed:
+                    out[i * K + j] = bitmask_of(allowed, self.width)
+                else:
+                    whole.append((state, i * K + j))
+        self._whole(whole, out)
+
+    def _whole(self, states: Sequence[tuple[Any, int]], out: np.ndarray) -> None:
+        """Whole masks of grammar ``states`` into their rows of ``out``; a dead end (no token
+        allowed) stays all ones, since no output reaches it."""
+        fill_masks(self.executor, states, out)
+        self.computed += len(states)
+        for _, row in states:
+            if not out[row].any():
+                out[row] = -1
+
+    def _state(self, i: int, path: tuple[int, ...]) -> Any | None:
+        """Request ``i``'s grammar state after a draft ``path`` below its root (forked from
+        the state one token up, kept for the round); None where no output reaches it."""
+        states = self._states[i]
+        if path not in states:
+            if not path:
+                states[path] = self.matchers[i].fork(())
+            else:
+                above = self._state(i, path[:-1])
+                states[path] = None if above is None else advanced(above, path[-1])
+        return states[path]
 
     def start_tree(self, nodes: torch.Tensor) -> None:  # [b, 3, N] int64
         """Start the tree's copy to the host (``nodes``: each request's node tokens, the root
@@ -207,6 +293,56 @@ class RoundMasks:
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
+    def greedy_tree(self, top: torch.Tensor) -> torch.Tensor:  # [b * N, W] int32 on device
+        """A greedy round's node masks from the verify's ``top`` [b * N, 2C] fp32 (each
+        node's C largest target logits, descending, then their token ids; the module
+        docstring): the masks of the nodes greedy acceptance walks, a level at a time for all
+        requests (one parallel call each), the rest all ones; whole masks below a node whose
+        top logits do not settle its token."""
+        root = self._root_masks()
+        b, n = self._tree_shape
+        flat = self._tree_read.wait().tolist()  # the tree, read while the target verified
+        self._tree_read = None
+        rows = self.read(top.reshape(-1)).wait().tolist()  # waits for the verify
+        t = time.perf_counter()
+        C = len(rows) // (b * n) // 2
+        out = np.full((b * n, self.width), -1, dtype=np.int32)
+        trees = []  # per request: (tokens, first child, next sibling)
+        for i in range(b):
+            r = flat[i * 3 * n : (i + 1) * 3 * n]
+            trees.append((r[:n], r[n : 2 * n], r[2 * n :]))
+        # (request, node, its draft path) of the nodes the walk has reached
+        level = [(i, 0, ()) for i, m in enumerate(self.matchers) if m is not None]
+        work = []  # whole masks: (i, matcher, (row, path) of a subtree's nodes)
+        while level:
+            states = []
+            for i, node, path in level:
+                if node == 0:
+                    out[i * n] = root[i]
+                else:
+                    states.append((self._state(i, path), i * n + node))
+            live = [(s, row) for s, row in states if s is not None]  # None: complete here
+            self._whole(live, out)
+            below = []
+            for i, node, path in level:
+                if path and self._state(i, path) is None:
+                    continue  # the grammar is complete here: nothing below is output
+                at = (i * n + node) * 2 * C
+                token = greedy_choice(out[i * n + node], rows[at : at + C],
+                                      [int(x) for x in rows[at + C : at + 2 * C]])  # fmt: skip
+                toks, child, sib = trees[i]
+                if token is None:  # every node below: whole masks
+                    under = _subtree(toks, child, sib, node, list(path))[1:]
+                    work.append((i, self.matchers[i], [(i * n + u, at) for u, at in under]))
+                    continue
+                nxt = next((c for c in _children(child, sib, node) if toks[c] == token), -1)
+                if nxt != -1:  # else the bonus token: the walk ends here
+                    below.append((i, nxt, (*path, token)))
+            level = below
+        self._fill(work, out)
+        self.seconds += time.perf_counter() - t
+        return self.upload(out)
+
     def _fill(
         self,
         work: Sequence[tuple[int, Matcher, Sequence[tuple[int, list[int]]]]],
@@ -240,6 +376,7 @@ class RoundMasks:
                 else:
                     jobs.append((i, key, row, state))
         fill_masks(self.executor, [(state, row) for _, _, row, state in jobs], out)
+        self.computed += len(jobs)
         for i, key, row, _ in jobs:
             if out[row].any():
                 self._known[i][key] = out[row]
@@ -258,6 +395,20 @@ class RoundMasks:
 def _unreachable(known: dict[tuple[int, ...], np.ndarray | None], key: tuple[int, ...]) -> bool:
     """Whether a known path above ``key`` leads to a node no output reaches."""
     return any(known.get(key[:d], 0) is None for d in range(1, len(key)))
+
+
+def _subtree(
+    tokens: list[int], first_child: list[int], next_sibling: list[int], node: int, path: list[int]
+) -> list[tuple[int, list[int]]]:
+    """(node, draft path to it) of ``node`` (at ``path``) and every node below it, depth
+    first."""
+    out, stack = [], [(node, path)]
+    while stack:
+        u, at = stack.pop()
+        out.append((u, at))
+        below = reversed(_children(first_child, next_sibling, u))
+        stack += [(c, at + [tokens[c]]) for c in below]
+    return out
 
 
 def _children(first_child: list[int], next_sibling: list[int], node: int) -> list[int]:

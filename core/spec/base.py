@@ -171,8 +171,10 @@ class WorkerBase:
         # Dynamic depth's threshold, and rounds by the number of levels drafted (index 1..S).
         self.dynamic_depth = 0.0
         self.drafted_levels: list[int] = []
-        # Structured output: host seconds spent building masks, and constrained rounds run.
+        # Structured output: host seconds spent building masks, whole masks computed in the
+        # rounds (the roots' are the scheduler's), and constrained rounds run.
         self.mask_seconds = 0.0
+        self.masks_computed = 0
         self.constrained_rounds = 0
 
     def reset_stats(self) -> None:
@@ -184,6 +186,7 @@ class WorkerBase:
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self.timer.seconds.clear()
         self.mask_seconds = 0.0
+        self.masks_computed = 0
         self.constrained_rounds = 0
 
     # -- one decode round -----------------------------------------------------------------------
@@ -251,7 +254,7 @@ class WorkerBase:
             greedy = all(s.sampler.greedy for s in sts)
             # A round with a constrained request works with the host in the middle (the
             # grammar's masks), and nothing is queued behind it.
-            masks = self._round_masks(sts)
+            masks = self._round_masks(sts, greedy)
             launched = self._launch(tree, rids, sts, greedy, masks, lookahead)
         self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
         if lookahead and greedy and masks is None:
@@ -288,6 +291,7 @@ class WorkerBase:
             )
         if masks is not None:
             self.mask_seconds += masks.seconds
+            self.masks_computed += masks.computed
             self.constrained_rounds += 1
         return launched
 
@@ -306,9 +310,14 @@ class WorkerBase:
         out = launch(levels[0].__name__, levels[0], state)
         for i, phase in enumerate(levels[1:], start=1):
             keys = level_keys(i, fn.stop_below > 0)
-            level = {k: t[:bs] for k, t in zip(keys, out.outputs)}
+            outputs, candidates = out.outputs, None
+            if fn.greedy:  # the lanes' candidates come first
+                candidates, *outputs = (t[:bs] for t in outputs)
+            level = {k: t[:bs] for k, t in zip(keys, outputs)}
             tokens, parents = level["input_ids"].reshape(-1), level["parents"]
-            lane_masks = masks.lanes(i - 1, tokens, parents if i > 1 else None, K, False)
+            lane_masks = masks.lanes(
+                i - 1, tokens, parents if i > 1 else None, K, False, candidates
+            )
             level["lane_masks"] = lane_masks.view(bs, K, -1)  # [bs, K, W] int32
             out = launch(phase.__name__, phase, {"host": inputs["host"], **level})
         # copies of what the accept phase reads (a replay may overwrite a graph's outputs)
@@ -318,9 +327,13 @@ class WorkerBase:
         tree = {"host": inputs["host"], "nodes": nodes}
         second = launch(verify.__name__, verify, {**tree, "tree_mask": tree_mask,
                                                   "positions": positions})  # fmt: skip
-        hidden, feats = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
+        hidden, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
         self._lap("draft")
-        node_masks = masks.tree().view(bs, -1, masks.width)  # while the device verifies
+        if top:  # a greedy round's, from the target's top logits: after the verify
+            node_masks = masks.greedy_tree(top[0])
+        else:  # a sampled round's, while the device verifies
+            node_masks = masks.tree()
+        node_masks = node_masks.view(bs, -1, masks.width)
         self._lap("verify")
         sampled = {k: v for k, v in inputs.items() if k not in state}  # sampling, coins
         last = {**tree, **sampled, "hidden": hidden, "features": feats,
@@ -328,13 +341,14 @@ class WorkerBase:
         out = launch(accept.__name__, accept, last)
         return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
 
-    def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
-        """The mask builder of a round with a constrained request, else None."""
+    def _round_masks(self, sts: Sequence[SeqState], greedy: bool = False) -> RoundMasks | None:
+        """The mask builder of a round with a constrained request, else None (``greedy``:
+        every request of the round is)."""
         if all(s.matcher is None for s in sts):
             return None
         return RoundMasks(
             [s.matcher for s in sts], self.target.config.vocab_size, self._upload_mask,
-            self.backend.read_async, self._draft_vocab(),
+            self.backend.read_async, self._draft_vocab(), greedy,
         )  # fmt: skip
 
     def _upload_mask(self, masks: np.ndarray) -> torch.Tensor:  # [n, W] int32 host -> device

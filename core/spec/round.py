@@ -40,10 +40,14 @@ host for the lanes' masks), or where the batch replays graphs as phases
 input; level 0), ``.level1`` .. ``.level{S-1}`` (the lanes' top-K under ``lane_masks``
 [b, K, W], built by the host from the level before; the last one builds the tree; both over
 the target's vocabulary, an EAGLE-3 head's own taken on the device),
-``.verify`` (the target's forward over the tree, while the host reads the tree and builds the
-node masks) and ``.accept`` (the logits under ``node_masks`` [b, N, W], acceptance,
-compaction, the draft extend). Never queued: the grammar advances on
-the host between rounds. A constrained plain round needs only the root's mask, which it takes
+``.verify`` (the target's forward over the tree, while the host reads the tree) and
+``.accept`` (the logits under ``node_masks`` [b, N, W], acceptance, compaction, the draft
+extend). A sampled round's host builds every node's mask while the device verifies; a
+greedy round's (:meth:`~polyspec.constrain.RoundMasks.greedy_tree`) builds those of the
+path greedy acceptance takes, from the target's top logits at each node, which its
+``.verify`` returns too ([b * N, 2C], :func:`top_logits`), and its level phases return each
+lane's top C draft tokens first ([b, K * C]), the candidates of its lanes' masks. Never
+queued: the grammar advances on the host between rounds. A constrained plain round needs only the root's mask, which it takes
 as an input (``root_mask`` [b, W] int32), so it replays a graph like any plain round (never
 queued either). An unconstrained round is the plain function, with none of this.
 
@@ -64,6 +68,7 @@ import torch
 
 from polyspec.backend import ForwardMode, HostLengths, KernelSet, TreeMaskMode
 from polyspec.constrain import RoundMasks, draft_bitmask
+from polyspec.constrain.masks import CANDIDATES
 from polyspec.runtime.graphs import block_slots, padded, static_batch
 from polyspec.runtime.model_runner import ModelRunner
 from polyspec.runtime.sampling import target_probs
@@ -186,7 +191,8 @@ class SpecRound:
         )
         logits = p.target.compute_logits(hidden)
         if masks is not None:
-            p.kernels.apply_token_bitmask(logits, masks.tree())
+            node_masks = masks.greedy_tree(top_logits(logits)) if self.greedy else masks.tree()
+            p.kernels.apply_token_bitmask(logits, node_masks)
         _lap(host, "verify")
         return self.accept_and_extend(
             rows, seq_lens, live, inputs, candidates, next_token, next_sibling, logits, feats,
@@ -297,7 +303,10 @@ class SpecRound:
         lanes = self.lane_slots(rows, draft_lens, b, copy_prefix=i == 0) if S > 1 else None
         level = self.level(i, state, rows, live, lanes, max_prefix, host)
         if i < S - 1:
-            return level_outputs(level, b)
+            candidates = self.lane_candidates(level)  # a greedy round's, first
+            if candidates is None:
+                return level_outputs(level, b)
+            return candidates.view(b, -1), *level_outputs(level, b)
         candidates, tree_mask, positions, next_token, next_sibling = self.build_tree(
             level.levels, roots, seq_lens
         )
@@ -312,12 +321,17 @@ class SpecRound:
         return mask if d2t is None else draft_bitmask(mask, d2t)
 
     def _verify_phase(self, inputs, b: int, max_prefix, host):
-        """-> (hidden [b * N, H], draft features [b * N, F]) of the tree ``nodes``."""
+        """-> (hidden [b * N, H], draft features [b * N, F]) of the tree ``nodes``, and in a
+        greedy round the target's top logits at each node (:func:`top_logits`, [b * N, 2C]),
+        from which the host builds the node masks."""
         rows, seq_lens, _, live = self._columns(inputs["host"])
-        return self.verify_hidden(
+        hidden, feats = self.verify_hidden(
             rows, seq_lens, inputs["nodes"][:, 0], live, inputs["positions"].reshape(-1),
             inputs["tree_mask"], max_prefix, host,
         )  # fmt: skip
+        if not self.greedy:
+            return hidden, feats
+        return hidden, feats, top_logits(self.p.target.compute_logits(hidden))
 
     def _accept_phase(self, inputs, b: int, max_prefix, host):
         """The logits of ``hidden`` [b, N, H] under ``node_masks`` [b, N, W] (a padding
@@ -430,11 +444,20 @@ class SpecRound:
             lane_masks = None
             if masks is not None:  # the grammar at each lane's path: the next level's mask
                 lane_masks = masks.lanes(
-                    i - 1, level.input_ids, level.parents if i > 1 else None, K
-                )
+                    i - 1, level.input_ids, level.parents if i > 1 else None, K,
+                    candidates=self.lane_candidates(level),
+                )  # fmt: skip
             state = self.lane_topk(level, lane_masks)
             level = self.level(i, state, rows, live, lanes, max_prefix, host)
         return level.levels, self.levels_drafted(level, rows.device)
+
+    def lane_candidates(self, level: DraftLevel) -> torch.Tensor | None:  # [b * K, C] or None
+        """A greedy constrained round's candidates for the next level's lane masks: each
+        lane's top C tokens by the draft (target ids, best first); None for a sampled round
+        (its lanes' masks are whole: the tree's nodes reuse them)."""
+        if not (self.constrained and self.greedy):
+            return None
+        return self.p.draft.topk(level.logit_h, CANDIDATES)[1]
 
     def first_level(self, topk_p, topk_index, hidden) -> DraftLevel:
         """The loop's state before level 0: the root's top-K (this tree's K of the K' kept)."""
@@ -725,6 +748,14 @@ def level_inputs(inputs: Mapping[str, torch.Tensor], i: int) -> DraftLevel:
         inputs["input_ids"].reshape(-1), inputs["parents"], inputs["logit_h"].flatten(0, 1),
         inputs["hidden"].flatten(0, 1), inputs["scores"], levels, stopped, drafted,
     )  # fmt: skip
+
+
+def top_logits(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n, 2C] fp32
+    """Each row's C largest logits, descending, then their token ids (exact in fp32: ids
+    below 2^24), in one tensor for the host's read (a greedy constrained round's node masks,
+    :meth:`~polyspec.constrain.RoundMasks.greedy_tree`)."""
+    values, ids = logits.float().topk(CANDIDATES, dim=-1)
+    return torch.cat([values, ids.float()], dim=1)
 
 
 def tree_nodes(

@@ -383,7 +383,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         if schema is not None:
             settings["mask_ms_per_round"]["spec"] = _mask_ms(llm.worker)
             rounds = max(1, llm.worker.constrained_rounds)
-            settings["whole_masks_per_round"] = llm.worker.masks_computed / rounds
+            settings["masks_per_round"] = llm.worker.masks_computed / rounds
             choice = llm.scheduler.constrained  # warm-up and every repeat included
             settings["constrained_speculation"] = {
                 "mode": choice.mode,
@@ -446,9 +446,9 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
     if schema is not None:
         ms = ", ".join(f"{k} {v:.3f}" for k, v in settings["mask_ms_per_round"].items())
         print(f"grammar mask time per constrained round (ms, host): {ms}")
-        if "whole_masks_per_round" in settings:
-            print("whole masks computed per constrained speculative round (the roots' not "
-                  f"counted): {settings['whole_masks_per_round']:.2f}")  # fmt: skip
+        if "masks_per_round" in settings:
+            print("masks computed per constrained speculative round (the roots' not "
+                  f"counted): {settings['masks_per_round']:.2f}")  # fmt: skip
         chosen = settings.get("constrained_speculation")
         if chosen and chosen["tokens_per_s"]:
             rates = "; ".join(

@@ -7,24 +7,21 @@ as they are. A node no output can reach (below a token the grammar refuses, or p
 grammar's end) is all ones too: its row is never used, since verification only accepts a
 child its parent's masked distribution allows.
 
-A sampled round computes each mask once: a draft lane's path is a node of the tree the round
+Each mask is computed once a round: a draft lane's path is a node of the tree the round
 verifies (the lanes of a level are the best candidates of that level, and only lanes get
-children), so the tree walk takes the lanes' masks and computes only the rest, which are
-leaves.
+children), so the tree walk (:meth:`RoundMasks.tree`, while the device verifies) takes the
+lanes' masks and computes only the rest, which are leaves.
 
-A greedy round computes few masks, since greedy acceptance reads the masked argmax only at
-the nodes it walks, and the draft may propose any token (verification decides):
-
-- a lane's mask allows those of the draft's top candidates there (``candidates``, read with
-  the lanes' tokens) that the grammar's parser takes, each checked alone
-  (:func:`~polyspec.constrain.matcher.allows`); a whole mask only where it takes none;
-- the tree's masks (:meth:`RoundMasks.greedy_tree`) come after the verify forward: from the
-  root, a node's whole mask and the target's top logits there give the token greedy
-  acceptance takes (:func:`~polyspec.constrain.matcher.greedy_choice`), and the walk goes on
-  into the child that drafted it. So only the accepted path's masks and the bonus token's
-  are computed (the root's is known); the nodes off that path are never read (verification
-  stops where the walk does) and stay all ones. Where the top logits do not settle a node's
-  token, every node below it gets its whole mask.
+A greedy round on a synchronous backend (``SpecRound.walk_tree``: its host would build the
+masks with the device idle) computes fewer: greedy acceptance reads the masked argmax only
+at the nodes it walks, so the tree's masks (:meth:`RoundMasks.greedy_tree`) wait for the
+verify forward, which also returns the target's top logits at each node. From the root, a node's mask and
+those logits give the token greedy acceptance takes there
+(:func:`~polyspec.constrain.matcher.greedy_choice`), and the walk goes on into the child that
+drafted it. A walked node that is a lane's path takes the lane's mask; the rest (the leaves
+the walk reaches) are computed, one parallel call a level for all requests. The nodes off the
+path are never read (verification stops where the walk does) and stay all ones. Where the top
+logits do not settle a node's token, every node below it gets its mask.
 """
 
 from __future__ import annotations
@@ -36,19 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyspec.constrain.matcher import (
-    Matcher,
-    advanced,
-    allows,
-    bitmask_of,
-    fill_masks,
-    greedy_choice,
-    mask_width,
-)
+from polyspec.constrain.matcher import Matcher, advanced, fill_masks, greedy_choice, mask_width
 
 CANDIDATES = 16
-"""The top tokens of the draft (at each lane) and of the target (at each tree node) a greedy
-constrained round reads on the host."""
+"""The target's top logits at each tree node a greedy constrained round reads on the host."""
 
 
 class DraftVocab:
@@ -104,8 +92,7 @@ class RoundMasks:
     unconstrained; ``vocab_size``: the target's logits width; ``draft_vocab``: the draft
     head's own vocabulary (None: the draft's logits are over the target's); ``upload``: host
     int32 array -> the same on the round's device; ``read``: a device tensor -> its host copy
-    on the way (``Backend.read_async``); ``greedy``: every request of the round is greedy
-    (the lanes' masks from candidates, the tree's by :meth:`greedy_tree`)."""
+    on the way (``Backend.read_async``)."""
 
     def __init__(
         self,
@@ -114,12 +101,10 @@ class RoundMasks:
         upload: Callable[[np.ndarray], torch.Tensor],
         read: Callable[[torch.Tensor], Any],
         draft_vocab: DraftVocab | None = None,
-        greedy: bool = False,
     ):
         self.matchers = list(matchers)
-        self.greedy = greedy
         self.width = mask_width(vocab_size)
-        self.computed = 0  # whole masks computed in the round (the root's are not counted)
+        self.computed = 0  # masks computed in the round (the roots' are not counted)
         self.upload = upload
         self.read = read
         self._tree_read: Any = None
@@ -135,7 +120,7 @@ class RoundMasks:
         # per request: the masks computed this round by draft path (None: no output reaches
         # the path's node), so that a lane's mask serves its tree node too
         self._known: list[dict[tuple[int, ...], np.ndarray | None]] = [{} for _ in matchers]
-        # per request, a greedy round's grammar states by draft path (None: no output reaches)
+        # per request, :meth:`greedy_tree`'s grammar states by draft path (None: no output)
         self._states: list[dict[tuple[int, ...], Any]] = [{} for _ in matchers]
 
     def root(self) -> torch.Tensor:  # [b, W] int32 on the device
@@ -169,23 +154,18 @@ class RoundMasks:
         parents: torch.Tensor | None,  # [b, K] select_top_k's tree_parents (step >= 1)
         topk: int,
         draft_vocab: bool = True,
-        candidates: torch.Tensor | None = None,  # [b * K, C] (or [b, K * C]) target ids
     ) -> torch.Tensor:  # [b * K, W'] int32 over the draft's vocabulary, on the device
         """The masks of the draft's next token at each lane of level ``step``: lane ``j`` of
         a level after the first continues lane ``(parents[:, j] - K - K*K*(step-1)) // K`` of
         the level before (select_top_k's candidate ids). ``draft_vocab`` False: over the
-        target's vocabulary ([b * K, W]; the caller converts them, :func:`draft_bitmask`).
-        ``candidates``: each lane's top tokens by the draft, best first; a lane's mask then
-        allows those of them the grammar takes (a whole mask where it takes none)."""
+        target's vocabulary ([b * K, W]; the caller converts them, :func:`draft_bitmask`)."""
         b, K = len(self.matchers), topk
         read = tokens.view(b, K)
         if step > 0:
             read = torch.cat([read, parents.to(read.dtype)], 1)
-        if candidates is not None:
-            read = torch.cat([read, candidates.view(b, -1).to(read.dtype)], 1)
         both = read.tolist()  # waits for the draft level (one read)
         toks = [row[:K] for row in both]
-        par = None if step == 0 else [row[K : 2 * K] for row in both]
+        par = None if step == 0 else [row[K:] for row in both]
         t = time.perf_counter()
         if step == 0:
             self._lanes = [[[tok] for tok in row] for row in toks]
@@ -196,47 +176,19 @@ class RoundMasks:
                 for i in range(b)
             ]
         out = np.full((b * K, self.width), -1, dtype=np.int32)
-        if candidates is not None:
-            per_lane = candidates.numel() // (b * K)
-            start = K if step == 0 else 2 * K
-            cands = [
-                [row[start + j * per_lane : start + (j + 1) * per_lane] for j in range(K)]
-                for row in both
-            ]
-            self._candidate_lanes(cands, out)
-        else:
-            work = [
-                (i, m, [(i * K + j, path) for j, path in enumerate(self._lanes[i])])
-                for i, m in enumerate(self.matchers)
-                if m is not None
-            ]
-            self._fill(work, out)
+        work = [
+            (i, m, [(i * K + j, path) for j, path in enumerate(self._lanes[i])])
+            for i, m in enumerate(self.matchers)
+            if m is not None
+        ]
+        self._fill(work, out)
         if draft_vocab:
             out = self._to_draft(out)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
-    def _candidate_lanes(self, cands: list[list[list[int]]], out: np.ndarray) -> None:
-        """Each lane's mask (rows of ``out`` [b * K, W]) from ``cands`` (per request, per
-        lane: the draft's top tokens there): those the grammar takes, else the whole mask."""
-        K = len(cands[0])
-        whole = []  # (state, row) of lanes where the grammar takes none of the candidates
-        for i, m in enumerate(self.matchers):
-            if m is None:
-                continue
-            for j, path in enumerate(self._lanes[i]):
-                state = self._state(i, tuple(path))
-                if state is None:
-                    continue  # no output reaches the lane: its row is never read
-                allowed = [t for t in cands[i][j] if allows(state, t)]
-                if allowed:
-                    out[i * K + j] = bitmask_of(allowed, self.width)
-                else:
-                    whole.append((state, i * K + j))
-        self._whole(whole, out)
-
-    def _whole(self, states: Sequence[tuple[Any, int]], out: np.ndarray) -> None:
-        """Whole masks of grammar ``states`` into their rows of ``out``; a dead end (no token
+    def _masks_of(self, states: Sequence[tuple[Any, int]], out: np.ndarray) -> None:
+        """The masks of grammar ``states`` into their rows of ``out``; a dead end (no token
         allowed) stays all ones, since no output reaches it."""
         fill_masks(self.executor, states, out)
         self.computed += len(states)
@@ -296,9 +248,10 @@ class RoundMasks:
     def greedy_tree(self, top: torch.Tensor) -> torch.Tensor:  # [b * N, W] int32 on device
         """A greedy round's node masks from the verify's ``top`` [b * N, 2C] fp32 (each
         node's C largest target logits, descending, then their token ids; the module
-        docstring): the masks of the nodes greedy acceptance walks, a level at a time for all
-        requests (one parallel call each), the rest all ones; whole masks below a node whose
-        top logits do not settle its token."""
+        docstring): the masks of the nodes greedy acceptance walks (a lane's path takes the
+        lane's mask, the others are computed a level at a time for all requests, one parallel
+        call each), the rest all ones; every mask below a node whose top logits do not settle
+        its token."""
         root = self._root_masks()
         b, n = self._tree_shape
         flat = self._tree_read.wait().tolist()  # the tree, read while the target verified
@@ -313,27 +266,33 @@ class RoundMasks:
             trees.append((r[:n], r[n : 2 * n], r[2 * n :]))
         # (request, node, its draft path) of the nodes the walk has reached
         level = [(i, 0, ()) for i, m in enumerate(self.matchers) if m is not None]
-        work = []  # whole masks: (i, matcher, (row, path) of a subtree's nodes)
+        work = []  # (i, matcher, (row, path) of every node below an unsettled one)
         while level:
-            states = []
+            todo, live = [], []  # (state, row) of walked nodes to compute; walked nodes output
             for i, node, path in level:
-                if node == 0:
+                known = self._known[i]
+                if not path:
                     out[i * n] = root[i]
+                elif path in known:  # a lane's
+                    if known[path] is None:
+                        continue  # no output reaches it (the grammar is complete there)
+                    out[i * n + node] = known[path]
                 else:
-                    states.append((self._state(i, path), i * n + node))
-            live = [(s, row) for s, row in states if s is not None]  # None: complete here
-            self._whole(live, out)
+                    state = self._state(i, path)
+                    if state is None:
+                        continue
+                    todo.append((state, i * n + node))
+                live.append((i, node, path))
+            self._masks_of(todo, out)
             below = []
-            for i, node, path in level:
-                if path and self._state(i, path) is None:
-                    continue  # the grammar is complete here: nothing below is output
+            for i, node, path in live:
                 at = (i * n + node) * 2 * C
                 token = greedy_choice(out[i * n + node], rows[at : at + C],
                                       [int(x) for x in rows[at + C : at + 2 * C]])  # fmt: skip
                 toks, child, sib = trees[i]
-                if token is None:  # every node below: whole masks
+                if token is None:  # every node below gets its mask
                     under = _subtree(toks, child, sib, node, list(path))[1:]
-                    work.append((i, self.matchers[i], [(i * n + u, at) for u, at in under]))
+                    work.append((i, self.matchers[i], [(i * n + u, p) for u, p in under]))
                     continue
                 nxt = next((c for c in _children(child, sib, node) if toks[c] == token), -1)
                 if nxt != -1:  # else the bonus token: the walk ends here

@@ -118,14 +118,6 @@ def advanced(state: Any, token: int) -> Any | None:
     return out
 
 
-def allows(state: Any, token: int) -> bool:
-    """Whether the grammar's parser at ``state`` takes ``token`` next, checked alone (about a
-    microsecond, against tens for a mask). It can take a token the state's mask refuses
-    (llguidance's masks are stricter than its token check), so it serves where a wrong
-    answer costs only speed: choosing a draft lane's candidates."""
-    return state.validate_tokens([int(token)]) == 1
-
-
 def greedy_choice(
     mask: np.ndarray,  # [W] int32, the grammar's mask at a node
     values: Sequence[float],  # [C] the target's C largest logits at the node, descending
@@ -147,13 +139,6 @@ def greedy_choice(
                 return None
             return min(t for v, t in zip(values[j:], ids[j:]) if v == best and allowed(t))
     return None
-
-
-def bitmask_of(tokens: Sequence[int], width: int) -> np.ndarray:  # [W] int32
-    """A mask that allows ``tokens`` alone."""
-    bits = np.zeros(width * 32, dtype=np.uint8)
-    bits[list(tokens)] = 1
-    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 def fill_masks(

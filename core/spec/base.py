@@ -254,7 +254,7 @@ class WorkerBase:
             greedy = all(s.sampler.greedy for s in sts)
             # A round with a constrained request works with the host in the middle (the
             # grammar's masks), and nothing is queued behind it.
-            masks = self._round_masks(sts, greedy)
+            masks = self._round_masks(sts)
             launched = self._launch(tree, rids, sts, greedy, masks, lookahead)
         self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
         if lookahead and greedy and masks is None:
@@ -310,14 +310,9 @@ class WorkerBase:
         out = launch(levels[0].__name__, levels[0], state)
         for i, phase in enumerate(levels[1:], start=1):
             keys = level_keys(i, fn.stop_below > 0)
-            outputs, candidates = out.outputs, None
-            if fn.greedy:  # the lanes' candidates come first
-                candidates, *outputs = (t[:bs] for t in outputs)
-            level = {k: t[:bs] for k, t in zip(keys, outputs)}
+            level = {k: t[:bs] for k, t in zip(keys, out.outputs)}
             tokens, parents = level["input_ids"].reshape(-1), level["parents"]
-            lane_masks = masks.lanes(
-                i - 1, tokens, parents if i > 1 else None, K, False, candidates
-            )
+            lane_masks = masks.lanes(i - 1, tokens, parents if i > 1 else None, K, False)
             level["lane_masks"] = lane_masks.view(bs, K, -1)  # [bs, K, W] int32
             out = launch(phase.__name__, phase, {"host": inputs["host"], **level})
         # copies of what the accept phase reads (a replay may overwrite a graph's outputs)
@@ -329,9 +324,9 @@ class WorkerBase:
                                                   "positions": positions})  # fmt: skip
         hidden, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
         self._lap("draft")
-        if top:  # a greedy round's, from the target's top logits: after the verify
+        if top:  # the path greedy acceptance walks, from the target's top logits (walk_tree)
             node_masks = masks.greedy_tree(top[0])
-        else:  # a sampled round's, while the device verifies
+        else:  # every node's, while the device verifies
             node_masks = masks.tree()
         node_masks = node_masks.view(bs, -1, masks.width)
         self._lap("verify")
@@ -341,14 +336,13 @@ class WorkerBase:
         out = launch(accept.__name__, accept, last)
         return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
 
-    def _round_masks(self, sts: Sequence[SeqState], greedy: bool = False) -> RoundMasks | None:
-        """The mask builder of a round with a constrained request, else None (``greedy``:
-        every request of the round is)."""
+    def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
+        """The mask builder of a round with a constrained request, else None."""
         if all(s.matcher is None for s in sts):
             return None
         return RoundMasks(
             [s.matcher for s in sts], self.target.config.vocab_size, self._upload_mask,
-            self.backend.read_async, self._draft_vocab(), greedy,
+            self.backend.read_async, self._draft_vocab(),
         )  # fmt: skip
 
     def _upload_mask(self, masks: np.ndarray) -> torch.Tensor:  # [n, W] int32 host -> device

@@ -42,12 +42,12 @@ input; level 0), ``.level1`` .. ``.level{S-1}`` (the lanes' top-K under ``lane_m
 the target's vocabulary, an EAGLE-3 head's own taken on the device),
 ``.verify`` (the target's forward over the tree, while the host reads the tree) and
 ``.accept`` (the logits under ``node_masks`` [b, N, W], acceptance, compaction, the draft
-extend). A sampled round's host builds every node's mask while the device verifies; a
-greedy round's (:meth:`~polyspec.constrain.RoundMasks.greedy_tree`) builds those of the
-path greedy acceptance takes, from the target's top logits at each node, which its
-``.verify`` returns too ([b * N, 2C], :func:`top_logits`), and its level phases return each
-lane's top C draft tokens first ([b, K * C]), the candidates of its lanes' masks. Never
-queued: the grammar advances on the host between rounds. A constrained plain round needs only the root's mask, which it takes
+extend). The host builds every node's mask while the device verifies, except in a greedy
+round on a synchronous backend (``walk_tree``), whose host builds, after the verify, only
+those of the path greedy acceptance takes
+(:meth:`~polyspec.constrain.RoundMasks.greedy_tree`), from the target's top logits at each
+node, which its ``.verify`` returns too ([b * N, 2C], :func:`top_logits`). Never queued: the
+grammar advances on the host between rounds. A constrained plain round needs only the root's mask, which it takes
 as an input (``root_mask`` [b, W] int32), so it replays a graph like any plain round (never
 queued either). An unconstrained round is the plain function, with none of this.
 
@@ -127,6 +127,10 @@ class RoundParts:
     # [R + 1, P, F]: an EAGLE head's input feature at each plain round's root, by request row
     # and position modulo P (row R takes the padding requests' writes); None without a head
     plain_features: torch.Tensor | None = None
+    # the device runs asynchronously to the host (Capabilities.async_execution): a greedy
+    # constrained round builds its tree's masks while the device verifies, rather than
+    # walking the accepted path after the verify (SpecRound.walk_tree)
+    async_device: bool = False
 
 
 class DraftLevel(NamedTuple):
@@ -160,6 +164,11 @@ class SpecRound:
         self.tree = tree
         self.greedy = greedy
         self.constrained = constrained
+        # A greedy constrained round's host builds only the masks of the path greedy
+        # acceptance walks, after the verify (RoundMasks.greedy_tree): fewer masks, but none
+        # built while the device verifies, so only where the device would not verify
+        # meanwhile anyway (a synchronous backend).
+        self.walk_tree = constrained and greedy and not parts.async_device
         self.standalone = parts.draft is not None and parts.draft.algorithm == "standalone"
         # dynamic depth: deeper levels of a round whose best path is below it get probability 0
         self.stop_below = stop_below
@@ -191,7 +200,7 @@ class SpecRound:
         )
         logits = p.target.compute_logits(hidden)
         if masks is not None:
-            node_masks = masks.greedy_tree(top_logits(logits)) if self.greedy else masks.tree()
+            node_masks = masks.greedy_tree(top_logits(logits)) if self.walk_tree else masks.tree()
             p.kernels.apply_token_bitmask(logits, node_masks)
         _lap(host, "verify")
         return self.accept_and_extend(
@@ -303,10 +312,7 @@ class SpecRound:
         lanes = self.lane_slots(rows, draft_lens, b, copy_prefix=i == 0) if S > 1 else None
         level = self.level(i, state, rows, live, lanes, max_prefix, host)
         if i < S - 1:
-            candidates = self.lane_candidates(level)  # a greedy round's, first
-            if candidates is None:
-                return level_outputs(level, b)
-            return candidates.view(b, -1), *level_outputs(level, b)
+            return level_outputs(level, b)
         candidates, tree_mask, positions, next_token, next_sibling = self.build_tree(
             level.levels, roots, seq_lens
         )
@@ -321,15 +327,15 @@ class SpecRound:
         return mask if d2t is None else draft_bitmask(mask, d2t)
 
     def _verify_phase(self, inputs, b: int, max_prefix, host):
-        """-> (hidden [b * N, H], draft features [b * N, F]) of the tree ``nodes``, and in a
-        greedy round the target's top logits at each node (:func:`top_logits`, [b * N, 2C]),
-        from which the host builds the node masks."""
+        """-> (hidden [b * N, H], draft features [b * N, F]) of the tree ``nodes``, and where
+        the round walks the tree (:attr:`walk_tree`) the target's top logits at each node
+        (:func:`top_logits`, [b * N, 2C]), from which the host builds the node masks."""
         rows, seq_lens, _, live = self._columns(inputs["host"])
         hidden, feats = self.verify_hidden(
             rows, seq_lens, inputs["nodes"][:, 0], live, inputs["positions"].reshape(-1),
             inputs["tree_mask"], max_prefix, host,
         )  # fmt: skip
-        if not self.greedy:
+        if not self.walk_tree:
             return hidden, feats
         return hidden, feats, top_logits(self.p.target.compute_logits(hidden))
 
@@ -444,20 +450,11 @@ class SpecRound:
             lane_masks = None
             if masks is not None:  # the grammar at each lane's path: the next level's mask
                 lane_masks = masks.lanes(
-                    i - 1, level.input_ids, level.parents if i > 1 else None, K,
-                    candidates=self.lane_candidates(level),
-                )  # fmt: skip
+                    i - 1, level.input_ids, level.parents if i > 1 else None, K
+                )
             state = self.lane_topk(level, lane_masks)
             level = self.level(i, state, rows, live, lanes, max_prefix, host)
         return level.levels, self.levels_drafted(level, rows.device)
-
-    def lane_candidates(self, level: DraftLevel) -> torch.Tensor | None:  # [b * K, C] or None
-        """A greedy constrained round's candidates for the next level's lane masks: each
-        lane's top C tokens by the draft (target ids, best first); None for a sampled round
-        (its lanes' masks are whole: the tree's nodes reuse them)."""
-        if not (self.constrained and self.greedy):
-            return None
-        return self.p.draft.topk(level.logit_h, CANDIDATES)[1]
 
     def first_level(self, topk_p, topk_index, hidden) -> DraftLevel:
         """The loop's state before level 0: the root's top-K (this tree's K of the K' kept)."""

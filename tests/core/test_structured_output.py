@@ -233,14 +233,21 @@ def test_round_masks_compute_each_node_once(llm):
     assert masks.seconds > 0
 
 
+def _bitmask(tokens, width):
+    """A mask that allows ``tokens`` alone."""
+    bits = np.zeros(width * 32, dtype=np.uint8)
+    bits[list(tokens)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
 def test_greedy_choice_is_the_masked_argmax_or_none():
     """The token of the target's top logits that greedy decoding under a mask takes: the
     first allowed one, the lowest id among allowed ones tied with it, and None where no top
     token is allowed or the allowed value ties with the last (more may tie past it)."""
-    from polyspec.constrain.matcher import bitmask_of, greedy_choice
+    from polyspec.constrain.matcher import greedy_choice
 
     def mask(*allowed):
-        return bitmask_of(allowed, 2)
+        return _bitmask(allowed, 2)
 
     assert greedy_choice(mask(2, 9), [5.0, 4.0, 3.0], [7, 2, 9]) == 2
     assert greedy_choice(mask(9, 2), [5.0, 4.0, 4.0, 1.0], [7, 9, 2, 3]) == 2
@@ -252,15 +259,14 @@ def test_greedy_choice_is_the_masked_argmax_or_none():
 
 
 def test_greedy_round_masks_walk_the_greedy_path(llm):
-    """A greedy round's masks: a lane allows the draft's candidates the grammar takes (a
-    whole mask where it takes none); the tree's masks are whole at the nodes greedy
-    acceptance walks (into the child of the token the node's mask and the target's top
-    logits there give) and all ones elsewhere; where the top logits settle no token, every
-    node below gets its whole mask. Only those masks are computed, the root's not."""
+    """A greedy round's tree masks: at the nodes greedy acceptance walks (into the child of
+    the token the node's mask and the target's top logits there give), the node's mask (a
+    lane's taken, not computed again); all ones elsewhere; where the top logits settle no
+    token, every node below gets its mask. Only the masks walked to and not known are
+    computed."""
     import torch
 
     from polyspec.constrain import ConstraintViolation, RoundMasks
-    from polyspec.constrain.matcher import bitmask_of
 
     tok, cache = llm.tokenizer, llm.scheduler.grammars
     constraint = ("regex", "[ab][xy]z")
@@ -278,29 +284,16 @@ def test_greedy_round_masks_walk_the_greedy_path(llm):
             pass
         return np.full(width, -1, dtype=np.int32)
 
-    def only(*chars):
-        return bitmask_of([ids[c] for c in chars], width)
-
-    def round_masks():
-        matchers = [cache.matcher(constraint), None, cache.matcher(constraint)]
-        for m in matchers[::2]:
-            m.next_mask()
-        return RoundMasks(
-            matchers, cache.vocab_size, torch.from_numpy, llm.backend.read_async, greedy=True
-        )
-
-    masks, K = round_masks(), 2
-    # level 0: lanes "a" and "q" (refused: its row is never read); candidates after them
-    lanes = [ids["a"], ids["q"]] * 3
-    candidates = [[ids["z"], ids["y"], ids["x"]], [ids["x"], ids["y"], ids["z"]]]
-    candidates += [[0, 0, 0]] * 2 + [[ids["z"], ids["q"], ids["b"]], [ids["a"]] * 3]
-    got = masks.lanes(0, torch.tensor(lanes), None, K, candidates=torch.tensor(candidates))
-    got = got.numpy()
-    assert np.array_equal(got[0], only("y", "x"))
-    assert (got[1] == -1).all() and (got[2:4] == -1).all()
-    assert np.array_equal(got[4], fresh([ids["a"]]))  # no candidate allowed: the whole mask
-    assert masks.computed == 1
-    # the tree of request 0 and 2: 1 a, 2 b under the root; 3 x, 4 y under a; 5 z under a-x
+    matchers = [cache.matcher(constraint), None, cache.matcher(constraint)]
+    for m in matchers[::2]:
+        m.next_mask()
+    masks = RoundMasks(matchers, cache.vocab_size, torch.from_numpy, llm.backend.read_async)
+    K = 2
+    # level 0: lanes "a" and "q" (refused) of each request
+    lanes = masks.lanes(0, torch.tensor([ids["a"], ids["q"]] * 3), None, K).numpy()
+    assert np.array_equal(lanes[0], fresh([ids["a"]])) and (lanes[1] == -1).all()
+    assert masks.computed == 2  # "a" of requests 0 and 2
+    # the tree of requests 0 and 2: 1 a, 2 b under the root; 3 x, 4 y under a; 5 z under a-x
     tokens = [0, ids["a"], ids["b"], ids["x"], ids["y"], ids["z"]]
     first_child = [1, 3, -1, 5, -1, -1]
     next_sibling = [-1, 2, -1, 4, -1, -1]
@@ -319,7 +312,7 @@ def test_greedy_round_masks_walk_the_greedy_path(llm):
     logits(0, 1, [(7, "x"), (7, "y"), (1, "z")])
     first = min("xy", key=lambda c: ids[c])
     logits(0, 3 if first == "x" else 4, [(5, "z"), (2, "q"), (1, "a")])
-    # request 2: nothing of the root's top is allowed: whole masks for the whole tree
+    # request 2: nothing of the root's top is allowed: every node below gets its mask
     logits(2, 0, [(9, "q"), (8, "z"), (7, "x")])
     got = masks.greedy_tree(top.view(3 * n, 2 * C)).numpy().reshape(3, n, width)
     want = np.full((n, width), -1, dtype=np.int32)
@@ -334,9 +327,9 @@ def test_greedy_round_masks_walk_the_greedy_path(llm):
 
     for node in range(n):
         assert np.array_equal(got[2][node], fresh(path(node))), node
-    # the lane's; request 0's at a and a-x or a-y; request 2's below the root but a-x-z's
-    # (the grammar is complete there)
-    assert masks.computed == 1 + 2 + 4
+    # the lanes'; request 0's at a-x or a-y; request 2's at b, a-x and a-y (a is the lane's,
+    # and the grammar is complete at a-x-z)
+    assert masks.computed == 2 + 1 + 3
 
 
 def test_mask_cost_script_times_copies_and_masks(tiny):

@@ -15,8 +15,8 @@ lanes' masks and computes only the rest, which are leaves.
 A greedy round on a synchronous backend (``SpecRound.walk_tree``: its host would build the
 masks with the device idle) computes fewer: greedy acceptance reads the masked argmax only
 at the nodes it walks, so the tree's masks (:meth:`RoundMasks.greedy_tree`) wait for the
-verify forward, which also returns the target's top logits at each node. From the root, a node's mask and
-those logits give the token greedy acceptance takes there
+verify forward, which also returns the target's top logits at each node. From the root, a
+node's mask and those logits give the token greedy acceptance takes there
 (:func:`~polyspec.constrain.matcher.greedy_choice`), and the walk goes on into the child that
 drafted it. A walked node that is a lane's path takes the lane's mask; the rest (the leaves
 the walk reaches) are computed, one parallel call a level for all requests. The nodes off the

@@ -171,8 +171,8 @@ class WorkerBase:
         # Dynamic depth's threshold, and rounds by the number of levels drafted (index 1..S).
         self.dynamic_depth = 0.0
         self.drafted_levels: list[int] = []
-        # Structured output: host seconds spent building masks, whole masks computed in the
-        # rounds (the roots' are the scheduler's), and constrained rounds run.
+        # Structured output: host seconds spent building masks, masks computed in the rounds
+        # (the roots' are the scheduler's), and constrained rounds run.
         self.mask_seconds = 0.0
         self.masks_computed = 0
         self.constrained_rounds = 0

@@ -47,9 +47,10 @@ round on a synchronous backend (``walk_tree``), whose host builds, after the ver
 those of the path greedy acceptance takes
 (:meth:`~polyspec.constrain.RoundMasks.greedy_tree`), from the target's top logits at each
 node, which its ``.verify`` returns too ([b * N, 2C], :func:`top_logits`). Never queued: the
-grammar advances on the host between rounds. A constrained plain round needs only the root's mask, which it takes
-as an input (``root_mask`` [b, W] int32), so it replays a graph like any plain round (never
-queued either). An unconstrained round is the plain function, with none of this.
+grammar advances on the host between rounds. A constrained plain round needs only the root's
+mask, which it takes as an input (``root_mask`` [b, W] int32), so it replays a graph like
+any plain round (never queued either). An unconstrained round is the plain function, with
+none of this.
 
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
 node ids) + [b * N] each node's predicted token + [1] draft levels drafted``, then an EAGLE

@@ -161,6 +161,20 @@ def test_draft_bitmask_on_the_device_equals_the_host_conversion():
     assert got.dtype == np.int32 and np.array_equal(got, want)
 
 
+def _fresh_mask(cache, constraint, path):
+    """The mask after ``path`` from a new matcher of ``constraint``; all ones where no output
+    reaches it (a token the grammar refuses, or past its end)."""
+    from polyspec.constrain import ConstraintViolation
+
+    f = cache.matcher(constraint)
+    try:
+        if f.advance(path) == len(path) and not f.done:
+            return f.next_mask()
+    except ConstraintViolation:
+        pass
+    return np.full((cache.vocab_size + 31) // 32, -1, dtype=np.int32)
+
+
 def test_round_masks_compute_each_node_once(llm):
     """A round's masks equal masks computed afresh for every node's path (a refused token
     and the grammar's end give all-ones rows, and so does everything below them), while
@@ -168,7 +182,7 @@ def test_round_masks_compute_each_node_once(llm):
     again, and nothing below an unreachable node is computed."""
     import torch
 
-    from polyspec.constrain import ConstraintViolation, RoundMasks
+    from polyspec.constrain import RoundMasks
 
     tok, cache = llm.tokenizer, llm.scheduler.grammars
     constraint = ("regex", "[ab][xy]z")
@@ -211,14 +225,8 @@ def test_round_masks_compute_each_node_once(llm):
     def path(node):
         return [] if node == 0 else path(parents[node]) + [tokens[node]]
 
-    def fresh(p):  # the mask after path p from a new matcher, all ones where unreachable
-        f = cache.matcher(constraint)
-        try:
-            if f.advance(p) == len(p) and not f.done:
-                return f.next_mask()
-        except ConstraintViolation:
-            pass
-        return np.full(tree.shape[1], -1, dtype=np.int32)
+    def fresh(p):
+        return _fresh_mask(cache, constraint, p)
 
     for node in range(n):
         assert np.array_equal(tree[node], fresh(path(node))), node
@@ -266,7 +274,7 @@ def test_greedy_round_masks_walk_the_greedy_path(llm):
     computed."""
     import torch
 
-    from polyspec.constrain import ConstraintViolation, RoundMasks
+    from polyspec.constrain import RoundMasks
 
     tok, cache = llm.tokenizer, llm.scheduler.grammars
     constraint = ("regex", "[ab][xy]z")
@@ -275,14 +283,8 @@ def test_greedy_round_masks_walk_the_greedy_path(llm):
         (ids[ch],) = tok.encode(ch, add_special_tokens=False)
     width = (cache.vocab_size + 31) // 32
 
-    def fresh(p):  # the mask after path p from a new matcher, all ones where unreachable
-        f = cache.matcher(constraint)
-        try:
-            if f.advance(p) == len(p) and not f.done:
-                return f.next_mask()
-        except ConstraintViolation:
-            pass
-        return np.full(width, -1, dtype=np.int32)
+    def fresh(p):
+        return _fresh_mask(cache, constraint, p)
 
     matchers = [cache.matcher(constraint), None, cache.matcher(constraint)]
     for m in matchers[::2]:

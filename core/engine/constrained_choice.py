@@ -1,12 +1,12 @@
 """Speculative or plain rounds for a batch with a constrained request
 (``EngineConfig.constrained_speculation``).
 
-A constrained speculative round builds a token mask on the host for every draft lane and
-tree node of each constrained request (docs/structured-output.md), and cannot be queued
+A constrained speculative round builds token masks on the host for the draft lanes and the
+tree's nodes of each constrained request (docs/structured-output.md), and cannot be queued
 behind the last round; a plain round builds one mask a request. Which of the two gives
 more tokens a second depends on the grammar, the head's acceptance under it, the host's
-CPUs and how fast the device is: on a 2-core CPU speculation won, on an H100 plain rounds
-did (docs/benchmarks.md, "Structured output"). ``auto`` therefore measures: for each range
+CPUs and how fast the device is (docs/benchmarks.md, "Structured output": plain rounds won
+on an H100 and on a 2-core AMD EPYC). ``auto`` therefore measures: for each range
 of batch sizes (1, 2-3, 4-7, ...) the first rounds alternate between the two kinds until
 each has ``probe`` rounds, then the kind with more tokens per second of its rounds runs;
 every ``window`` rounds the other kind is measured again (the text and the grammar's state

@@ -322,7 +322,8 @@ class WorkerBase:
         tree = {"host": inputs["host"], "nodes": nodes}
         second = launch(verify.__name__, verify, {**tree, "tree_mask": tree_mask,
                                                   "positions": positions})  # fmt: skip
-        hidden, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
+        # hidden states, or logits and their top where the round walks the tree (walk_tree)
+        first, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
         self._lap("draft")
         if top:  # the path greedy acceptance walks, from the target's top logits (walk_tree)
             node_masks = masks.greedy_tree(top[0])
@@ -331,7 +332,7 @@ class WorkerBase:
         node_masks = node_masks.view(bs, -1, masks.width)
         self._lap("verify")
         sampled = {k: v for k, v in inputs.items() if k not in state}  # sampling, coins
-        last = {**tree, **sampled, "hidden": hidden, "features": feats,
+        last = {**tree, **sampled, ("logits" if top else "hidden"): first, "features": feats,
                 "node_masks": node_masks, "drafted": drafted}  # fmt: skip
         out = launch(accept.__name__, accept, last)
         return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))

@@ -328,9 +328,10 @@ class SpecRound:
         return mask if d2t is None else draft_bitmask(mask, d2t)
 
     def _verify_phase(self, inputs, b: int, max_prefix, host):
-        """-> (hidden [b * N, H], draft features [b * N, F]) of the tree ``nodes``, and where
-        the round walks the tree (:attr:`walk_tree`) the target's top logits at each node
-        (:func:`top_logits`, [b * N, 2C]), from which the host builds the node masks."""
+        """-> (hidden [b * N, H], draft features [b * N, F]) of the tree ``nodes``; where the
+        round walks the tree (:attr:`walk_tree`), (logits [b * N, V], features, the target's
+        top logits at each node (:func:`top_logits`, [b * N, 2C]), from which the host builds
+        the node masks)."""
         rows, seq_lens, _, live = self._columns(inputs["host"])
         hidden, feats = self.verify_hidden(
             rows, seq_lens, inputs["nodes"][:, 0], live, inputs["positions"].reshape(-1),
@@ -338,18 +339,23 @@ class SpecRound:
         )  # fmt: skip
         if not self.walk_tree:
             return hidden, feats
-        return hidden, feats, top_logits(self.p.target.compute_logits(hidden))
+        logits = self.p.target.compute_logits(hidden)
+        return logits, feats, top_logits(logits)
 
     def _accept_phase(self, inputs, b: int, max_prefix, host):
-        """The logits of ``hidden`` [b, N, H] under ``node_masks`` [b, N, W] (a padding
-        request's zeros read as all ones), then steps 5-7 (:meth:`accept_and_extend`)."""
+        """The logits of ``hidden`` [b, N, H] (or ``logits`` [b, N, V], where the round walks
+        the tree) under ``node_masks`` [b, N, W] (a padding request's zeros read as all
+        ones), then steps 5-7 (:meth:`accept_and_extend`)."""
         p = self.p
         rows, seq_lens, _, live = self._columns(inputs["host"])
         nodes = inputs["nodes"]
         idx = seq_lens.dtype
         candidates = nodes[:, 0].contiguous()
         next_token, next_sibling = nodes[:, 1].to(idx), nodes[:, 2].to(idx)
-        logits = p.target.compute_logits(inputs["hidden"].flatten(0, 1))
+        if self.walk_tree:
+            logits = inputs["logits"].flatten(0, 1)
+        else:
+            logits = p.target.compute_logits(inputs["hidden"].flatten(0, 1))
         masks = torch.where(live.view(-1, 1, 1) > 0, inputs["node_masks"], -1)
         p.kernels.apply_token_bitmask(logits, masks.flatten(0, 1))
         return self.accept_and_extend(

@@ -59,6 +59,10 @@ CONSTRAINED_SPECULATION_MODES = ("auto", "on", "off")
 """Which rounds a batch with a constrained request runs (:class:`EngineConfig`,
 ``constrained_speculation``)."""
 
+CONSTRAINED_DRAFT_MODES = ("auto", "levels", "root")
+"""Which of a constrained speculative round's draft levels the grammar masks
+(:class:`EngineConfig`, ``constrained_draft``)."""
+
 ENV_VARIABLES = (
     "POLYSPEC_CONFIG", "POLYSPEC_PLUGINS", "POLYSPEC_DISABLE_PLUGIN_AUTOLOAD",
     "POLYSPEC_STRICT_PLUGINS", "POLYSPEC_CPU_KERNELS", "POLYSPEC_ROWINV_ISA",
@@ -554,6 +558,15 @@ class EngineConfig:
     whether speculation pays depends on the grammar and the host; docs/structured-output.md).
     The output is the same either way.
 
+    ``constrained_draft``: where the grammar masks a constrained speculative round's draft:
+    ``"levels"`` the root's top-K and every level's lanes (no tree node is spent on a token
+    the grammar refuses, but the device waits for the host's lane masks between the draft's
+    levels), ``"root"`` the root's top-K only (the draft runs whole; the tree's masks still
+    make verification exact). ``"auto"`` (the default): ``"levels"`` where the backend runs
+    synchronously (the host's waits cost no device time), ``"root"`` where it runs
+    asynchronously (``BackendCapabilities.async_execution``). The output is the same either
+    way (docs/structured-output.md).
+
     ``tensor_parallel_size``: the ranks one engine runs on (docs/distributed.md): the target's
     heads, MLP and vocabulary are split over them, the draft is replicated. Above 1, the
     process that builds the engine becomes rank 0 and starts the others itself, unless
@@ -578,6 +591,7 @@ class EngineConfig:
     prefill_wait_steps: int = 0
     overlap_rounds: str = "auto"
     constrained_speculation: str = "auto"
+    constrained_draft: str = "auto"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
 
@@ -623,6 +637,7 @@ class EngineConfig:
         _check_choice(
             "constrained_speculation", self.constrained_speculation, CONSTRAINED_SPECULATION_MODES
         )
+        _check_choice("constrained_draft", self.constrained_draft, CONSTRAINED_DRAFT_MODES)
         if self.max_graph_batch_size == "auto":
             object.__setattr__(self, "max_graph_batch_size", None)
         if self.max_graph_batch_size is not None:
@@ -693,6 +708,7 @@ _KINDS: dict[str, str] = {
     "prefill_wait_steps": "int",
     "overlap_rounds": "auto_bool",
     "constrained_speculation": "str",
+    "constrained_draft": "str",
     "tensor_parallel_size": "int",
     "distributed_timeout_s": "float",
 }

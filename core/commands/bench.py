@@ -384,6 +384,7 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
             settings["mask_ms_per_round"]["spec"] = _mask_ms(llm.worker)
             rounds = max(1, llm.worker.constrained_rounds)
             settings["masks_per_round"] = llm.worker.masks_computed / rounds
+            settings["constrained_draft"] = "levels" if llm.worker.mask_lanes else "root"
             choice = llm.scheduler.constrained  # warm-up and every repeat included
             settings["constrained_speculation"] = {
                 "mode": choice.mode,
@@ -448,7 +449,8 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
         print(f"grammar mask time per constrained round (ms, host): {ms}")
         if "masks_per_round" in settings:
             print("masks computed per constrained speculative round (the roots' not "
-                  f"counted): {settings['masks_per_round']:.2f}")  # fmt: skip
+                  f"counted): {settings['masks_per_round']:.2f}; draft masked at: "
+                  f"{settings['constrained_draft']}")  # fmt: skip
         chosen = settings.get("constrained_speculation")
         if chosen and chosen["tokens_per_s"]:
             rates = "; ".join(

@@ -97,6 +97,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "draft tree, off = plain rounds, auto (default) = the faster, measured as it runs",
     )
     p.add_argument(
+        "--constrained-draft",
+        choices=["auto", "levels", "root"],
+        dest="constrained_draft",
+        help="where the grammar masks a constrained round's draft: levels = the root's top-K "
+        "and every level's lanes, root = the root's top-K only (the draft runs whole); auto "
+        "(default) = levels on synchronous backends, root on asynchronous ones (cuda)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         dest="tensor_parallel_size",
@@ -115,7 +123,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("target", "draft", "backend", "dtype", "page_size", "max_batch_size", "graphs",
-                "max_graph_batch_size", "prefill_wait_steps", "overlap_rounds", "constrained_speculation", "tensor_parallel_size", "algorithm", "num_steps", "topk", "num_draft_tokens",
+                "max_graph_batch_size", "prefill_wait_steps", "overlap_rounds", "constrained_speculation", "constrained_draft", "tensor_parallel_size", "algorithm", "num_steps", "topk", "num_draft_tokens",
                 "draft_quantization", "dynamic_depth", "batch_trees",
                 "max_new_tokens", "temperature", "top_k", "top_p", "seed")  # fmt: skip
 

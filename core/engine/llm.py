@@ -362,6 +362,7 @@ class LLM:
             graphs=cfg.graphs,
             max_graph_batch_size=cfg.max_graph_batch_size,
             max_graph_prefill_tokens=2 * cfg.max_tokens_per_step,  # padded to widths
+            constrained_draft=cfg.constrained_draft,
         )
         if self.draft is None:
             from polyspec.spec.plain_worker import PlainWorker

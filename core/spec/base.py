@@ -131,6 +131,7 @@ class WorkerBase:
         graphs: str = "off",
         max_graph_batch_size: int | None = None,
         max_graph_prefill_tokens: int = 2048,
+        constrained_draft: str = "auto",
     ):
         self.backend = backend
         self.kernels = backend.kernels
@@ -176,6 +177,12 @@ class WorkerBase:
         self.mask_seconds = 0.0
         self.masks_computed = 0
         self.constrained_rounds = 0
+        # Whether a constrained round masks its draft lanes (EngineConfig.constrained_draft):
+        # "auto" masks them where the device does not run ahead of the host, whose waits
+        # between the draft's levels cost nothing there.
+        self.mask_lanes = constrained_draft == "levels" or (
+            constrained_draft == "auto" and not caps.async_execution
+        )
 
     def reset_stats(self) -> None:
         """Zero the round statistics (rounds by tree and by levels drafted, queued rounds,
@@ -219,7 +226,9 @@ class WorkerBase:
         key = (tree, greedy, constrained)
         if key not in self._rounds:
             stop_below = self.dynamic_depth if tree.num_steps > 1 else 0.0
-            self._rounds[key] = SpecRound(self.round_parts(), tree, greedy, stop_below, constrained)
+            self._rounds[key] = SpecRound(
+                self.round_parts(), tree, greedy, stop_below, constrained, self.mask_lanes
+            )
         return self._rounds[key]
 
     def round_graphs(self, greedy: bool = True, batch_size: int = 1) -> tuple[str, ...]:

@@ -160,11 +160,16 @@ class SpecRound:
         greedy: bool,
         stop_below: float = 0.0,
         constrained: bool = False,
+        mask_lanes: bool = True,
     ):
+        """``mask_lanes`` (a constrained round): the grammar masks each draft level's lanes
+        before their top-K, the device waiting for the host between levels; False: only the
+        root's top-K is masked, and the draft runs whole (``EngineConfig.constrained_draft``)."""
         self.p = parts
         self.tree = tree
         self.greedy = greedy
         self.constrained = constrained
+        self.mask_lanes = mask_lanes
         # A greedy constrained round's host builds only the masks of the path greedy
         # acceptance walks, after the verify (RoundMasks.greedy_tree): fewer masks, but none
         # built while the device verifies, so only where the device would not verify
@@ -189,8 +194,9 @@ class SpecRound:
         masks = host.masks if self.constrained else None
         # (a constrained round's root top-K under the grammar's mask at the root)
         root_mask = None if masks is None else masks.root_draft()
+        lane_masks = masks if self.mask_lanes else None
         candidates, tree_mask, positions, next_token, next_sibling, drafted = self.draft_tree(
-            rows, seq_lens, roots, live, inputs, b, max_prefix, host, root_mask, masks
+            rows, seq_lens, roots, live, inputs, b, max_prefix, host, root_mask, lane_masks
         )
         if masks is not None:  # the tree on its way to the host while the target verifies
             masks.start_tree(tree_nodes(candidates, next_token, next_sibling))
@@ -276,9 +282,10 @@ class SpecRound:
         the lanes' top-K under the ``lane_masks`` the host built from the level before, then
         its level; the last one builds the tree), ``.verify`` (the target's forward over the
         tree, to its hidden states) and ``.accept`` (the logits masked by ``node_masks``,
-        steps 5-7)."""
+        steps 5-7). Without lane masks (:attr:`mask_lanes` False) ``.draft`` runs every level
+        and builds the tree."""
         if self._phases is None:
-            S = self.tree.num_steps
+            S = self.tree.num_steps if self.mask_lanes else 1
             levels = [RoundPhase(f"{self.__name__}.draft", functools.partial(self._level_phase, 0))]
             levels += [
                 RoundPhase(f"{self.__name__}.level{i}", functools.partial(self._level_phase, i))
@@ -296,13 +303,19 @@ class SpecRound:
         the loop's state (:func:`level_outputs`, the lanes' tokens and parents first: the
         host builds the next level's masks from them); the last level -> (nodes [b, 3, N]
         int64 (:func:`tree_nodes`, the host's read), tree_mask [b, N, N], positions [b, N],
-        levels drafted [b] (the same for every request))."""
+        levels drafted [b] (the same for every request)); without lane masks, level 0 runs
+        every level and returns the last one's."""
         rows, seq_lens, roots, live = self._columns(inputs["host"])
         if i == 0:
             root_mask = torch.where(live.view(-1, 1) > 0, inputs["root_mask"], -1)  # padding
             topk_p, topk_index, hidden, draft_lens = self.draft_state(
                 rows, seq_lens, roots, live, inputs, max_prefix, host, self._to_draft(root_mask)
             )
+            if not self.mask_lanes:  # the whole draft, its lanes unmasked
+                levels, drafted = self.draft(
+                    rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host
+                )
+                return self._tree_outputs(levels, roots, seq_lens, drafted, b)
             state = self.first_level(topk_p, topk_index, hidden)
         else:
             draft_lens = seq_lens + 1 if self.standalone else seq_lens
@@ -314,11 +327,16 @@ class SpecRound:
         level = self.level(i, state, rows, live, lanes, max_prefix, host)
         if i < S - 1:
             return level_outputs(level, b)
+        drafted = self.levels_drafted(level, rows.device)
+        return self._tree_outputs(level.levels, roots, seq_lens, drafted, b)
+
+    def _tree_outputs(self, levels, roots, seq_lens, drafted, b: int):
+        """A phased draft's last outputs: (nodes [b, 3, N], tree_mask [b, N, N], positions
+        [b, N], levels drafted [b]) of the tree built from ``levels``."""
         candidates, tree_mask, positions, next_token, next_sibling = self.build_tree(
-            level.levels, roots, seq_lens
+            levels, roots, seq_lens
         )
         nodes = tree_nodes(candidates, next_token, next_sibling)
-        drafted = self.levels_drafted(level, rows.device)
         return nodes, tree_mask, positions.view(b, -1), drafted.repeat(b)
 
     def _to_draft(self, mask: torch.Tensor) -> torch.Tensor:  # [n, W] -> [n, W'] int32

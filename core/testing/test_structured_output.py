@@ -58,7 +58,7 @@ CHOICES = ["alpha", "beta gamma", 'say "hi"']
 
 def _llm(
     backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="off",
-    constrained_speculation="on", **spec,
+    constrained_speculation="on", constrained_draft="auto", **spec,
 ):  # fmt: skip
     """An engine over the tiny models. ``graphs`` "off" by default: the eager constrained
     round (:func:`test_constrained_rounds_replay_graphs` runs the replayed phases). A batch
@@ -75,6 +75,7 @@ def _llm(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
         dtype=dtype, max_batch_size=64, max_context=160, page_size=default_page_size(backend),
         graphs=graphs, constrained_speculation=constrained_speculation,
+        constrained_draft=constrained_draft,
     )  # fmt: skip
 
 
@@ -124,18 +125,23 @@ def _check_output(params: SamplingParams, text: str, finish_reason: str) -> None
 
 
 @pytest.mark.parametrize(
-    "algorithm,topk,num_steps",
-    [("self", 1, 3), ("self", 2, 3), ("eagle3", 2, 3), ("eagle3", 3, 2)],
-)
+    "algorithm,topk,num_steps,draft_masks",
+    [("self", 1, 3, "auto"), ("self", 2, 3, "levels"), ("self", 2, 3, "root"),
+     ("eagle3", 2, 3, "levels"), ("eagle3", 2, 3, "root"), ("eagle3", 3, 2, "auto")],
+)  # fmt: skip
 def test_constrained_greedy_spec_equals_plain(
-    backend, backend_name, tiny_models, plain, algorithm, topk, num_steps
+    backend, backend_name, tiny_models, plain, algorithm, topk, num_steps, draft_masks
 ):
-    """Greedy speculative == greedy plain under each constraint, in one mixed batch; every
+    """Greedy speculative == greedy plain under each constraint, in one mixed batch, with
+    the draft masked at every level or at its root only (``constrained_draft``); every
     constrained output satisfies its constraint and finishes with "stop"."""
     from polyspec.testing.forward import assert_greedy_equal
 
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
-    spec = _llm(backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps)
+    spec = _llm(
+        backend, backend_name, tiny_models, algorithm, topk=topk, num_steps=num_steps,
+        constrained_draft=draft_masks,
+    )  # fmt: skip
     prompts, params = _batch()
     want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
     got = spec.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -177,30 +183,37 @@ def _accepted(params, outputs, constrained: bool) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "algorithm,dynamic_depth", [(None, 0.0), ("self", 0.0), ("eagle3", 0.0), ("eagle3", 0.999)]
-)
+    "algorithm,dynamic_depth,draft_masks",
+    [(None, 0.0, "auto"), ("self", 0.0, "levels"), ("eagle3", 0.0, "levels"),
+     ("eagle3", 0.999, "levels"), ("eagle3", 0.0, "root"), ("eagle3", 0.999, "root")],
+)  # fmt: skip
 def test_constrained_rounds_replay_graphs(
-    backend, backend_name, tiny_models, plain, algorithm, dynamic_depth
+    backend, backend_name, tiny_models, plain, algorithm, dynamic_depth, draft_masks
 ):
     """Where rounds replay graphs, a constrained round replays them too: a plain round with
     the root's mask as an input, a speculative one as its phases (the draft's levels, the
     verify, the acceptance) with the masks built on the host in between (each level's lanes',
-    the tree's nodes). Greedy outputs equal eager plain decoding's (with dynamic depth too),
-    constrained outputs satisfy their constraints, the constrained requests speculate, and
-    once they have finished the others speculate on."""
+    the tree's nodes); with the draft masked at its root only, the draft is one phase.
+    Greedy outputs equal eager plain decoding's (with dynamic depth too), constrained
+    outputs satisfy their constraints, the constrained requests speculate, and once they
+    have finished the others speculate on."""
     require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     spec = {} if algorithm is None else {"topk": 2, "num_steps": 3}
     if dynamic_depth:
         spec["dynamic_depth"] = dynamic_depth
-    llm = _llm(backend, backend_name, tiny_models, algorithm, graphs="on", **spec)
+    llm = _llm(
+        backend, backend_name, tiny_models, algorithm, graphs="on",
+        constrained_draft=draft_masks, **spec,
+    )  # fmt: skip
     params, got = _mixed_batch_equals_plain(llm, plain)
     names = {name for name, _, _ in llm.worker.graphs.captured}
     if algorithm is None:
         assert "decode_greedy_constrained" in names, names
         return
-    phases = ("draft", "level1", "level2", "verify", "accept")  # num_steps 3
-    assert {f"round_greedy_constrained.{p}" for p in phases} <= names, names
+    levels = ("level1", "level2") if draft_masks == "levels" else ()  # num_steps 3
+    phases = {f"round_greedy_constrained.{p}" for p in ("draft", *levels, "verify", "accept")}
+    assert phases == {n for n in names if n.startswith("round_greedy_constrained.")}, names
     for constrained in (True, False):
         accepted = _accepted(params, got, constrained)
         assert max(accepted) > 1, f"constrained={constrained}: no draft token was accepted"

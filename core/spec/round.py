@@ -42,11 +42,11 @@ input; level 0), ``.level1`` .. ``.level{S-1}`` (the lanes' top-K under ``lane_m
 the target's vocabulary, an EAGLE-3 head's own taken on the device),
 ``.verify`` (the target's forward over the tree, while the host reads the tree) and
 ``.accept`` (the logits under ``node_masks`` [b, N, W], acceptance, compaction, the draft
-extend). The host builds every node's mask while the device verifies, except in a greedy
-round on a synchronous backend (``walk_tree``), whose host builds, after the verify, only
-those of the path greedy acceptance takes
-(:meth:`~polyspec.constrain.RoundMasks.greedy_tree`), from the target's top logits at each
-node, which its ``.verify`` returns too ([b * N, 2C], :func:`top_logits`). Never queued: the
+extend). A sampled round's host builds every node's mask while the device verifies; a
+greedy round's (``walk_tree``) builds, after the verify, only those of the path greedy
+acceptance takes (:meth:`~polyspec.constrain.RoundMasks.greedy_tree`), from the target's
+top logits at each node, which its ``.verify`` returns too ([b * N, 2C],
+:func:`top_logits`). Never queued: the
 grammar advances on the host between rounds. A constrained plain round needs only the root's
 mask, which it takes as an input (``root_mask`` [b, W] int32), so it replays a graph like
 any plain round (never queued either). An unconstrained round is the plain function, with
@@ -128,10 +128,6 @@ class RoundParts:
     # [R + 1, P, F]: an EAGLE head's input feature at each plain round's root, by request row
     # and position modulo P (row R takes the padding requests' writes); None without a head
     plain_features: torch.Tensor | None = None
-    # the device runs asynchronously to the host (Capabilities.async_execution): a greedy
-    # constrained round builds its tree's masks while the device verifies, rather than
-    # walking the accepted path after the verify (SpecRound.walk_tree)
-    async_device: bool = False
 
 
 class DraftLevel(NamedTuple):
@@ -171,10 +167,10 @@ class SpecRound:
         self.constrained = constrained
         self.mask_lanes = mask_lanes
         # A greedy constrained round's host builds only the masks of the path greedy
-        # acceptance walks, after the verify (RoundMasks.greedy_tree): fewer masks, but none
-        # built while the device verifies, so only where the device would not verify
-        # meanwhile anyway (a synchronous backend).
-        self.walk_tree = constrained and greedy and not parts.async_device
+        # acceptance walks, after the verify (RoundMasks.greedy_tree). On an asynchronous
+        # device too: a mask costs the host about 0.1 ms (H100 host, docs/benchmarks.md),
+        # so a tree's every node costs more than the verify it would overlap.
+        self.walk_tree = constrained and greedy
         self.standalone = parts.draft is not None and parts.draft.algorithm == "standalone"
         # dynamic depth: deeper levels of a round whose best path is below it get probability 0
         self.stop_below = stop_below

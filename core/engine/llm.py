@@ -730,8 +730,6 @@ class LLM:
                         graphs.restrict(name, lo, hi)
                     if plain_any_size and tree == worker.plain_tree:
                         graphs.restrict(constrained.__name__, 1, hi)
-                    if len(served) > 1 and tree == worker.plain_tree:  # plain rounds by load
-                        graphs.restrict(worker.round_fn(tree, g).__name__, 1, hi)
             graphs.capture_all(cfg.max_batch_size, cfg.max_context, progress)
         self.shutdown()
         return {"graphs": graphs.num_captured - before, "seconds": time.perf_counter() - t0}

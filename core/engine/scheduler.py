@@ -233,8 +233,7 @@ class Scheduler:
         # verify tokens fill the step would otherwise prefill a token or two a step, each a
         # forward over all the weights, and starve the requests waiting to join.
         n, cfg = len(self.decoding), self.config
-        width = 1 if not n or self._plain_by_load(n) else self.worker.round_tokens(n)
-        budget = cfg.max_tokens_per_step - n * width
+        budget = cfg.max_tokens_per_step - (n * self.worker.round_tokens(n) if n else 0)
         budget = max(budget, min(cfg.prefill_chunk_size, cfg.max_tokens_per_step // 4), 1)
         rids, ends, chunked = [], [], self._chunked
         chunked.clear()
@@ -286,27 +285,11 @@ class Scheduler:
         states = (self.worker.states.get(r.rid) for r in batch)
         return [m for m in (getattr(s, "matcher", None) for s in states) if m is not None]
 
-    def _plain_by_load(self, n: int) -> bool:
-        """Whether a decode round of ``n`` requests runs plain because of the requests in
-        flight: where the draft trees put plain rounds from some batch size on
-        (``batch_trees`` ``MIN:plain``, or the start-up choice), a batch below it runs plain
-        rounds too while the requests decoding, prefilling and waiting would fill it (up to
-        ``max_batch_size``), as vLLM's ``speculative_disable_by_batch_size`` counts queued
-        requests. A batch ramping up to such a size (its prompts prefilling a chunk a step)
-        or draining from one would otherwise speculate at sizes where speculation costs more
-        than it saves, the verify's N tokens a request also taking the prefill's budget."""
-        if self.worker.tree_for(n).num_steps == 0:
-            return False  # plain rounds anyway
-        load = min(n + len(self.prefilling) + len(self.waiting), self.config.max_batch_size)
-        return load > n and self.worker.tree_for(load).num_steps == 0
-
     def _decode(self, batch: list[Request], finished: list[Request]) -> None:
         self.rounds += 1
         rids = [r.rid for r in batch]
         matchers = self._matchers(batch)
-        if self._plain_by_load(len(rids)):
-            new_tokens = self.worker.decode(rids, lookahead=self.overlap, plain=True)
-        elif matchers and self.worker.tree_for(len(rids)).num_steps > 0:
+        if matchers and self.worker.tree_for(len(rids)).num_steps > 0:
             plain = self.constrained.plain(len(rids))
             start = time.perf_counter()  # a constrained round is never queued: its whole time
             new_tokens = self.worker.decode(rids, lookahead=self.overlap, plain=plain)

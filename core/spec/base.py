@@ -244,15 +244,14 @@ class WorkerBase:
         without a constraint are queued. A request that has just joined may get no token
         (``[]``) when the round the last call queued is run for the others: it sits this
         round out and is in the one queued behind it. ``plain``: a plain round whatever the
-        batch size's tree (the scheduler's choice: for a constrained batch,
-        ``EngineConfig.constrained_speculation``, or while the requests in flight would fill a
-        batch that runs plain rounds)."""
+        batch size's tree (the engine's choice for a constrained batch,
+        ``EngineConfig.constrained_speculation``)."""
         sts = [self.states[r] for r in rids]
         self.timer.start()
         # The last call may have queued this round: for these requests, or for a batch some
         # of them have left since (their rows are not read) or some have joined since (they
         # sit it out).
-        taken = self._take_queued(rids, sts, plain)
+        taken = self._take_queued(rids, sts)
         masks = None
         if taken is not None:
             tree, launched, rows, joined = taken
@@ -268,8 +267,7 @@ class WorkerBase:
             launched = self._launch(tree, rids, sts, greedy, masks, lookahead)
         self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
         if lookahead and greedy and masks is None:
-            queued = self._queue_next(tree, launched, rids, sts, rows, joined, plain)
-            self._keep_queued(tree, queued)
+            self._keep_queued(tree, self._queue_next(tree, launched, rids, sts, rows, joined))
         members = sts[: len(sts) - joined]
         return self._finish(tree, launched, members, rows) + [[] for _ in range(joined)]
 
@@ -399,7 +397,7 @@ class WorkerBase:
         return self.req_pool.max_context - self.extra_kv_per_request
 
     def _queue_next(
-        self, tree: Tree, launched: Launched, rids, sts, rows, joined: int = 0, plain: bool = False
+        self, tree: Tree, launched: Launched, rids, sts, rows, joined: int = 0
     ) -> Launched | None:
         """Queue the round after ``launched`` for ``rids`` (``rows``: the rows of the first
         ``len(rids) - joined`` in it, None for all; the last ``joined`` are not in it) from
@@ -409,10 +407,9 @@ class WorkerBase:
         not yet). Its writes lie past the prefixes the host commits from ``launched``, so
         when the batch changes otherwise than it can follow (a sampled or constrained request
         joins) the queued round is simply dropped; a request that leaves (a stop) has its
-        row ignored. ``plain``: ``launched`` is a plain round the scheduler asked for (the
-        next is queued plain too)."""
-        if tree != (self.plain_tree if plain else self.tree_for(len(sts))):
-            return None  # the next round's tree is another (batch size)
+        row ignored."""
+        if tree != self.tree_for(len(sts)):  # the next round's tree is another (batch size)
+            return None
         depth = tree.num_steps + 1
         # The next round starts at most ``depth`` past the prefixes the host knows (a
         # request that sat this round out: at its prefix).
@@ -471,22 +468,19 @@ class WorkerBase:
         """Keep what the next round reads from this one (an EAGLE head's draft state)."""
 
     def _take_queued(
-        self, rids: Sequence[int], sts, plain: bool = False
+        self, rids: Sequence[int], sts
     ) -> tuple[Tree, Launched, list[int] | None, int] | None:
         """The round the last call queued behind itself -> (its tree, the round, the rows in
         it of the requests of ``rids`` it holds (None: exactly ``rids``), how many requests
         at the end of ``rids`` it does not hold), when it holds the first of ``rids`` in
         order (requests that have left since are ignored), each still short of its token
         limit when queued, and the others have joined since, greedy and unconstrained (they
-        sit the round out), and it is of the kind (plain or speculative) the call asks for
-        (``plain``, or the batch size's tree); else None. Either way it is gone (a queued
-        round is used once, or dropped: its device writes lie past the committed tokens)."""
+        sit the round out); else None. Either way it is gone (a queued round is used once, or
+        dropped)."""
         queued, self._queued = self._queued, None
         if queued is None:
             return None
         tree, launched = queued
-        if (tree.num_steps == 0) != (plain or self.tree_for(len(sts)).num_steps == 0):
-            return None  # plain rounds by load have started or ended
         key = tuple(rids)
         rows, joined = None, 0
         if launched.key != key:

@@ -39,9 +39,6 @@ def _prefill_tokens(target, batch_trees: str, prompt_lens=(10, 30)):
     def prefill(rids, ends):
         n = len(sched.decoding)
         width = worker.tree_for(n).num_draft_tokens if n else 0
-        in_flight = min(n + len(sched.prefilling) + len(sched.waiting), 10)
-        if worker.tree_for(in_flight).num_steps == 0:  # plain rounds by load
-            width = 1
         budget = max(24 - n * width, 6)
         done = [worker.states[r].prefilled for r in rids]
         calls.append((sum(e - d for e, d in zip(ends, done)), budget, n))

@@ -14,8 +14,9 @@ verifies) takes the lanes' masks and computes only the rest, which are leaves; a
 draft is masked at its root only (``EngineConfig.constrained_draft``) has no lanes' masks,
 and the walk computes every node's.
 
-A greedy round (``SpecRound.walk_tree``) computes fewer: greedy acceptance reads the
-masked argmax only at the nodes it walks, so the tree's masks
+A greedy round (``SpecRound.walk_tree``: unless the device verifies asynchronously while
+the lanes' masks are known) computes fewer: greedy acceptance reads the masked argmax only
+at the nodes it walks, so the tree's masks
 (:meth:`RoundMasks.greedy_tree`) wait for the verify forward, which also returns the target's top logits at each node. From the root, a
 node's mask and those logits give the token greedy acceptance takes there
 (:func:`~polyspec.constrain.matcher.greedy_choice`), and the walk goes on into the child that

@@ -46,7 +46,8 @@ extend). A sampled round's host builds every node's mask while the device verifi
 greedy round's (``walk_tree``) builds, after the verify, only those of the path greedy
 acceptance takes (:meth:`~polyspec.constrain.RoundMasks.greedy_tree`), from the target's
 top logits at each node, which its ``.verify`` returns too ([b * N, 2C],
-:func:`top_logits`). Never queued: the
+:func:`top_logits`), unless the device verifies asynchronously and the lanes are masked
+(then the tree's other nodes, leaves, are built while it verifies). Never queued: the
 grammar advances on the host between rounds. A constrained plain round needs only the root's
 mask, which it takes as an input (``root_mask`` [b, W] int32), so it replays a graph like
 any plain round (never queued either). An unconstrained round is the plain function, with
@@ -128,6 +129,9 @@ class RoundParts:
     # [R + 1, P, F]: an EAGLE head's input feature at each plain round's root, by request row
     # and position modulo P (row R takes the padding requests' writes); None without a head
     plain_features: torch.Tensor | None = None
+    # the device runs asynchronously to the host (Capabilities.async_execution): the host
+    # can build a constrained round's masks while it verifies (SpecRound.walk_tree)
+    async_device: bool = False
 
 
 class DraftLevel(NamedTuple):
@@ -167,10 +171,12 @@ class SpecRound:
         self.constrained = constrained
         self.mask_lanes = mask_lanes
         # A greedy constrained round's host builds only the masks of the path greedy
-        # acceptance walks, after the verify (RoundMasks.greedy_tree). On an asynchronous
-        # device too: a mask costs the host about 0.1 ms (H100 host, docs/benchmarks.md),
-        # so a tree's every node costs more than the verify it would overlap.
-        self.walk_tree = constrained and greedy
+        # acceptance walks, after the verify (RoundMasks.greedy_tree), except where the
+        # device verifies asynchronously and the lanes' masks are known: their tree's other
+        # nodes are leaves, whose masks the host builds while the device verifies. Without
+        # lane masks every node would need its own, more than the verify hides (H100:
+        # docs/benchmarks.md, "Structured output (GPU)").
+        self.walk_tree = constrained and greedy and not (parts.async_device and mask_lanes)
         self.standalone = parts.draft is not None and parts.draft.algorithm == "standalone"
         # dynamic depth: deeper levels of a round whose best path is below it get probability 0
         self.stop_below = stop_below

@@ -9,15 +9,15 @@ child its parent's masked distribution allows.
 
 Each mask is computed once a round: a draft lane's path is a node of the tree the round
 verifies (the lanes of a level are the best candidates of that level, and only lanes get
-children), so the tree walk (:meth:`RoundMasks.tree`, a sampled round's, while the device
-verifies) takes the lanes' masks and computes only the rest, which are leaves; a round whose
-draft is masked at its root only (``EngineConfig.constrained_draft``) has no lanes' masks,
-and the walk computes every node's.
+children), so the tree walk (:meth:`RoundMasks.tree`, while the device verifies) takes the
+lanes' masks and computes only the rest, which are leaves; a round whose draft is masked at
+its root only (``EngineConfig.constrained_draft``) has no lanes' masks, and the walk
+computes every node's.
 
 A greedy round (``SpecRound.walk_tree``: unless the device verifies asynchronously while
 the lanes' masks are known) computes fewer: greedy acceptance reads the masked argmax only
-at the nodes it walks, so the tree's masks
-(:meth:`RoundMasks.greedy_tree`) wait for the verify forward, which also returns the target's top logits at each node. From the root, a
+at the nodes it walks, so the tree's masks (:meth:`RoundMasks.greedy_tree`) wait for the
+verify forward, which also returns the target's top logits at each node. From the root, a
 node's mask and those logits give the token greedy acceptance takes there
 (:func:`~polyspec.constrain.matcher.greedy_choice`), and the walk goes on into the child that
 drafted it. A walked node that is a lane's path takes the lane's mask; the rest (the leaves

@@ -223,29 +223,29 @@ class RoundMasks:
         """The mask of the token after every node of each request's tree (the root's is
         :meth:`root`'s), walked depth first from the root; the lanes' masks are reused."""
         root = self._root_masks()
-        b, n = self._tree_shape
-        flat = self._tree_read.wait().tolist()  # waits for the draft
+        trees = self._read_tree()  # waits for the draft
         t = time.perf_counter()
-        self._tree_read = None
-        per_request = [flat[i * 3 * n : (i + 1) * 3 * n] for i in range(b)]
-        toks, child, sib = ([r[k * n : (k + 1) * n] for r in per_request] for k in range(3))
-        out = np.full((b * n, self.width), -1, dtype=np.int32)
+        n = self._tree_shape[1]
+        out = np.full((len(trees) * n, self.width), -1, dtype=np.int32)
         work = []
         for i, m in enumerate(self.matchers):
             if m is None:
                 continue
             out[i * n] = root[i]
-            nodes = []  # (row, path) of every node below the root, depth first
-            stack = [(c, [toks[i][c]]) for c in reversed(_children(child[i], sib[i], 0))]
-            while stack:
-                node, path = stack.pop()
-                nodes.append((i * n + node, path))
-                below = reversed(_children(child[i], sib[i], node))
-                stack += [(c, path + [toks[i][c]]) for c in below]
-            work.append((i, m, nodes))
+            below = _subtree(*trees[i], 0, [])[1:]  # every node below the root, depth first
+            work.append((i, m, [(i * n + node, path) for node, path in below]))
         self._fill(work, out)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
+
+    def _read_tree(self) -> list[tuple[list[int], list[int], list[int]]]:
+        """The tree :meth:`start_tree` sent to the host: per request, (node tokens, first
+        child, next sibling)."""
+        b, n = self._tree_shape
+        flat = self._tree_read.wait().tolist()
+        self._tree_read = None
+        rows = [flat[i * 3 * n : (i + 1) * 3 * n] for i in range(b)]
+        return [(r[:n], r[n : 2 * n], r[2 * n :]) for r in rows]
 
     def greedy_tree(self, top: torch.Tensor) -> torch.Tensor:  # [b * N, W] int32 on device
         """A greedy round's node masks from the verify's ``top`` [b * N, 2C] fp32 (each
@@ -256,16 +256,11 @@ class RoundMasks:
         its token."""
         root = self._root_masks()
         b, n = self._tree_shape
-        flat = self._tree_read.wait().tolist()  # the tree, read while the target verified
-        self._tree_read = None
+        trees = self._read_tree()  # read while the target verified
         rows = self.read(top.reshape(-1)).wait().tolist()  # waits for the verify
         t = time.perf_counter()
         C = len(rows) // (b * n) // 2
         out = np.full((b * n, self.width), -1, dtype=np.int32)
-        trees = []  # per request: (tokens, first child, next sibling)
-        for i in range(b):
-            r = flat[i * 3 * n : (i + 1) * 3 * n]
-            trees.append((r[:n], r[n : 2 * n], r[2 * n :]))
         # (request, node, its draft path) of the nodes the walk has reached
         level = [(i, 0, ()) for i, m in enumerate(self.matchers) if m is not None]
         work = []  # (i, matcher, (row, path) of every node below an unsettled one)

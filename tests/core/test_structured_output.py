@@ -352,3 +352,29 @@ def test_mask_cost_script_times_copies_and_masks(tiny):
     assert out["states"] == out["tokens"] - 2 > 0
     assert out["fork_us"] > 0 and out["one_at_a_time_us"] > 0
     assert set(out["executor_us"]) == {1, 2} and all(v > 0 for v in out["executor_us"].values())
+
+
+@pytest.mark.parametrize("mode", ["root", "levels", "plain"])
+def test_constrained_host_script_counts_masks_and_host_time(tiny, mode):
+    """``benchmarks/constrained_host.py`` on the tiny model (its own standalone draft) with a
+    regex: a speculative engine's constrained rounds compute masks (with ``levels`` at least
+    its lanes' too) and spend host time on the grammar; a plain engine's steps compute none
+    beyond their roots'."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "constrained_host.py"
+    spec = importlib.util.spec_from_file_location("constrained_host", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = script.main(
+        ["--target", str(tiny), "--draft", str(tiny), "--algorithm", "standalone",
+         "--backend", "cpu", "--dtype", "float32", "--regex", "[a-z]{12}",
+         "--constrained-draft", mode, "--batch-size", "2", "--max-new-tokens", "12"]
+    )  # fmt: skip
+    assert out["mode"] == mode and out["tokens_per_s"] > 0
+    assert out["constrained_rounds"] > 0 and out["mask_ms_per_round"] > 0
+    if mode == "plain":
+        assert out["masks_per_round"] == 0
+    else:
+        assert out["masks_per_round"] > 0

@@ -15,15 +15,17 @@ its root only (``EngineConfig.constrained_draft``) has no lanes' masks, and the 
 computes every node's.
 
 A greedy round (``SpecRound.walk_tree``: unless the device verifies asynchronously while
-the lanes' masks are known) computes fewer: greedy acceptance reads the masked argmax only
-at the nodes it walks, so the tree's masks (:meth:`RoundMasks.greedy_tree`) wait for the
-verify forward, which also returns the target's top logits at each node. From the root, a
-node's mask and those logits give the token greedy acceptance takes there
-(:func:`~polyspec.constrain.matcher.greedy_choice`), and the walk goes on into the child that
-drafted it. A walked node that is a lane's path takes the lane's mask; the rest (the leaves
-the walk reaches) are computed, one parallel call a level for all requests. The nodes off the
-path are never read (verification stops where the walk does) and stay all ones. Where the top
-logits do not settle a node's token, every node below it gets its mask.
+the lanes' masks are known) needs no tree masks: greedy acceptance under the grammar takes,
+at each node it reaches, the masked argmax of the target's logits, which the host reads off
+the target's top logits at the node (returned by the verify forward) and the grammar's
+verdict on each of them (:func:`~polyspec.constrain.matcher.greedy_choice`, ~1 us a token
+against ~50 us for a mask); only where those top logits do not settle it does the host
+compute the node's mask and take the argmax of the node's logits row.
+:meth:`RoundMasks.greedy_walk` walks each request's tree this way from the root into the
+child that drafted the chosen token, committing each token to the matcher as it goes, and
+hands the device the chosen token of every walked node, which acceptance takes instead of
+the target's argmax. The round's output is then known before the device has finished it:
+the next round's root masks (:meth:`RoundMasks.next_roots`) are computed while it does.
 """
 
 from __future__ import annotations
@@ -35,7 +37,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyspec.constrain.matcher import Matcher, advanced, fill_masks, greedy_choice, mask_width
+from polyspec.constrain.matcher import (
+    Matcher,
+    allowed_by,
+    fill_masks,
+    greedy_choice,
+    mask_width,
+    masked_argmax,
+    next_masks,
+)
 
 CANDIDATES = 16
 """The target's top logits at each tree node a greedy constrained round reads on the host."""
@@ -122,8 +132,6 @@ class RoundMasks:
         # per request: the masks computed this round by draft path (None: no output reaches
         # the path's node), so that a lane's mask serves its tree node too
         self._known: list[dict[tuple[int, ...], np.ndarray | None]] = [{} for _ in matchers]
-        # per request, :meth:`greedy_tree`'s grammar states by draft path (None: no output)
-        self._states: list[dict[tuple[int, ...], Any]] = [{} for _ in matchers]
 
     def root(self) -> torch.Tensor:  # [b, W] int32 on the device
         """The mask of each request's next token (after its newest committed one)."""
@@ -189,27 +197,6 @@ class RoundMasks:
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
-    def _masks_of(self, states: Sequence[tuple[Any, int]], out: np.ndarray) -> None:
-        """The masks of grammar ``states`` into their rows of ``out``; a dead end (no token
-        allowed) stays all ones, since no output reaches it."""
-        fill_masks(self.executor, states, out)
-        self.computed += len(states)
-        for _, row in states:
-            if not out[row].any():
-                out[row] = -1
-
-    def _state(self, i: int, path: tuple[int, ...]) -> Any | None:
-        """Request ``i``'s grammar state after a draft ``path`` below its root (forked from
-        the state one token up, kept for the round); None where no output reaches it."""
-        states = self._states[i]
-        if path not in states:
-            if not path:
-                states[path] = self.matchers[i].fork(())
-            else:
-                above = self._state(i, path[:-1])
-                states[path] = None if above is None else advanced(above, path[-1])
-        return states[path]
-
     def start_tree(self, nodes: torch.Tensor) -> None:  # [b, 3, N] int64
         """Start the tree's copy to the host (``nodes``: each request's node tokens, the root
         first, then build_tree's first-child and next-sibling links, -1 for none);
@@ -247,57 +234,67 @@ class RoundMasks:
         rows = [flat[i * 3 * n : (i + 1) * 3 * n] for i in range(b)]
         return [(r[:n], r[n : 2 * n], r[2 * n :]) for r in rows]
 
-    def greedy_tree(self, top: torch.Tensor) -> torch.Tensor:  # [b * N, W] int32 on device
-        """A greedy round's node masks from the verify's ``top`` [b * N, 2C] fp32 (each
-        node's C largest target logits, descending, then their token ids; the module
-        docstring): the masks of the nodes greedy acceptance walks (a lane's path takes the
-        lane's mask, the others are computed a level at a time for all requests, one parallel
-        call each), the rest all ones; every mask below a node whose top logits do not settle
-        its token."""
-        root = self._root_masks()
+    def greedy_walk(
+        self,
+        top: torch.Tensor,  # [b * N, 2C] fp32: each node's C largest target logits, then ids
+        logits: torch.Tensor,  # [b * N, V] the target's logits at the nodes
+    ) -> torch.Tensor:  # [b * N] int32 on the device
+        """A greedy round's acceptance under the grammar, on the host (the module docstring)
+        -> the token greedy decoding takes at each node the walk reaches (-1 at the others,
+        and at every node of an unconstrained request: the device's argmax), which the
+        round's acceptance uses instead of the target's argmax there. Each walked token is
+        committed to its request's matcher (:meth:`Matcher.walk`) as it is chosen."""
         b, n = self._tree_shape
         trees = self._read_tree()  # read while the target verified
         rows = self.read(top.reshape(-1)).wait().tolist()  # waits for the verify
         t = time.perf_counter()
         C = len(rows) // (b * n) // 2
-        out = np.full((b * n, self.width), -1, dtype=np.int32)
-        # (request, node, its draft path) of the nodes the walk has reached
-        level = [(i, 0, ()) for i, m in enumerate(self.matchers) if m is not None]
-        work = []  # (i, matcher, (row, path) of every node below an unsettled one)
-        while level:
-            todo, live = [], []  # (state, row) of walked nodes to compute; walked nodes output
-            for i, node, path in level:
-                known = self._known[i]
-                if not path:
-                    out[i * n] = root[i]
-                elif path in known:  # a lane's
-                    if known[path] is None:
-                        continue  # no output reaches it (the grammar is complete there)
-                    out[i * n + node] = known[path]
-                else:
-                    state = self._state(i, path)
-                    if state is None:
-                        continue
-                    todo.append((state, i * n + node))
-                live.append((i, node, path))
-            self._masks_of(todo, out)
-            below = []
-            for i, node, path in live:
-                at = (i * n + node) * 2 * C
-                token = greedy_choice(out[i * n + node], rows[at : at + C],
-                                      [int(x) for x in rows[at + C : at + 2 * C]])  # fmt: skip
-                toks, child, sib = trees[i]
-                if token is None:  # every node below gets its mask
-                    under = _subtree(toks, child, sib, node, list(path))[1:]
-                    work.append((i, self.matchers[i], [(i * n + u, p) for u, p in under]))
-                    continue
-                nxt = next((c for c in _children(child, sib, node) if toks[c] == token), -1)
-                if nxt != -1:  # else the bonus token: the walk ends here
-                    below.append((i, nxt, (*path, token)))
-            level = below
-        self._fill(work, out)
+        out = np.full(b * n, -1, dtype=np.int32)
+        root = self._root_masks()
+        for i, m in enumerate(self.matchers):
+            if m is None:
+                continue
+            toks, child, sib = trees[i]
+            node = 0
+            while node != -1:
+                row = i * n + node
+                at = row * 2 * C
+                ids = [int(x) for x in rows[at + C : at + 2 * C]]
+                # the grammar's verdict on a token: the root's mask, known; a node's mask
+                # where the grammar forces bytes (Matcher.allows is wider there); else asked
+                mask = root[i] if node == 0 else None
+                if mask is None and m.forced():
+                    mask = m.mask_now()
+                    self.computed += 1
+                allowed = m.allows if mask is None else allowed_by(mask)
+                token = greedy_choice(allowed, rows[at : at + C], ids)
+                if token is None:  # the top logits do not settle it: the masked argmax
+                    if mask is None:
+                        mask = m.mask_now()
+                        self.computed += 1
+                    if not mask.any():  # no token can follow: the output ends here
+                        m.end_walk()
+                        break
+                    token = masked_argmax(mask, self.read(logits[row].float()).wait().numpy())
+                out[row] = token
+                if not m.walk(token):  # the grammar is complete: the output ends here
+                    break
+                # into the child that drafted the token; none: it is the bonus token
+                node = next((c for c in _children(child, sib, node) if toks[c] == token), -1)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
+
+    def keep_only(self, rows: Sequence[int]) -> None:
+        """Leave out the requests not at ``rows`` (they have left the batch since the round
+        was launched): the walk does not walk them."""
+        keep = set(rows)
+        self.matchers = [m if i in keep else None for i, m in enumerate(self.matchers)]
+
+    def next_roots(self) -> None:
+        """After :meth:`greedy_walk`: each request's next mask (the next round's root), which
+        the host computes while the device finishes the round (their time is the next
+        round's, as the scheduler's are)."""
+        next_masks([m for m in self.matchers if m is not None])
 
     def _fill(
         self,

@@ -4,7 +4,7 @@ next, at its newest token or at any node of a draft tree below it (walked with r
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,11 @@ class Matcher:
         self.vocab_size = vocab_size
         self.executor = executor
         self._next: np.ndarray | None = None  # the next token's mask, until the next advance
+        # Tokens a greedy round's walk (:meth:`walk`) committed ahead of the round's result,
+        # which :meth:`advance` then checks instead of committing them again; and whether
+        # the walk ended the output (the grammar complete, or no token allowed after them).
+        self._ahead: list[int] | None = None
+        self._ahead_final = False
         # host seconds in advance and next_mask since the last take_seconds (the scheduler
         # calls them between rounds; the next round's mask time counts them)
         self._seconds = 0.0
@@ -59,8 +64,12 @@ class Matcher:
 
     def advance(self, tokens: Sequence[int]) -> int:
         """Commit ``tokens`` up to the one that completes the grammar -> how many were taken
-        (all of them unless the grammar completed first; what follows is not output).
+        (all of them unless the grammar completed first; what follows is not output). After
+        a greedy round's walk (:meth:`walk`), which committed them already, checks that they
+        are the walk's.
         :raises ConstraintViolation: the grammar refuses a token."""
+        if self._ahead is not None:
+            return self._check_ahead(tokens)
         self._next = None
         start = time.perf_counter()
         try:
@@ -91,9 +100,66 @@ class Matcher:
             self._next = out
         return self._next
 
+    @property
+    def next_known(self) -> bool:
+        """Whether the next token's mask is computed (:func:`next_masks`; not at a dead end
+        or where the grammar is complete)."""
+        return self._next is not None
+
     def _continues(self, mask: np.ndarray) -> bool:  # [W] int32, the next token's
         """Whether the grammar can go on: some token allowed, or complete."""
         return not self._m.is_error() and (bool(mask.any()) or self._m.is_stopped())
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows ``token`` next, without the mask (~1 us against ~50):
+        the mask's bit wherever :meth:`forced` is False. Where the grammar forces bytes,
+        llguidance's mask allows only the tokens that spell them canonically (after
+        ``{"`` of a schema with a key ``title``: ``title``, not ``t`` or ``ti``), which
+        this allows too."""
+        return self._m.validate_tokens([int(token)]) == 1
+
+    def forced(self) -> bool:
+        """Whether the grammar forces the next bytes (its mask is then narrower than
+        :meth:`allows`)."""
+        return bool(self._m.compute_ff_bytes())
+
+    def mask_now(self) -> np.ndarray:  # [W] int32
+        """The mask of the next token at the state the walk has reached (not kept; the
+        walk's time counts it)."""
+        out = np.zeros(mask_width(self.vocab_size), dtype=np.int32)
+        self._compute(out)
+        return out
+
+    def walk(self, token: int) -> bool:
+        """Commit ``token``, which a greedy round will output, before the round's result is
+        read (:meth:`~polyspec.constrain.RoundMasks.greedy_walk`, where :meth:`allows` or
+        the mask chose it) -> whether the grammar goes on after it (False: complete)."""
+        if self._ahead is None:
+            self._ahead, self._ahead_final = [], False
+        self._next = None
+        if not self._m.consume_token(int(token)):
+            raise ConstraintViolation(f"the grammar refused token {int(token)} it allowed")
+        self._ahead.append(int(token))
+        if self._m.is_stopped():
+            self._ahead_final = True
+        return not self._ahead_final
+
+    def end_walk(self) -> None:
+        """The walk stops at a state where no token is allowed: the round's next token (the
+        device's unmasked choice) is not output, and :meth:`next_mask` raises."""
+        if self._ahead is None:
+            self._ahead = []
+        self._ahead_final = True
+
+    def _check_ahead(self, tokens: Sequence[int]) -> int:
+        ahead, final = self._ahead, self._ahead_final
+        self._ahead, self._ahead_final = None, False
+        n = len(ahead)
+        if [int(t) for t in tokens[:n]] != ahead or (len(tokens) != n and not final):
+            raise RuntimeError(
+                f"the round's tokens {list(tokens)} are not its grammar walk's {ahead}"
+            )
+        return n
 
     def fork(self, path: Sequence[int]) -> Any | None:
         """A copy of the grammar's state after ``path`` (draft tokens below the newest
@@ -109,29 +175,15 @@ class Matcher:
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
 
 
-def advanced(state: Any, token: int) -> Any | None:
-    """A copy of a :meth:`Matcher.fork` state after one more draft token; None where the
-    grammar refuses it or is complete after it (as :meth:`Matcher.fork`)."""
-    out = state.deep_copy()
-    if not out.consume_token(int(token)) or out.is_stopped():
-        return None
-    return out
-
-
 def greedy_choice(
-    mask: np.ndarray,  # [W] int32, the grammar's mask at a node
+    allowed: Callable[[int], bool],  # whether the grammar allows a token at the node
     values: Sequence[float],  # [C] the target's C largest logits at the node, descending
     ids: Sequence[int],  # [C] their tokens
 ) -> int | None:
-    """The token greedy decoding under ``mask`` takes (the argmax of the masked logits: the
-    lowest id among the allowed tokens of the largest value), read off the target's top C
-    where they settle it; None where they do not (no token of them is allowed, or the
+    """The token greedy decoding under the grammar takes (the argmax of the masked logits:
+    the lowest id among the allowed tokens of the largest value), read off the target's top
+    C where they settle it; None where they do not (no token of them is allowed, or the
     allowed value ties with the C-th, so tokens past the C may tie it too)."""
-    words = mask.view(np.uint32)
-
-    def allowed(token: int) -> bool:
-        return bool((words[token >> 5] >> np.uint32(token & 31)) & np.uint32(1))
-
     for j, token in enumerate(ids):
         if allowed(token):
             best = values[j]
@@ -139,6 +191,22 @@ def greedy_choice(
                 return None
             return min(t for v, t in zip(values[j:], ids[j:]) if v == best and allowed(t))
     return None
+
+
+def allowed_by(mask: np.ndarray) -> Callable[[int], bool]:  # [W] int32
+    """Whether ``mask`` allows a token (its bit), as :func:`greedy_choice` asks."""
+    words = mask.view(np.uint32)
+    return lambda token: bool((words[token >> 5] >> np.uint32(token & 31)) & np.uint32(1))
+
+
+def masked_argmax(
+    mask: np.ndarray,  # [W] int32, the grammar's mask (some token allowed)
+    logits: np.ndarray,  # [V] the target's logits
+) -> int:
+    """The lowest id among the allowed tokens of the largest logit (as the device's argmax
+    of the masked logits)."""
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: len(logits)].astype(bool)
+    return int(np.argmax(np.where(bits, logits, -np.inf)))
 
 
 def fill_masks(
@@ -160,14 +228,17 @@ def fill_masks(
 
 def next_masks(matchers: Sequence[Matcher]) -> None:
     """Compute the next masks of ``matchers`` that have none yet in one parallel call (a
-    batch's, between rounds); each :meth:`Matcher.next_mask` then returns its own, or raises
-    for its request alone."""
-    todo = [m for m in matchers if m._next is None]
-    if len(todo) < 2:
-        return  # next_mask computes a single one itself
+    batch's, between rounds, or while the device finishes a greedy round whose tokens the
+    walk committed); each :meth:`Matcher.next_mask` then returns its own, or raises for its
+    request alone."""
+    todo = [m for m in matchers if m._next is None and not m.done]
+    if not todo:
+        return
     start = time.perf_counter()
     out = np.zeros((len(todo), mask_width(todo[0].vocab_size)), dtype=np.int32)
-    fill_masks(todo[0].executor, [(m._m, i) for i, m in enumerate(todo)], out)
+    # a single one on this thread (a dispatch to the executor costs more than it saves)
+    executor = todo[0].executor if len(todo) > 1 else None
+    fill_masks(executor, [(m._m, i) for i, m in enumerate(todo)], out)
     share = (time.perf_counter() - start) / len(todo)
     for m, row in zip(todo, out):
         m._seconds += share

@@ -291,14 +291,13 @@ class Scheduler:
         matchers = self._matchers(batch)
         if matchers and self.worker.tree_for(len(rids)).num_steps > 0:
             plain = self.constrained.plain(len(rids))
-            start = time.perf_counter()  # a constrained round is never queued: its whole time
+            start = time.perf_counter()  # its whole time (a queued one's, from its walk on)
             new_tokens = self.worker.decode(rids, lookahead=self.overlap, plain=plain)
             seconds = time.perf_counter() - start
             self.constrained.record(len(rids), plain, sum(map(len, new_tokens)), seconds)
         else:
             new_tokens = self.worker.decode(rids, lookahead=self.overlap)
-        if len(matchers) > 1:  # their next masks in one parallel call (_grammar_failed reads them)
-            next_masks([m for m in matchers if not m.done])
+        next_masks(matchers)  # in one parallel call (_grammar_failed reads them)
         for req, toks in zip(batch, new_tokens):
             if not toks:  # it joined this step and sits this round out (the worker's decode)
                 continue

@@ -43,14 +43,17 @@ the target's vocabulary, an EAGLE-3 head's own taken on the device),
 ``.verify`` (the target's forward over the tree, while the host reads the tree) and
 ``.accept`` (the logits under ``node_masks`` [b, N, W], acceptance, compaction, the draft
 extend). A sampled round's host builds every node's mask while the device verifies; a
-greedy round's (``walk_tree``) builds, after the verify, only those of the path greedy
-acceptance takes (:meth:`~polyspec.constrain.RoundMasks.greedy_tree`), from the target's
-top logits at each node, which its ``.verify`` returns too ([b * N, 2C],
-:func:`top_logits`), unless the device verifies asynchronously and the lanes are masked
-(then the tree's other nodes, leaves, are built while it verifies). Never queued: the
-grammar advances on the host between rounds. A constrained plain round needs only the root's
+greedy round's (``walk_tree``) walks greedy acceptance under the grammar after the verify
+(:meth:`~polyspec.constrain.RoundMasks.greedy_walk`), from the target's top logits at each
+node, which its ``.verify`` returns too ([b * N, 2C], :func:`top_logits`), and its
+``.accept`` takes the walk's token at each walked node (``node_choice`` [b, N] int32, -1
+elsewhere: the argmax) instead of masks; unless the device verifies asynchronously and the
+lanes are masked (then the tree's other nodes, leaves, are built while it verifies). Only a
+round that walks is queued, up to its verify, behind the last one's ``.accept`` (its roots'
+masks known from the walk: ``WorkerBase._queue_phases``); the others wait for the grammar
+to advance on the host between rounds. A constrained plain round needs only the root's
 mask, which it takes as an input (``root_mask`` [b, W] int32), so it replays a graph like
-any plain round (never queued either). An unconstrained round is the plain function, with
+any plain round (never queued: its root's mask needs its token on the host). An unconstrained round is the plain function, with
 none of this.
 
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
@@ -170,11 +173,11 @@ class SpecRound:
         self.greedy = greedy
         self.constrained = constrained
         self.mask_lanes = mask_lanes
-        # A greedy constrained round's host builds only the masks of the path greedy
-        # acceptance walks, after the verify (RoundMasks.greedy_tree), except where the
-        # device verifies asynchronously and the lanes' masks are known: their tree's other
-        # nodes are leaves, whose masks the host builds while the device verifies. Without
-        # lane masks every node would need its own, more than the verify hides (H100:
+        # A greedy constrained round's host walks greedy acceptance under the grammar after
+        # the verify (RoundMasks.greedy_walk), except where the device verifies
+        # asynchronously and the lanes' masks are known: their tree's other nodes are
+        # leaves, whose masks the host builds while the device verifies. Without lane masks
+        # every node would need its own, more than the verify hides (H100:
         # docs/benchmarks.md, "Structured output (GPU)").
         self.walk_tree = constrained and greedy and not (parts.async_device and mask_lanes)
         self.standalone = parts.draft is not None and parts.draft.algorithm == "standalone"
@@ -208,13 +211,15 @@ class SpecRound:
             rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
         )
         logits = p.target.compute_logits(hidden)
-        if masks is not None:
-            node_masks = masks.greedy_tree(top_logits(logits)) if self.walk_tree else masks.tree()
-            p.kernels.apply_token_bitmask(logits, node_masks)
+        choice = None
+        if self.walk_tree:  # greedy acceptance under the grammar, walked on the host
+            choice = masks.greedy_walk(top_logits(logits), logits).long()
+        elif masks is not None:
+            p.kernels.apply_token_bitmask(logits, masks.tree())
         _lap(host, "verify")
         return self.accept_and_extend(
             rows, seq_lens, live, inputs, candidates, next_token, next_sibling, logits, feats,
-            drafted, max_prefix, host,
+            drafted, max_prefix, host, choice,
         )  # fmt: skip
 
     def draft_tree(
@@ -251,14 +256,15 @@ class SpecRound:
 
     def accept_and_extend(
         self, rows, seq_lens, live, inputs, candidates, next_token, next_sibling, logits, feats,
-        drafted, max_prefix, host,
+        drafted, max_prefix, host, choice=None,
     ):  # fmt: skip
-        """Steps 5-7 over the verified tree (``logits`` [b * N, V], masked where constrained)
-        -> the packed host vector, then an EAGLE head's next draft state."""
+        """Steps 5-7 over the verified tree (``logits`` [b * N, V], masked where constrained;
+        ``choice`` [b * N] where the host walked greedy acceptance) -> the packed host vector,
+        then an EAGLE head's next draft state."""
         p, tree = self.p, self.tree
         # 5. accept: the longest path the target agrees with, and its bonus token
         predicts, accept_index, accept_length = self.accept(
-            candidates, next_token, next_sibling, logits, inputs
+            candidates, next_token, next_sibling, logits, inputs, choice
         )
         # 6. the accepted path's target KV to the front (a chain's path is always in place)
         locs = self.accept_locs(rows, seq_lens, inputs["host"], accept_index, accept_length)
@@ -372,15 +378,18 @@ class SpecRound:
         idx = seq_lens.dtype
         candidates = nodes[:, 0].contiguous()
         next_token, next_sibling = nodes[:, 1].to(idx), nodes[:, 2].to(idx)
-        if self.walk_tree:
+        choice = None
+        if self.walk_tree:  # the host's greedy tokens (a padding request's zeros read as -1)
             logits = inputs["logits"].flatten(0, 1)
+            choice = torch.where(live.view(-1, 1) > 0, inputs["node_choice"].long(), -1)
+            choice = choice.flatten()
         else:
             logits = p.target.compute_logits(inputs["hidden"].flatten(0, 1))
-        masks = torch.where(live.view(-1, 1, 1) > 0, inputs["node_masks"], -1)
-        p.kernels.apply_token_bitmask(logits, masks.flatten(0, 1))
+            masks = torch.where(live.view(-1, 1, 1) > 0, inputs["node_masks"], -1)
+            p.kernels.apply_token_bitmask(logits, masks.flatten(0, 1))
         return self.accept_and_extend(
             rows, seq_lens, live, inputs, candidates, next_token, next_sibling, logits,
-            inputs["features"].flatten(0, 1), inputs["drafted"][:1], max_prefix, host,
+            inputs["features"].flatten(0, 1), inputs["drafted"][:1], max_prefix, host, choice,
         )  # fmt: skip
 
     def plain_round(self, rows, seq_lens, roots, live, inputs, b: int, max_prefix, host):
@@ -639,11 +648,12 @@ class SpecRound:
         probs = target_probs(logits, inputs["sampling"], self.p.kernels)
         return self.p.kernels.sample(probs, inputs["noise"])
 
-    def accept(self, candidates, next_token, next_sibling, logits, inputs):
+    def accept(self, candidates, next_token, next_sibling, logits, inputs, choice=None):
         """Greedy (``verify_tree_greedy``) or lossless speculative sampling
         (``verify_tree_sampling``; a greedy request's target is one-hot at the argmax, so
         mixed batches are exact) -> (predicts [b * N], accept_index [b, S + 1], accept_length
-        [b])."""
+        [b]). ``choice`` [b * N] int64 (greedy): the host's token at a node, where not -1,
+        instead of the argmax (:meth:`~polyspec.constrain.RoundMasks.greedy_walk`)."""
         p, tree = self.p, self.tree
         b, N = candidates.shape
         S, idx, dev = tree.num_steps, next_token.dtype, logits.device
@@ -655,7 +665,10 @@ class SpecRound:
         accept_length = torch.empty(b, dtype=idx, device=dev)
         outs = (predicts, accept_index, accept_length)
         if self.greedy:
-            target_predict = p.kernels.argmax(logits).view(b, N)
+            target_predict = p.kernels.argmax(logits)
+            if choice is not None:
+                target_predict = torch.where(choice >= 0, choice, target_predict)
+            target_predict = target_predict.view(b, N)
             p.kernels.verify_tree_greedy(
                 candidates, retrive_index, next_token, next_sibling, target_predict, *outs
             )
@@ -776,8 +789,8 @@ def level_inputs(inputs: Mapping[str, torch.Tensor], i: int) -> DraftLevel:
 
 def top_logits(logits: torch.Tensor) -> torch.Tensor:  # [n, V] -> [n, 2C] fp32
     """Each row's C largest logits, descending, then their token ids (exact in fp32: ids
-    below 2^24), in one tensor for the host's read (a greedy constrained round's node masks,
-    :meth:`~polyspec.constrain.RoundMasks.greedy_tree`)."""
+    below 2^24), in one tensor for the host's read (a greedy constrained round's walk,
+    :meth:`~polyspec.constrain.RoundMasks.greedy_walk`)."""
     values, ids = logits.float().topk(CANDIDATES, dim=-1)
     return torch.cat([values, ids.float()], dim=1)
 

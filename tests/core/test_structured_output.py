@@ -249,29 +249,57 @@ def _bitmask(tokens, width):
 
 
 def test_greedy_choice_is_the_masked_argmax_or_none():
-    """The token of the target's top logits that greedy decoding under a mask takes: the
+    """The token of the target's top logits that greedy decoding under a grammar takes: the
     first allowed one, the lowest id among allowed ones tied with it, and None where no top
     token is allowed or the allowed value ties with the last (more may tie past it)."""
-    from polyspec.constrain.matcher import greedy_choice
+    from polyspec.constrain.matcher import greedy_choice, masked_argmax
 
-    def mask(*allowed):
-        return _bitmask(allowed, 2)
+    def allowed(*tokens):
+        return lambda t: t in tokens
 
-    assert greedy_choice(mask(2, 9), [5.0, 4.0, 3.0], [7, 2, 9]) == 2
-    assert greedy_choice(mask(9, 2), [5.0, 4.0, 4.0, 1.0], [7, 9, 2, 3]) == 2
-    assert greedy_choice(mask(9, 3), [5.0, 4.0, 4.0, 1.0], [7, 9, 2, 3]) == 9
-    assert greedy_choice(mask(63, 40), [5.0, 4.0, 3.0, 1.0], [7, 63, 40, 3]) == 63  # sign bit
-    assert greedy_choice(mask(9), [5.0, 4.0, 4.0], [7, 9, 2]) is None
-    assert greedy_choice(mask(1), [5.0, 4.0, 3.0], [7, 9, 2]) is None
-    assert greedy_choice(mask(2), [5.0, 4.0, 3.0], [7, 9, 2]) is None  # the C-th
+    assert greedy_choice(allowed(2, 9), [5.0, 4.0, 3.0], [7, 2, 9]) == 2
+    assert greedy_choice(allowed(9, 2), [5.0, 4.0, 4.0, 1.0], [7, 9, 2, 3]) == 2
+    assert greedy_choice(allowed(9, 3), [5.0, 4.0, 4.0, 1.0], [7, 9, 2, 3]) == 9
+    assert greedy_choice(allowed(9), [5.0, 4.0, 4.0], [7, 9, 2]) is None
+    assert greedy_choice(allowed(1), [5.0, 4.0, 3.0], [7, 9, 2]) is None
+    assert greedy_choice(allowed(2), [5.0, 4.0, 3.0], [7, 9, 2]) is None  # the C-th
+    # the masked argmax over a whole row: the lowest id of the largest allowed value
+    logits = np.array([1.0, 9.0, 3.0, 3.0] + [0.0] * 60 + [3.0], dtype=np.float32)
+    assert masked_argmax(_bitmask([2, 3, 64], 3), logits) == 2
+    assert masked_argmax(_bitmask([64, 0], 3), logits) == 64  # a word past the first
 
 
-def test_greedy_round_masks_walk_the_greedy_path(llm):
-    """A greedy round's tree masks: at the nodes greedy acceptance walks (into the child of
-    the token the node's mask and the target's top logits there give), the node's mask (a
-    lane's taken, not computed again); all ones elsewhere; where the top logits settle no
-    token, every node below gets its mask. Only the masks walked to and not known are
-    computed."""
+def test_allows_agrees_with_the_mask_where_no_bytes_are_forced(llm):
+    """``Matcher.allows`` (the grammar's verdict on one token, which the greedy walk asks
+    instead of computing a mask) gives every token of the vocabulary the mask's bit at the
+    states of a JSON-schema output where the grammar forces no bytes; where it does
+    (``Matcher.forced``: the walk computes the mask there), the mask allows no more, and at
+    some of them fewer."""
+    cache = llm.scheduler.grammars
+    schema = '{"type": "object", "properties": {"sing": {"type": "string"}}, "required": ["sing"]}'
+    m = cache.matcher(("json_schema", schema))
+    vocab, kinds = np.arange(cache.vocab_size), set()
+    for token in llm.tokenizer.encode('{"sing":"Ann Lee"}', add_special_tokens=False):
+        bits = np.unpackbits(m.next_mask().view(np.uint8), bitorder="little")
+        bits = bits[: cache.vocab_size].astype(bool)
+        allows = np.array([m.allows(t) for t in vocab])
+        if m.forced():
+            assert (allows | ~bits).all()
+            kinds.add("narrower" if (allows & ~bits).any() else "forced")
+        else:
+            assert np.array_equal(allows, bits)
+            kinds.add("free")
+        m.advance([token])
+    assert "narrower" in kinds and "free" in kinds
+
+
+def test_greedy_walk_takes_the_masked_argmax_and_commits_it(llm):
+    """A greedy round's walk: at each node it reaches, the token greedy decoding under the
+    grammar takes (from the target's top logits where they settle it, else the node's mask
+    and logits row, one mask computed), committed to the matcher as it is chosen, into the
+    child that drafted it; -1 at every other node and for an unconstrained request. The
+    round's tokens are then checked against the walk's, not committed again; the next
+    round's root masks are computed from the walked state."""
     import torch
 
     from polyspec.constrain import RoundMasks
@@ -281,57 +309,60 @@ def test_greedy_round_masks_walk_the_greedy_path(llm):
     ids = {}
     for ch in "abqxyz":
         (ids[ch],) = tok.encode(ch, add_special_tokens=False)
-    width = (cache.vocab_size + 31) // 32
-
-    def fresh(p):
-        return _fresh_mask(cache, constraint, p)
-
     matchers = [cache.matcher(constraint), None, cache.matcher(constraint)]
-    for m in matchers[::2]:
-        m.next_mask()
+    matchers.append(cache.matcher(constraint))
+    for m in matchers:
+        if m is not None:
+            m.next_mask()
     masks = RoundMasks(matchers, cache.vocab_size, torch.from_numpy, llm.backend.read_async)
-    K = 2
-    # level 0: lanes "a" and "q" (refused) of each request
-    lanes = masks.lanes(0, torch.tensor([ids["a"], ids["q"]] * 3), None, K).numpy()
-    assert np.array_equal(lanes[0], fresh([ids["a"]])) and (lanes[1] == -1).all()
-    assert masks.computed == 2  # "a" of requests 0 and 2
-    # the tree of requests 0 and 2: 1 a, 2 b under the root; 3 x, 4 y under a; 5 z under a-x
+    # the tree: 1 a, 2 b under the root; 3 x, 4 y under a; 5 z under a-x
     tokens = [0, ids["a"], ids["b"], ids["x"], ids["y"], ids["z"]]
     first_child = [1, 3, -1, 5, -1, -1]
     next_sibling = [-1, 2, -1, 4, -1, -1]
     n, none = len(tokens), [-1] * len(tokens)
-    tree = [[tokens, first_child, next_sibling], [[0] * n, none, none]]
-    masks.start_tree(torch.tensor([tree[0], tree[1], tree[0]]))
+    tree, empty = [tokens, first_child, next_sibling], [[0] * n, none, none]
+    masks.start_tree(torch.tensor([tree, empty, tree, tree]))
     C = 3
-    top = torch.zeros(3, n, 2 * C)
+    top = torch.zeros(4, n, 2 * C)
+    logits = torch.zeros(4, n, cache.vocab_size)
 
-    def logits(request, node, pairs):  # the node's top C (value, token), descending
+    def top_of(request, node, pairs):  # the node's top C (value, token), descending
         top[request, node, :C] = torch.tensor([float(v) for v, _ in pairs])
         top[request, node, C:] = torch.tensor([float(ids[c]) for _, c in pairs])
 
-    # request 0: q is refused, a is taken; x and y tie (both allowed): the lower id; then z
-    logits(0, 0, [(9, "q"), (8, "a"), (1, "b")])
-    logits(0, 1, [(7, "x"), (7, "y"), (1, "z")])
-    first = min("xy", key=lambda c: ids[c])
-    logits(0, 3 if first == "x" else 4, [(5, "z"), (2, "q"), (1, "a")])
-    # request 2: nothing of the root's top is allowed: every node below gets its mask
-    logits(2, 0, [(9, "q"), (8, "z"), (7, "x")])
-    got = masks.greedy_tree(top.view(3 * n, 2 * C)).numpy().reshape(3, n, width)
-    want = np.full((n, width), -1, dtype=np.int32)
-    want[0], want[1] = fresh([]), fresh([ids["a"]])
-    want[3 if first == "x" else 4] = fresh([ids["a"], ids[first]])
-    assert np.array_equal(got[0], want)
-    assert (got[1] == -1).all()  # the unconstrained request
-    parents = {1: 0, 2: 0, 3: 1, 4: 1, 5: 3}
-
-    def path(node):
-        return [] if node == 0 else path(parents[node]) + [tokens[node]]
-
-    for node in range(n):
-        assert np.array_equal(got[2][node], fresh(path(node))), node
-    # the lanes'; request 0's at a-x or a-y; request 2's at b, a-x and a-y (a is the lane's,
-    # and the grammar is complete at a-x-z)
-    assert masks.computed == 2 + 1 + 3
+    assert ids["a"] < ids["b"] and ids["x"] < ids["y"]  # the ties below take a and x
+    # request 0: q is refused, a is taken; x and y tie (both allowed): x; then z, which
+    # completes the grammar
+    top_of(0, 0, [(9, "q"), (8, "a"), (1, "b")])
+    top_of(0, 1, [(7, "x"), (7, "y"), (1, "z")])
+    top_of(0, 3, [(5, "z"), (2, "q"), (1, "a")])
+    # request 2: nothing of the root's top is allowed: its mask and logits row give b; below
+    # b (no top logits: all zeros) the row's argmax of x and y, x, is the bonus token
+    top_of(2, 0, [(9, "q"), (8, "z"), (7, "x")])
+    logits[2, 0, ids["q"]], logits[2, 0, ids["b"]], logits[2, 0, ids["a"]] = 9, 3, 2
+    # request 3: the allowed a ties with the C-th value: the row's argmax of a and b, a; then
+    # y, then the bonus z
+    top_of(3, 0, [(9, "q"), (8, "a"), (8, "b")])
+    logits[3, 0, ids["a"]] = logits[3, 0, ids["b"]] = 8
+    logits[3, 0, ids["q"]] = 9
+    top_of(3, 1, [(6, "y"), (1, "x"), (0, "z")])
+    top_of(3, 4, [(5, "z"), (2, "q"), (1, "a")])
+    got = masks.greedy_walk(top.view(4 * n, 2 * C), logits.view(4 * n, -1)).view(4, n)
+    want = torch.full((4, n), -1, dtype=torch.int32)
+    want[0, 0], want[0, 1], want[0, 3] = ids["a"], ids["x"], ids["z"]
+    want[2, 0], want[2, 2] = ids["b"], ids["x"]
+    want[3, 0], want[3, 1], want[3, 4] = ids["a"], ids["y"], ids["z"]
+    assert torch.equal(got, want)
+    assert masks.computed == 3  # request 2's root and b, request 3's root
+    assert matchers[0].done and matchers[3].done and not matchers[2].done
+    masks.next_roots()
+    want_next = _fresh_mask(cache, constraint, [ids["b"], ids["x"]])
+    assert np.array_equal(matchers[2].next_mask(), want_next)
+    # the round's tokens: the walk's (past the grammar's end, more are not output)
+    assert matchers[0].advance([ids["a"], ids["x"], ids["z"], ids["q"]]) == 3
+    assert matchers[2].advance([ids["b"], ids["x"]]) == 2
+    with pytest.raises(RuntimeError, match="grammar walk"):
+        matchers[3].advance([ids["a"], ids["x"], ids["z"]])  # not the walk's
 
 
 def test_mask_cost_script_times_copies_and_masks(tiny):
@@ -357,9 +388,10 @@ def test_mask_cost_script_times_copies_and_masks(tiny):
 @pytest.mark.parametrize("mode", ["root", "levels", "plain"])
 def test_constrained_host_script_counts_masks_and_host_time(tiny, mode):
     """``benchmarks/constrained_host.py`` on the tiny model (its own standalone draft) with a
-    regex: a speculative engine's constrained rounds compute masks (with ``levels`` at least
-    its lanes' too) and spend host time on the grammar; a plain engine's steps compute none
-    beyond their roots'."""
+    regex: a speculative engine's constrained rounds spend host time on the grammar (with
+    ``levels`` computing its lanes' masks; with ``root`` the greedy walk computes only those
+    its top logits do not settle); a plain engine's steps compute none beyond their
+    roots'."""
     import importlib.util
     from pathlib import Path
 
@@ -376,5 +408,5 @@ def test_constrained_host_script_counts_masks_and_host_time(tiny, mode):
     assert out["constrained_rounds"] > 0 and out["mask_ms_per_round"] > 0
     if mode == "plain":
         assert out["masks_per_round"] == 0
-    else:
+    elif mode == "levels":
         assert out["masks_per_round"] > 0

@@ -1,5 +1,6 @@
 """One request's grammar state: the tokens it has committed, and the masks of what may come
-next, at its newest token or at any node of a draft tree below it (walked with rollback)."""
+next, at its newest token or at any node of a draft tree below it (a forked copy); and the
+greedy walk's single-token verdicts and early commits."""
 
 from __future__ import annotations
 

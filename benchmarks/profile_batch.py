@@ -20,7 +20,10 @@ writes each system's kernel and host-call tables. ``--syncs`` instead runs the s
 system once under ``torch.cuda.set_sync_debug_mode("warn")`` and prints the call sites in
 polyspec of every operation that made the host wait for the device (each waits for the rounds
 queued behind, so a decode round should have none but its one result read, which this mode
-does not count). CUDA only.
+does not count). ``--json-schema FILE`` constrains every request (structured output; the
+speculative system's constrained batches speculate, their draft masked as
+``--constrained-draft`` says); ``--overlap-rounds`` sets both engines' ``overlap_rounds``.
+CUDA only.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -49,9 +53,17 @@ def _engine(args, system: str) -> LLM:
         kw["speculative"] = SpeculativeConfig(
             algorithm=args.algorithm, num_steps=s, topk=k, num_draft_tokens=n, batch_trees=trees
         )
+    if args.json_schema is not None:  # structured output: the constrained batch speculates
+        kw.update(constrained_speculation="on", constrained_draft=args.constrained_draft)
     return LLM(
-        target=args.target, backend="cuda", dtype="bfloat16", max_batch_size=args.batch_size, **kw
-    )
+        target=args.target, backend="cuda", dtype="bfloat16", max_batch_size=args.batch_size,
+        overlap_rounds=args.overlap_rounds, **kw,
+    )  # fmt: skip
+
+
+def _params(args) -> SamplingParams:
+    schema = None if args.json_schema is None else Path(args.json_schema).read_text()
+    return SamplingParams(max_new_tokens=args.max_new_tokens, json_schema=schema)
 
 
 def _prompts(llm: LLM, batch_size: int) -> list[list[int]]:
@@ -65,10 +77,7 @@ def profile(args, system: str) -> None:
     from torch.profiler import profile as torch_profile
 
     llm = _engine(args, system)
-    prompts, params = (
-        _prompts(llm, args.batch_size),
-        SamplingParams(max_new_tokens=args.max_new_tokens),
-    )
+    prompts, params = _prompts(llm, args.batch_size), _params(args)
     for _ in range(2):
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     torch.cuda.synchronize()
@@ -98,10 +107,7 @@ def profile(args, system: str) -> None:
 
 def syncs(args) -> None:
     llm = _engine(args, "spec")
-    prompts, params = (
-        _prompts(llm, args.batch_size),
-        SamplingParams(max_new_tokens=args.max_new_tokens),
-    )
+    prompts, params = _prompts(llm, args.batch_size), _params(args)
     llm.generate(prompt_token_ids=prompts, sampling_params=params)
     sites: collections.Counter = collections.Counter()
 
@@ -143,6 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--systems", default="plain,spec-plain-rounds,spec")
     ap.add_argument("--syncs", action="store_true", help="the host's waits instead")
+    ap.add_argument("--json-schema", help="constrain every request to this JSON schema")
+    ap.add_argument("--constrained-draft", default="auto", choices=["auto", "levels", "root"])
+    ap.add_argument("--overlap-rounds", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--out", help="write each system's profile tables here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

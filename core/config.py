@@ -546,11 +546,7 @@ class EngineConfig:
     EAGLE head). When requests leave the batch (a stop, the token limit) the queued round
     runs for the others; a greedy request that joins sits it out and is in the round queued
     behind it; any other change (a sampled or constrained request joins) drops it and the
-    next round is computed as usual, so the output is the same either way. A greedy
-    constrained round whose host walks greedy acceptance under the grammar
-    (docs/structured-output.md) knows its tokens before the device has accepted them: the
-    next round's draft and verify are queued behind its acceptance, and the host walks that
-    round once the verify is done. ``"auto"`` (the
+    next round is computed as usual, so the output is the same either way. ``"auto"`` (the
     default) turns it on where the backend's host reads are asynchronous
     (``BackendCapabilities.async_host_reads``: cuda), since where they are not nothing overlaps
     and queuing only adds host work; ``"on"`` / ``"off"`` (or true / false) force it.

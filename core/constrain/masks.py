@@ -284,12 +284,6 @@ class RoundMasks:
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
-    def keep_only(self, rows: Sequence[int]) -> None:
-        """Leave out the requests not at ``rows`` (they have left the batch since the round
-        was launched): the walk does not walk them."""
-        keep = set(rows)
-        self.matchers = [m if i in keep else None for i, m in enumerate(self.matchers)]
-
     def next_roots(self) -> None:
         """After :meth:`greedy_walk`: each request's next mask (the next round's root), which
         the host computes while the device finishes the round (their time is the next

@@ -101,12 +101,6 @@ class Matcher:
             self._next = out
         return self._next
 
-    @property
-    def next_known(self) -> bool:
-        """Whether the next token's mask is computed (:func:`next_masks`; not at a dead end
-        or where the grammar is complete)."""
-        return self._next is not None
-
     def _continues(self, mask: np.ndarray) -> bool:  # [W] int32, the next token's
         """Whether the grammar can go on: some token allowed, or complete."""
         return not self._m.is_error() and (bool(mask.any()) or self._m.is_stopped())

@@ -291,7 +291,7 @@ class Scheduler:
         matchers = self._matchers(batch)
         if matchers and self.worker.tree_for(len(rids)).num_steps > 0:
             plain = self.constrained.plain(len(rids))
-            start = time.perf_counter()  # its whole time (a queued one's, from its walk on)
+            start = time.perf_counter()  # a constrained round is never queued: its whole time
             new_tokens = self.worker.decode(rids, lookahead=self.overlap, plain=plain)
             seconds = time.perf_counter() - start
             self.constrained.record(len(rids), plain, sum(map(len, new_tokens)), seconds)

@@ -105,16 +105,6 @@ class RoundExecutor:
         key = launched.key if key is None else key
         return self._replay(key, launched.name, launched.fn, inputs, max_prefix, True, None)
 
-    def replay(
-        self, key: tuple, name: str, fn: RoundFn, inputs: Mapping[str, torch.Tensor],
-        max_prefix: int, copy: bool = False,
-    ) -> Launched | None:  # fmt: skip
-        """Replay ``fn`` (a part of a round queued behind another, whose lengths the host
-        does not know yet), or None where the batch does not replay; never eagerly."""
-        if self.graphs is None or self.graphs.needs_prepare:
-            return None
-        return self._replay(key, name, fn, inputs, max_prefix, copy, None)
-
     def _replay(
         self, key, name, fn, inputs, max_prefix: int, copy: bool, host_params
     ) -> Launched | None:

@@ -71,24 +71,6 @@ class SeqState:
         return head + self.generated[max(start - n, 0) : max(end - n, 0)]
 
 
-@dataclasses.dataclass
-class Verifying:
-    """A constrained round where the batch replays graphs, launched up to its verify phase
-    (:meth:`WorkerBase._verify_phases`): what its accept phase takes, once the host has
-    walked or masked the tree."""
-
-    key: tuple  # its requests' ids
-    fn: SpecRound
-    inputs: dict[str, torch.Tensor]  # the round's inputs, [bs, ...] each
-    masks: RoundMasks
-    max_prefix: int
-    nodes: torch.Tensor  # [bs, 3, N] int64 (tree_nodes)
-    drafted: torch.Tensor  # [bs] levels drafted
-    # the verify's outputs [bs, N, *]: hidden states (or logits where the round walks the
-    # tree), draft features, and where it walks, each node's top logits (top_logits)
-    outputs: tuple[torch.Tensor, ...]
-
-
 class PhaseTimer:
     """Wall time per phase; synchronises the device only when enabled (benchmarks)."""
 
@@ -181,11 +163,10 @@ class WorkerBase:
         # A greedy round queued on the device behind the last one (overlap_rounds), with its
         # tree; the rounds queued so far, how many of them the next call could use (the
         # others were dropped: the batch changed otherwise than a queued round can follow),
-        # how many of those after requests had left, how many with requests that had
-        # joined sitting it out, and how many were constrained rounds queued up to their
-        # verify (Verifying).
-        self._queued: tuple[Tree, Launched | Verifying] | None = None
-        self.queued_rounds = _no_queued_rounds()
+        # how many of those after requests had left, and how many with requests that had
+        # joined sitting it out.
+        self._queued: tuple[Tree, Launched] | None = None
+        self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self._rounds: dict[tuple[Tree, bool], SpecRound] = {}
         self.rounds_by_tree: dict[str, int] = {}
         # Dynamic depth's threshold, and rounds by the number of levels drafted (index 1..S).
@@ -209,7 +190,7 @@ class WorkerBase:
         measurements at start-up."""
         self.rounds_by_tree = dict.fromkeys(self.rounds_by_tree, 0)
         self.drafted_levels = [0] * len(self.drafted_levels)
-        self.queued_rounds = _no_queued_rounds()
+        self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self.timer.seconds.clear()
         self.mask_seconds = 0.0
         self.masks_computed = 0
@@ -270,17 +251,11 @@ class WorkerBase:
         # The last call may have queued this round: for these requests, or for a batch some
         # of them have left since (their rows are not read) or some have joined since (they
         # sit it out).
-        taken = self._take_queued(rids, sts, plain)
+        taken = self._take_queued(rids, sts)
         masks = None
         if taken is not None:
-            tree, queued, rows, joined = taken
+            tree, launched, rows, joined = taken
             greedy = True
-            if isinstance(queued, Verifying):  # a constrained round, up to its verify
-                masks = queued.masks
-                launched = self._accept_phases(queued, rids, sts, rows, lookahead)
-                self._count_masks(masks)
-            else:
-                launched = queued
         else:
             tree, rows, joined = self.tree_for(len(sts)), None, 0
             if plain:
@@ -318,141 +293,60 @@ class WorkerBase:
                 copy=lookahead and greedy and masks is None,
             )  # fmt: skip
         elif self.executor.captures(len(sts), max(seq_lens)):
-            v = self._verify_phases(fn, tuple(rids), inputs, max(seq_lens), masks, host)
-            launched = self._accept_phases(v, rids, sts, None, lookahead, host)
+            launched = self._launch_phases(fn, rids, inputs, max(seq_lens), host)
         else:  # the whole round eagerly, every draft level masked
             launched = self.executor.launch(
                 rids, fn.__name__, fn, inputs, max(seq_lens), host, eager=True
             )
-            if fn.walk_tree:  # the walk committed the round's tokens
-                masks.next_roots()
         if masks is not None:
-            self._count_masks(masks)
+            if fn.walk_tree and tree.num_steps > 0:  # the walk committed the round's tokens:
+                masks.next_roots()  # the next roots' masks while the device accepts
+            self.mask_seconds += masks.seconds
+            self.masks_computed += masks.computed
+            self.constrained_rounds += 1
         return launched
 
-    def _count_masks(self, masks: RoundMasks) -> None:
-        self.mask_seconds += masks.seconds
-        self.masks_computed += masks.computed
-        self.constrained_rounds += 1
-
-    def _verify_phases(
-        self, fn: SpecRound, key: tuple, inputs, max_prefix: int, masks: RoundMasks, host
-    ) -> Verifying | None:
-        """A constrained speculative round where the batch replays graphs, up to its verify:
-        its phases (:meth:`SpecRound.phases`), each replayed, the host's masks built between
-        them: the root's before the draft, each level's lanes' after it (the device waits for
-        them); the tree starts towards the host as the verify is queued. ``host`` None: a
-        round queued behind the last (:meth:`_queue_phases`), whose phases only replay
-        (None where one does not)."""
-        *levels, verify, _ = fn.phases()
-        bs, K = len(key), fn.tree.topk
+    def _launch_phases(self, fn: SpecRound, rids, inputs, max_prefix: int, host) -> Launched:
+        """A constrained speculative round where the batch replays graphs: its phases
+        (:meth:`SpecRound.phases`), each replayed, the host's work between them: the root's
+        mask before the draft, each level's lanes' masks after it (the device waits for
+        them), and the tree's node masks while the device verifies (the tree starts towards
+        the host as the verify is queued), or greedy acceptance walked on the host after the
+        verify. -> the accept phase, as the round's."""
+        *levels, verify, accept = fn.phases()
+        masks, bs, K = host.masks, len(rids), fn.tree.topk
         own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
         state = {k: v for k, v in inputs.items() if k == "host" or k in own}
         state["root_mask"] = masks.root()  # [bs, W] int32 (the phase takes the draft's vocab)
-
-        def launch(phase, phase_inputs: dict) -> Launched | None:
-            if host is None:
-                return self.executor.replay(key, phase.__name__, phase, phase_inputs, max_prefix)
-            return self.executor.launch(key, phase.__name__, phase, phase_inputs, max_prefix, host)
-
-        out = launch(levels[0], state)
+        launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
+        out = launch(levels[0].__name__, levels[0], state)
         for i, phase in enumerate(levels[1:], start=1):
-            if out is None:
-                return None
             keys = level_keys(i, fn.stop_below > 0)
             level = {k: t[:bs] for k, t in zip(keys, out.outputs)}
             tokens, parents = level["input_ids"].reshape(-1), level["parents"]
             lane_masks = masks.lanes(i - 1, tokens, parents if i > 1 else None, K, False)
             level["lane_masks"] = lane_masks.view(bs, K, -1)  # [bs, K, W] int32
-            out = launch(phase, {"host": inputs["host"], **level})
-        if out is None:
-            return None
+            out = launch(phase.__name__, phase, {"host": inputs["host"], **level})
         # copies of what the accept phase reads (a replay may overwrite a graph's outputs)
         nodes, tree_mask, positions, drafted = (t[:bs] for t in out.outputs)
         nodes, drafted = nodes.clone(), drafted.clone()
         masks.start_tree(nodes)
-        verify_inputs = {"host": inputs["host"], "nodes": nodes, "tree_mask": tree_mask,
-                         "positions": positions}  # fmt: skip
-        second = launch(verify, verify_inputs)
-        if second is None:
-            return None
-        outputs = tuple(t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
-        return Verifying(key, fn, dict(inputs), masks, max_prefix, nodes, drafted, outputs)
-
-    def _accept_phases(self, v: Verifying, rids, sts, rows, lookahead: bool, host=None) -> Launched:
-        """The rest of a constrained round launched up to its verify (``rids`` / ``sts``: its
-        requests now, ``rows`` their rows in it, None for all): the tree's masks, built while the
-        device verifies, or greedy acceptance walked on the host after it; then its accept
-        phase. -> the accept phase, as the round's. After a walk, which knows the round's
-        tokens, the next round's root masks are built while the device accepts, and with
-        ``lookahead`` the next round is launched up to its verify behind it
-        (:meth:`_queue_phases`)."""
-        fn, masks, bs = v.fn, v.masks, len(v.key)
-        accept = fn.phases()[-1]
-        first, feats, *top = v.outputs
+        tree = {"host": inputs["host"], "nodes": nodes}
+        second = launch(verify.__name__, verify, {**tree, "tree_mask": tree_mask,
+                                                  "positions": positions})  # fmt: skip
+        # hidden states, or logits and their top where the round walks the tree (walk_tree)
+        first, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
         self._lap("draft")
         if top:  # greedy acceptance walked on the host, from the target's top logits
-            if rows is not None:  # requests that have left since: not walked
-                masks.keep_only(rows)
             node = {"node_choice": masks.greedy_walk(top[0], first.flatten(0, 1)).view(bs, -1)}
         else:  # every node's mask, while the device verifies
             node = {"node_masks": masks.tree().view(bs, -1, masks.width)}
         self._lap("verify")
-        state = ("host", "topk_p", "topk_index", "hidden")
-        sampled = {k: t for k, t in v.inputs.items() if k not in state}  # sampling, coins
-        last = {"host": v.inputs["host"], "nodes": v.nodes, **sampled, "features": feats,
-                ("logits" if top else "hidden"): first, **node, "drafted": v.drafted}  # fmt: skip
-        # the result starts towards the host at once where a round is queued behind it
-        queue = lookahead and bool(top) and self._can_queue_phases(v.fn, sts)
-        out = self.executor.launch(
-            v.key, accept.__name__, accept, last, v.max_prefix, host, copy=queue
-        )
-        launched = dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=v.inputs)
-        if top:
-            masks.next_roots()  # while the device accepts
-        if queue:
-            self._keep_queued(fn.tree, self._queue_phases(launched, rids, sts, rows))
-        return launched
-
-    def _next_prefix(self, tree: Tree, sts) -> int:
-        """The longest prefix a round queued behind one of ``tree`` for ``sts`` may have."""
-        return max(s.seq_len for s in sts) + tree.num_steps + 1
-
-    def _can_queue_phases(self, fn: SpecRound, sts) -> bool:
-        """Whether the constrained round after one of ``fn`` for ``sts`` can be launched up to
-        its verify behind it: the same tree for the batch, and every phase captured for its
-        bucket (a phase queued before the host knows the lengths cannot run eagerly, nor
-        replay where the backend's graphs need them)."""
-        if fn.tree != self.tree_for(len(sts)) or self.graphs is None or self.graphs.needs_prepare:
-            return False
-        max_prefix = self._next_prefix(fn.tree, sts)
-        return all(self.graphs.is_captured(ph.__name__, len(sts), max_prefix) for ph in fn.phases())
-
-    def _queue_phases(self, launched: Launched, rids, sts, rows) -> Verifying | None:
-        """Launch the round after the constrained ``launched`` for ``rids`` (``rows``: their
-        rows in it, None for all) up to its verify, before the host has read ``launched``:
-        its inputs from ``launched``'s outputs on the device (:func:`next_round_inputs`),
-        its roots' masks from the grammar states the walk left (:meth:`RoundMasks.next_roots`;
-        a request whose grammar ended is unconstrained there, and leaves before the round
-        goes on). The queued draft and verify write past the prefixes the host commits from
-        ``launched``, so a round the next call cannot take is simply dropped."""
-        tree = launched.fn.tree
-        depth, width = tree.num_steps + 1, _round_width(tree)
-        need = [min(s.seq_len + depth, self._end_len(s) - 1) + width for s in sts]
-        self.kv.ensure([s.row for s in sts], need, self.kv_lookahead)
-        inputs = next_round_inputs(tree, launched.inputs, launched.outputs, launched.rows)
-        if rows is not None:
-            keep = self.builder.long(rows)
-            inputs = {name: t.index_select(0, keep) for name, t in inputs.items()}
-        matchers = [s.matcher if s.matcher is not None and s.matcher.next_known else None
-                    for s in sts]  # fmt: skip
-        masks = RoundMasks(
-            matchers, self.target.config.vocab_size, self._upload_mask,
-            self.backend.read_async, self._draft_vocab(),
-        )  # fmt: skip
-        return self._verify_phases(
-            launched.fn, tuple(rids), inputs, self._next_prefix(tree, sts), masks, None
-        )
+        sampled = {k: v for k, v in inputs.items() if k not in state}  # sampling, coins
+        last = {**tree, **sampled, ("logits" if top else "hidden"): first, "features": feats,
+                **node, "drafted": drafted}  # fmt: skip
+        out = launch(accept.__name__, accept, last)
+        return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
 
     def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
         """The mask builder of a round with a constrained request, else None."""
@@ -576,22 +470,19 @@ class WorkerBase:
         """Keep what the next round reads from this one (an EAGLE head's draft state)."""
 
     def _take_queued(
-        self, rids: Sequence[int], sts, plain: bool = False
-    ) -> tuple[Tree, Launched | Verifying, list[int] | None, int] | None:
+        self, rids: Sequence[int], sts
+    ) -> tuple[Tree, Launched, list[int] | None, int] | None:
         """The round the last call queued behind itself -> (its tree, the round, the rows in
         it of the requests of ``rids`` it holds (None: exactly ``rids``), how many requests
         at the end of ``rids`` it does not hold), when it holds the first of ``rids`` in
         order (requests that have left since are ignored), each still short of its token
         limit when queued, and the others have joined since, greedy and unconstrained (they
         sit the round out); else None. Either way it is gone (a queued round is used once, or
-        dropped). A constrained round queued up to its verify (:class:`Verifying`) is taken
-        only by the requests it holds, for a round of its tree (not ``plain``)."""
+        dropped)."""
         queued, self._queued = self._queued, None
         if queued is None:
             return None
         tree, launched = queued
-        if isinstance(launched, Verifying) and (plain or any(r not in launched.key for r in rids)):
-            return None
         key = tuple(rids)
         rows, joined = None, 0
         if launched.key != key:
@@ -609,10 +500,9 @@ class WorkerBase:
         self.queued_rounds["used"] += 1
         self.queued_rounds["used_by_fewer"] += rows is not None and len(rows) < len(launched.key)
         self.queued_rounds["joined_after"] += joined > 0
-        self.queued_rounds["constrained"] += isinstance(launched, Verifying)
         return tree, launched, rows, joined
 
-    def _keep_queued(self, tree: Tree, queued: Launched | Verifying | None) -> None:
+    def _keep_queued(self, tree: Tree, queued: Launched | None) -> None:
         """Hold a round just queued behind this one (None: none could be) for the next call."""
         self._queued = None if queued is None else (tree, queued)
         self.queued_rounds["queued"] += queued is not None
@@ -870,12 +760,6 @@ def _prefill_lengths(host_params: Mapping[str, Any], rows: int) -> HostLengths:
     return HostLengths(
         padded(host_params, "prefix_lens", rows), padded(host_params, "extend_lens", rows)
     )
-
-
-def _no_queued_rounds() -> dict[str, int]:
-    """The queued-round counters (``WorkerBase.queued_rounds``), zero."""
-    keys = ("queued", "used", "used_by_fewer", "joined_after", "constrained")
-    return dict.fromkeys(keys, 0)
 
 
 def _round_width(tree: Tree) -> int:

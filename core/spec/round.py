@@ -48,12 +48,10 @@ greedy round's (``walk_tree``) walks greedy acceptance under the grammar after t
 node, which its ``.verify`` returns too ([b * N, 2C], :func:`top_logits`), and its
 ``.accept`` takes the walk's token at each walked node (``node_choice`` [b, N] int32, -1
 elsewhere: the argmax) instead of masks; unless the device verifies asynchronously and the
-lanes are masked (then the tree's other nodes, leaves, are built while it verifies). Only a
-round that walks is queued, up to its verify, behind the last one's ``.accept`` (its roots'
-masks known from the walk: ``WorkerBase._queue_phases``); the others wait for the grammar
-to advance on the host between rounds. A constrained plain round needs only the root's
-mask, which it takes as an input (``root_mask`` [b, W] int32), so it replays a graph like
-any plain round (never queued: its root's mask needs its token on the host). An unconstrained round is the plain function, with
+lanes are masked (then the tree's other nodes, leaves, are built while it verifies). Never
+queued: the grammar advances on the host between rounds. A constrained plain round needs
+only the root's mask, which it takes as an input (``root_mask`` [b, W] int32), so it
+replays a graph like any plain round (never queued either). An unconstrained round is the plain function, with
 none of this.
 
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global

@@ -58,7 +58,7 @@ CHOICES = ["alpha", "beta gamma", 'say "hi"']
 
 def _llm(
     backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="off",
-    constrained_speculation="on", constrained_draft="auto", overlap_rounds="auto", **spec,
+    constrained_speculation="on", constrained_draft="auto", **spec,
 ):  # fmt: skip
     """An engine over the tiny models. ``graphs`` "off" by default: the eager constrained
     round (:func:`test_constrained_rounds_replay_graphs` runs the replayed phases). A batch
@@ -75,7 +75,7 @@ def _llm(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
         dtype=dtype, max_batch_size=64, max_context=160, page_size=default_page_size(backend),
         graphs=graphs, constrained_speculation=constrained_speculation,
-        constrained_draft=constrained_draft, overlap_rounds=overlap_rounds,
+        constrained_draft=constrained_draft,
     )  # fmt: skip
 
 
@@ -219,31 +219,6 @@ def test_constrained_rounds_replay_graphs(
         assert max(accepted) > 1, f"constrained={constrained}: no draft token was accepted"
     if dynamic_depth:  # rounds stopped drafting early
         assert sum(llm.worker.drafted_levels[1:3]) > 0, llm.worker.drafted_levels
-
-
-@pytest.mark.parametrize("algorithm,draft_masks", [("eagle3", "root"), ("self", "levels")])
-def test_constrained_greedy_rounds_queue_behind_each_other(
-    backend, backend_name, tiny_models, plain, algorithm, draft_masks
-):
-    """With ``overlap_rounds`` on, a greedy constrained round whose host walks acceptance
-    (every backend's with the draft masked at its root; a synchronous one's with its lanes
-    masked too) queues the next round's draft and verify behind its acceptance, before the
-    host has read its tokens, and requests finishing in between leave it: the outputs equal
-    eager plain decoding's and satisfy their constraints, and queued constrained rounds
-    were taken."""
-    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
-    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
-    require(not backend.capabilities.graph_needs_prepare, "graphs that replay without host lengths")
-    llm = _llm(
-        backend, backend_name, tiny_models, algorithm, graphs="on", overlap_rounds="on",
-        constrained_draft=draft_masks, topk=2, num_steps=3,
-    )  # fmt: skip
-    walks = llm.worker.round_fn(llm.worker.tree_for(1), True, True).walk_tree
-    require(walks, "a greedy walk under lane masks (a synchronous device)")
-    params, got = _mixed_batch_equals_plain(llm, plain)
-    queued = llm.worker.queued_rounds
-    assert queued["constrained"] > 0 and queued["used_by_fewer"] > 0, queued
-    assert max(_accepted(params, got, True)) > 1, "no constrained draft token was accepted"
 
 
 @pytest.mark.parametrize("mode", ["off", "auto"])

@@ -18,9 +18,10 @@ A greedy round (``SpecRound.walk_tree``: unless the device verifies asynchronous
 the lanes' masks are known) needs no tree masks: greedy acceptance under the grammar takes,
 at each node it reaches, the masked argmax of the target's logits, which the host reads off
 the target's top logits at the node (returned by the verify forward) and the grammar's
-verdict on each of them (:func:`~polyspec.constrain.matcher.greedy_choice`, ~1 us a token
-against ~50 us for a mask); only where those top logits do not settle it does the host
-compute the node's mask and take the argmax of the node's logits row.
+verdict on each of them (:func:`~polyspec.constrain.matcher.greedy_choice`; the verdict is
+:meth:`Matcher.allows`, ~1 us a token against ~50 us for a mask, except where the grammar
+forces bytes: there the node's mask decides). Only where those top logits do not settle it
+does the host take the argmax of the node's logits row under the node's mask.
 :meth:`RoundMasks.greedy_walk` walks each request's tree this way from the root into the
 child that drafted the chosen token, committing each token to the matcher as it goes, and
 hands the device the chosen token of every walked node, which acceptance takes instead of

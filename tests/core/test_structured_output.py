@@ -252,7 +252,7 @@ def test_greedy_choice_is_the_masked_argmax_or_none():
     """The token of the target's top logits that greedy decoding under a grammar takes: the
     first allowed one, the lowest id among allowed ones tied with it, and None where no top
     token is allowed or the allowed value ties with the last (more may tie past it)."""
-    from polyspec.constrain.matcher import greedy_choice, masked_argmax
+    from polyspec.constrain.matcher import allowed_by, greedy_choice, masked_argmax
 
     def allowed(*tokens):
         return lambda t: t in tokens
@@ -263,6 +263,10 @@ def test_greedy_choice_is_the_masked_argmax_or_none():
     assert greedy_choice(allowed(9), [5.0, 4.0, 4.0], [7, 9, 2]) is None
     assert greedy_choice(allowed(1), [5.0, 4.0, 3.0], [7, 9, 2]) is None
     assert greedy_choice(allowed(2), [5.0, 4.0, 3.0], [7, 9, 2]) is None  # the C-th
+    # a mask's bits as the verdict (bit 31 of a word: the int32 sign bit)
+    by_mask = allowed_by(_bitmask([63, 40], 2))
+    assert greedy_choice(by_mask, [5.0, 4.0, 3.0, 1.0], [7, 63, 40, 3]) == 63
+    assert not by_mask(62) and not by_mask(7)
     # the masked argmax over a whole row: the lowest id of the largest allowed value
     logits = np.array([1.0, 9.0, 3.0, 3.0] + [0.0] * 60 + [3.0], dtype=np.float32)
     assert masked_argmax(_bitmask([2, 3, 64], 3), logits) == 2

@@ -13,7 +13,9 @@ a round's root: ``Matcher.fork``), and times the copies, the masks of all those 
 computed one after another, and the same masks computed in one call on llguidance's
 executor with each thread count of ``--threads`` (the engine uses 80 % of the CPUs, at most
 32). Each timing computes masks of fresh copies, so that no state reuses a mask it computed
-before.
+before. It also times the grammar's verdict on one token (``Matcher.allows``, which a greedy
+round's walk asks instead of a mask) at each position, for the output's next token and for
+the token after it in the vocabulary.
 """
 
 from __future__ import annotations
@@ -85,10 +87,20 @@ def main(argv: list[str] | None = None) -> dict:
     import llguidance
 
     fork_us = min(forks()[1] for _ in range(args.repeats)) / len(bases) * 1e6
+
+    def verdicts() -> float:
+        start = time.perf_counter()
+        for m, path in bases:
+            m.allows(path[0])
+            m.allows((path[0] + 1) % m.vocab_size)
+        return time.perf_counter() - start
+
+    allows_us = min(verdicts() for _ in range(args.repeats)) / (2 * len(bases)) * 1e6
     result = {
         "tokens": len(tokens),
         "states": len(bases),
         "fork_us": fork_us,
+        "allows_us": allows_us,
         "one_at_a_time_us": best(None) * 1e6,
         "executor_us": {},
     }
@@ -98,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{result['states']} grammar states along a {len(tokens)}-token output, {os.cpu_count()} CPUs"
     )
     print(f"copy and advance by {args.path} tokens: {fork_us:.1f} us a state")
+    print(f"the grammar's verdict on one token (Matcher.allows): {allows_us:.2f} us")
     print(f"masks one at a time: {result['one_at_a_time_us']:.1f} us a mask")
     for n, us in result["executor_us"].items():
         print(f"masks in one call, {n} threads: {us:.1f} us a mask")

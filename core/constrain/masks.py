@@ -64,6 +64,12 @@ class DraftVocab:
         ones = np.zeros(self.width * 32, dtype=np.uint8)
         ones[: self.size] = 1
         self._ones = np.packbits(ones, bitorder="little").view(np.int32)
+        self._in_vocab = np.zeros(int(self._ids.max()) + 1 if self.size else 0, dtype=bool)
+        self._in_vocab[self._ids] = True
+
+    def has(self, token: int) -> bool:
+        """Whether the draft can propose target token ``token``."""
+        return bool(self._in_vocab[token]) if token < len(self._in_vocab) else False
 
     def to_draft(self, masks: np.ndarray) -> np.ndarray:  # [n, W] -> [n, W'] int32
         """The draft token ``j``'s bit of each row is the target token ``d2t[j]``'s. Only
@@ -143,6 +149,45 @@ class RoundMasks:
         root = self._root_masks()
         t = time.perf_counter()
         out = self._to_draft(root)
+        self.seconds += time.perf_counter() - t
+        return self.upload(out)
+
+    def draft_levels(self, num_steps: int, draft_vocab: bool = True) -> torch.Tensor:
+        """The masks of a draft whose lanes the host does not mask (``constrained_draft``
+        ``root``) at its levels 1 .. S-1, one per request and level ([b, S-1, W'] int32 on
+        the device; ``draft_vocab`` False: over the target's vocabulary, [b, S-1, W]).
+
+        Where the grammar forces the next tokens (a JSON key, the punctuation around it, the
+        rest of an enum's value), each is the only token its level's mask allows, and the
+        first free token after them is held to the grammar's mask there
+        (:meth:`Matcher.lookahead`): the draft proposes the forced tokens whatever the head
+        would have guessed, and its nodes go to what the grammar leaves open. Elsewhere the
+        rows allow every token (a node off the forced path is never accepted, so the one
+        mask of a level serves all its lanes). A forced token the draft cannot propose
+        (outside an EAGLE-3 head's own vocabulary) ends the forced run there."""
+        t = time.perf_counter()
+        depth = num_steps - 1
+        out = np.full((len(self.matchers), depth, self.width), -1, dtype=np.int32)
+        for i, m in enumerate(self.matchers):
+            if m is None or m.done:
+                continue
+            forced, after = m.lookahead(num_steps)
+            self.seconds += m.take_seconds()
+            for level in range(1, num_steps):
+                if level < len(forced):
+                    token = forced[level]
+                    if self.draft_vocab is not None and not self.draft_vocab.has(token):
+                        break
+                    out[i, level - 1] = 0
+                    out[i, level - 1].view(np.uint32)[token >> 5] = np.uint32(1 << (token & 31))
+                    continue
+                if level == len(forced) and after is not None:
+                    out[i, level - 1] = after
+                break
+            if forced and self.draft_vocab is not None and not self.draft_vocab.has(forced[0]):
+                out[i] = -1  # the root's forced token is not the draft's: nothing below holds
+        if draft_vocab:
+            out = self._to_draft(out.reshape(-1, self.width)).reshape(len(self.matchers), depth, -1)
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
@@ -285,11 +330,12 @@ class RoundMasks:
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
-    def next_roots(self) -> None:
+    def next_roots(self, num_steps: int = 0) -> None:
         """After :meth:`greedy_walk`: each request's next mask (the next round's root), which
         the host computes while the device finishes the round (their time is the next
-        round's, as the scheduler's are)."""
-        next_masks([m for m in self.matchers if m is not None])
+        round's, as the scheduler's are); and where the next round's draft of ``num_steps``
+        levels takes :meth:`draft_levels`, the masks after the forced tokens."""
+        next_masks([m for m in self.matchers if m is not None], num_steps)
 
     def _fill(
         self,

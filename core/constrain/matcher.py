@@ -36,6 +36,11 @@ class Matcher:
         self.vocab_size = vocab_size
         self.executor = executor
         self._next: np.ndarray | None = None  # the next token's mask, until the next advance
+        # The tokens the grammar forces next and the mask after them (a constrained round's
+        # draft levels, :meth:`lookahead`), until the next commit (None / False: not computed)
+        self._forced: tuple[int, ...] | None = None
+        self._after_forced: np.ndarray | None = None
+        self._after_known = False
         # Tokens a greedy round's walk (:meth:`walk`) committed ahead of the round's result,
         # which :meth:`advance` then checks instead of committing them again; and whether
         # the walk ended the output (the grammar complete, or no token allowed after them).
@@ -71,7 +76,7 @@ class Matcher:
         :raises ConstraintViolation: the grammar refuses a token."""
         if self._ahead is not None:
             return self._check_ahead(tokens)
-        self._next = None
+        self._reset()
         start = time.perf_counter()
         try:
             for i, t in enumerate(tokens):
@@ -100,6 +105,47 @@ class Matcher:
                 raise self._dead_end()
             self._next = out
         return self._next
+
+    def _reset(self) -> None:
+        """A token is committed: what was computed for the state before it is stale."""
+        self._next, self._forced, self._after_forced = None, None, None
+        self._after_known = False
+
+    def forced_tokens(self) -> tuple[int, ...]:
+        """The tokens the grammar forces next, in order (llguidance's canonical tokens of the
+        bytes it forces, ~3 us; empty where the next token is free): the only tokens its
+        masks allow, one after another. Computed once per commit."""
+        if self._forced is None:
+            start = time.perf_counter()
+            self._forced = tuple(int(t) for t in self._m.compute_ff_tokens())
+            self._seconds += time.perf_counter() - start
+        return self._forced
+
+    def lookahead(self, depth: int) -> tuple[tuple[int, ...], np.ndarray | None]:
+        """The draft's view of the next ``depth`` tokens: the forced tokens (at most
+        ``depth``), and where fewer are forced, the mask of the free token after them (None:
+        ``depth`` are forced, or no output continues after them). The mask is computed once
+        per commit; :func:`next_masks` computes a batch's with their next masks."""
+        forced = self.forced_tokens()[:depth]
+        if not forced or len(forced) == depth:
+            return forced, None
+        if not self._after_known:
+            next_masks([self], depth)
+        return forced, self._after_forced
+
+    def _after_forced_state(self, depth: int) -> Any | None:
+        """The grammar's state after the forced tokens, where :meth:`lookahead` ``(depth)``
+        needs its mask and it is not known yet (for :func:`next_masks`); else None."""
+        if self._after_known:
+            return None
+        forced = self.forced_tokens()[:depth]
+        if not forced or len(forced) == depth:
+            return None
+        self._after_known = True
+        start = time.perf_counter()
+        state = self.fork(forced)
+        self._seconds += time.perf_counter() - start
+        return state
 
     def _continues(self, mask: np.ndarray) -> bool:  # [W] int32, the next token's
         """Whether the grammar can go on: some token allowed, or complete."""
@@ -131,7 +177,7 @@ class Matcher:
         the mask chose it) -> whether the grammar goes on after it (False: complete)."""
         if self._ahead is None:
             self._ahead, self._ahead_final = [], False
-        self._next = None
+        self._reset()
         if not self._m.consume_token(int(token)):
             raise ConstraintViolation(f"the grammar refused token {int(token)} it allowed")
         self._ahead.append(int(token))
@@ -221,21 +267,34 @@ def fill_masks(
     executor.unsafe_compute_mask_ptr(list(states), out.ctypes.data, out[0].nbytes, out.shape[0])
 
 
-def next_masks(matchers: Sequence[Matcher]) -> None:
+def next_masks(matchers: Sequence[Matcher], lookahead: int = 0) -> None:
     """Compute the next masks of ``matchers`` that have none yet in one parallel call (a
     batch's, between rounds, or while the device finishes a greedy round whose tokens the
     walk committed); each :meth:`Matcher.next_mask` then returns its own, or raises for its
-    request alone."""
-    todo = [m for m in matchers if m._next is None and not m.done]
-    if not todo:
+    request alone. ``lookahead``: in the same call, the mask after the forced tokens of
+    each one that needs it for a draft of that many levels (:meth:`Matcher.lookahead`)."""
+    jobs: list[tuple[Matcher, Any, bool]] = []  # (matcher, state, whether its next mask)
+    for m in matchers:
+        if m.done:
+            continue
+        if m._next is None:
+            jobs.append((m, m._m, True))
+        if lookahead:
+            state = m._after_forced_state(lookahead)
+            if state is not None:
+                jobs.append((m, state, False))
+    if not jobs:
         return
     start = time.perf_counter()
-    out = np.zeros((len(todo), mask_width(todo[0].vocab_size)), dtype=np.int32)
+    out = np.zeros((len(jobs), mask_width(jobs[0][0].vocab_size)), dtype=np.int32)
     # a single one on this thread (a dispatch to the executor costs more than it saves)
-    executor = todo[0].executor if len(todo) > 1 else None
-    fill_masks(executor, [(m._m, i) for i, m in enumerate(todo)], out)
-    share = (time.perf_counter() - start) / len(todo)
-    for m, row in zip(todo, out):
+    executor = jobs[0][0].executor if len(jobs) > 1 else None
+    fill_masks(executor, [(state, i) for i, (_, state, _) in enumerate(jobs)], out)
+    share = (time.perf_counter() - start) / len(jobs)
+    for (m, _, is_next), row in zip(jobs, out):
         m._seconds += share
-        if m._continues(row):
+        if not is_next:
+            if row.any():  # else no output continues after the forced tokens
+                m._after_forced = row
+        elif m._continues(row):
             m._next = row  # a dead end is left to its next_mask, which computes and raises

@@ -300,7 +300,8 @@ class WorkerBase:
             )
         if masks is not None:
             if fn.walk_tree and tree.num_steps > 0:  # the walk committed the round's tokens:
-                masks.next_roots()  # the next roots' masks while the device accepts
+                # the next roots' masks (and forced tokens') while the device accepts
+                masks.next_roots(0 if fn.mask_lanes else tree.num_steps)
             self.mask_seconds += masks.seconds
             self.masks_computed += masks.computed
             self.constrained_rounds += 1
@@ -318,6 +319,8 @@ class WorkerBase:
         own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
         state = {k: v for k, v in inputs.items() if k == "host" or k in own}
         state["root_mask"] = masks.root()  # [bs, W] int32 (the phase takes the draft's vocab)
+        if not fn.mask_lanes and fn.tree.num_steps > 1:  # [bs, S-1, W] int32, the same
+            state["level_masks"] = masks.draft_levels(fn.tree.num_steps, draft_vocab=False)
         launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
         out = launch(levels[0].__name__, levels[0], state)
         for i, phase in enumerate(levels[1:], start=1):

@@ -195,12 +195,18 @@ class SpecRound:
         if tree.num_steps == 0:  # plain decoding: the root's forward and the next token
             return self.plain_round(rows, seq_lens, roots, live, inputs, b, max_prefix, host)
         masks = host.masks if self.constrained else None
-        # (a constrained round's root top-K under the grammar's mask at the root)
+        # (a constrained round's root top-K under the grammar's mask at the root; its lanes'
+        # masked by the host level by level, or by the forced tokens' masks known before)
         root_mask = None if masks is None else masks.root_draft()
-        lane_masks = masks if self.mask_lanes else None
+        lane_masks, level_masks = None, None
+        if masks is not None and self.mask_lanes:
+            lane_masks = masks
+        elif masks is not None and tree.num_steps > 1:
+            level_masks = masks.draft_levels(tree.num_steps)
         candidates, tree_mask, positions, next_token, next_sibling, drafted = self.draft_tree(
-            rows, seq_lens, roots, live, inputs, b, max_prefix, host, root_mask, lane_masks
-        )
+            rows, seq_lens, roots, live, inputs, b, max_prefix, host, root_mask, lane_masks,
+            level_masks,
+        )  # fmt: skip
         if masks is not None:  # the tree on its way to the host while the target verifies
             masks.start_tree(tree_nodes(candidates, next_token, next_sibling))
         _lap(host, "draft")
@@ -222,19 +228,21 @@ class SpecRound:
 
     def draft_tree(
         self, rows, seq_lens, roots, live, inputs, b: int, max_prefix, host, root_mask=None,
-        masks=None,
+        masks=None, level_masks=None,
     ):  # fmt: skip
         """Steps 1-3: the draft's state, its S levels and the tree -> (candidates [b, N],
         tree_mask [b, N, N], positions [b * N], next_token / next_sibling [b, N], levels
         drafted [1]). ``root_mask`` [b, W'] (a constrained round): the root's top-K under it;
-        ``masks`` (an eager constrained round): each level's lanes masked too."""
+        ``masks`` (an eager constrained round): each level's lanes masked too, or
+        ``level_masks`` [b, S-1, W']: one mask per level for all its lanes."""
         topk_p, topk_index, hidden, draft_lens = self.draft_state(
             rows, seq_lens, roots, live, inputs, max_prefix, host, root_mask
         )
         # 2. S levels of top-K, S - 1 draft forwards; 3. the tree of the N - 1 best
         levels, drafted = self.draft(
-            rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host, masks
-        )
+            rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host, masks,
+            level_masks,
+        )  # fmt: skip
         return (*self.build_tree(levels, roots, seq_lens), drafted)
 
     def draft_state(self, rows, seq_lens, roots, live, inputs, max_prefix, host, root_mask):
@@ -317,10 +325,16 @@ class SpecRound:
             topk_p, topk_index, hidden, draft_lens = self.draft_state(
                 rows, seq_lens, roots, live, inputs, max_prefix, host, self._to_draft(root_mask)
             )
-            if not self.mask_lanes:  # the whole draft, its lanes unmasked
+            if not self.mask_lanes:  # the whole draft, its levels under the forced tokens
+                level_masks = None
+                if self.tree.num_steps > 1:
+                    level_masks = torch.where(live.view(-1, 1, 1) > 0, inputs["level_masks"], -1)
+                    depth = self.tree.num_steps - 1
+                    level_masks = self._to_draft(level_masks.flatten(0, 1)).view(b, depth, -1)
                 levels, drafted = self.draft(
-                    rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host
-                )
+                    rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host,
+                    level_masks=level_masks,
+                )  # fmt: skip
                 return self._tree_outputs(levels, roots, seq_lens, drafted, b)
             state = self.first_level(topk_p, topk_index, hidden)
         else:
@@ -467,7 +481,7 @@ class SpecRound:
 
     def draft(
         self, rows, draft_lens, live, topk_p, topk_index, hidden, b, max_prefix, host,
-        masks=None,
+        masks=None, level_masks=None,
     ):  # fmt: skip
         """S levels of top-K expansion (``select_top_k``) with a DRAFT_DECODE forward between
         levels; each of a request's K lanes writes its own scratch slots. -> each level's
@@ -475,7 +489,8 @@ class SpecRound:
         drafted [1] (fewer than S where dynamic depth stopped). ``masks``: a constrained
         round's (the root's top-K is already the grammar's): each level's draft logits are
         masked per lane before its top-K, so no tree node is spent on a token the grammar
-        refuses while allowed ones remain."""
+        refuses while allowed ones remain. ``level_masks`` [b, S-1, W'] instead: level i's
+        lanes all under row i - 1 (:meth:`~polyspec.constrain.RoundMasks.draft_levels`)."""
         K, S = self.tree.topk, self.tree.num_steps
         lanes = self.lane_slots(rows, draft_lens, b) if S > 1 else None
         state = self.first_level(topk_p, topk_index, hidden)
@@ -486,6 +501,8 @@ class SpecRound:
                 lane_masks = masks.lanes(
                     i - 1, level.input_ids, level.parents if i > 1 else None, K
                 )
+            elif level_masks is not None:  # [b, W'] -> each of the request's K lanes
+                lane_masks = level_masks[:, i - 1, None].expand(-1, K, -1).reshape(b * K, -1)
             state = self.lane_topk(level, lane_masks)
             level = self.level(i, state, rows, live, lanes, max_prefix, host)
         return level.levels, self.levels_drafted(level, rows.device)

@@ -221,6 +221,42 @@ def test_constrained_rounds_replay_graphs(
         assert sum(llm.worker.drafted_levels[1:3]) > 0, llm.worker.drafted_levels
 
 
+FORCED = r"\{\"name\": \"(ab|cd)\", \"level\": \"[xy]\"\}"
+"""A regex whose literal runs the grammar forces (a tiny random draft would not guess them)."""
+
+
+@pytest.mark.parametrize("graphs", ["off", "on"])
+@pytest.mark.parametrize("algorithm", ["self", "eagle3"])
+def test_the_draft_proposes_the_forced_tokens(
+    backend, backend_name, tiny_models, graphs, algorithm
+):
+    """With the draft masked at its root only (``constrained_draft`` "root"), where the
+    grammar forces the next tokens the draft's levels propose them
+    (:meth:`~polyspec.constrain.RoundMasks.draft_levels`), so the target accepts them: a
+    round starting a forced run of at least S tokens commits S drafts and the bonus token
+    (a random tiny draft proposes a given token at a level about once in the vocabulary's
+    size). Outputs equal plain decoding's, eagerly and where rounds replay graphs."""
+    if graphs == "on":
+        require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    topk = 2 if backend.capabilities.tree_attention else 1
+    num_steps = 3
+    llm = _llm(
+        backend, backend_name, tiny_models, algorithm, graphs=graphs, constrained_draft="root",
+        topk=topk, num_steps=num_steps,
+    )  # fmt: skip
+    plain = _llm(backend, backend_name, tiny_models)
+    params = SamplingParams(max_new_tokens=60, regex=FORCED)
+    want = plain.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for o in got:
+        assert o.finish_reason == "stop" and re.fullmatch(FORCED, o.text), o.text
+        per_round = o.stats.accepted_per_round
+        # the output's first tokens are forced ('{"name": "'), more than S of them
+        assert per_round[0] == num_steps + 1, per_round
+        assert sum(n == num_steps + 1 for n in per_round) >= 3, per_round
+
+
 @pytest.mark.parametrize("mode", ["off", "auto"])
 def test_constrained_batches_run_the_rounds_chosen(backend, backend_name, tiny_models, plain, mode):
     """``constrained_speculation``: "off" runs plain rounds for every batch with a

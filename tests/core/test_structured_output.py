@@ -369,6 +369,60 @@ def test_greedy_walk_takes_the_masked_argmax_and_commits_it(llm):
         matchers[3].advance([ids["a"], ids["x"], ids["z"]])  # not the walk's
 
 
+def test_draft_levels_are_the_forced_tokens_then_the_grammars_mask(llm):
+    """A draft masked at its root only gets one mask per level below it: where the grammar
+    forces the next tokens, each level's row allows only its forced token, which is the
+    only token the grammar's own mask allows there; the level after the last forced token
+    gets the grammar's mask at that state; deeper levels, a request without forced tokens
+    and an unconstrained request allow every token. A draft vocabulary without a forced
+    token ends the run there."""
+    import torch
+
+    from polyspec.constrain import RoundMasks
+    from polyspec.constrain.masks import DraftVocab
+
+    cache = llm.scheduler.grammars
+    forced, free = ("regex", "abc[xy]z"), ("regex", "[ab][xy]z")
+    matchers = [cache.matcher(forced), None, cache.matcher(free), cache.matcher(forced)]
+    matchers[3].advance(llm.tokenizer.encode("ab", add_special_tokens=False))
+    width = (cache.vocab_size + 31) // 32
+    ones = np.full(width, -1, dtype=np.int32)
+
+    def levels(matchers, num_steps, draft_vocab=None):
+        masks = RoundMasks(
+            matchers, cache.vocab_size, torch.from_numpy, llm.backend.read_async, draft_vocab
+        )
+        masks.next_roots(num_steps)  # (computed ahead, as after a walked round)
+        out = masks.draft_levels(num_steps, draft_vocab=False).numpy()
+        assert out.shape == (len(matchers), num_steps - 1, width)
+        return out
+
+    out = levels(matchers, 5)
+    run = matchers[0].forced_tokens()
+    assert len(run) >= 2, run  # "abc" is forced at the start
+    path = []
+    for level in range(1, 4):  # each row: the one token the grammar allows after the last
+        path.append(run[level - 1])
+        want = _fresh_mask(cache, forced, path)
+        if level < len(run):
+            assert np.array_equal(want, _bitmask([run[level]], width))
+            assert np.array_equal(out[0, level - 1], want)
+        elif level == len(run):  # the free token after the run: the grammar's mask
+            assert np.array_equal(out[0, level - 1], want)
+            assert not np.array_equal(want, ones)
+        else:
+            assert np.array_equal(out[0, level - 1], ones)
+    assert (out[1] == -1).all() and (out[2] == -1).all()
+    (c,) = llm.tokenizer.encode("c", add_special_tokens=False)
+    assert matchers[3].forced_tokens() == (c,)  # after "ab": "c" alone, then [xy]
+    want = _fresh_mask(cache, forced, llm.tokenizer.encode("abc", add_special_tokens=False))
+    assert np.array_equal(out[3, 0], want) and (out[3, 1:] == -1).all()
+    # a head whose vocabulary lacks the run's second token: no row below the first level
+    ids = np.array([t for t in range(cache.vocab_size) if t != run[1]])
+    fresh = [cache.matcher(forced)]
+    assert (levels(fresh, 3, DraftVocab(ids))[0] == -1).all()
+
+
 def test_mask_cost_script_times_copies_and_masks(tiny):
     """``benchmarks/mask_cost.py`` on the tiny model with a regex: one state per position of
     the output that leaves a path below it, and a time for the copies, the masks one at a

@@ -23,14 +23,19 @@ queued behind, so a decode round should have none but its one result read, which
 does not count). ``--json-schema FILE`` constrains every request (structured output; the
 speculative system's constrained batches speculate, their draft masked as
 ``--constrained-draft`` says); ``--overlap-rounds`` sets both engines' ``overlap_rounds``.
-CUDA only.
+With ``--out``, the host's Python is profiled too (cProfile over one more generate, its
+functions by own time in ``host_SYSTEM.txt``): where the device waits for the host, what the
+host was doing. CUDA only.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 import traceback
@@ -103,6 +108,15 @@ def profile(args, system: str) -> None:
         with open(os.path.join(args.out, f"profile_{system}.txt"), "w") as f:
             for key in ("self_device_time_total", "self_cpu_time_total"):
                 f.write(table.table(sort_by=key, row_limit=30, max_name_column_width=70) + "\n")
+        host = cProfile.Profile()
+        host.enable()
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        torch.cuda.synchronize()
+        host.disable()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(40)
+        with open(os.path.join(args.out, f"host_{system}.txt"), "w") as f:
+            f.write(text.getvalue())
 
 
 def syncs(args) -> None:

@@ -561,8 +561,9 @@ class EngineConfig:
     ``constrained_draft``: where the grammar masks a constrained speculative round's draft:
     ``"levels"`` the root's top-K and every level's lanes (no tree node is spent on a token
     the grammar refuses, but the device waits for the host's lane masks between the draft's
-    levels), ``"root"`` the root's top-K only (the draft runs whole; the tree's masks still
-    make verification exact). ``"auto"`` (the default): ``"levels"`` where the backend runs
+    levels), ``"root"`` the root's top-K, and below it only where the grammar forces the
+    next tokens (the draft runs whole, its masks known before the round; verification under
+    the grammar keeps the output exact). ``"auto"`` (the default): ``"levels"`` where the backend runs
     synchronously (the host's waits cost no device time), ``"root"`` where it runs
     asynchronously (``BackendCapabilities.async_execution``). The output is the same either
     way (docs/structured-output.md).

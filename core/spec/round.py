@@ -39,7 +39,9 @@ host for the lanes' masks), or where the batch replays graphs as phases
 (:meth:`SpecRound.phases`): ``.draft`` (the root's top-K under ``root_mask`` [b, W], an
 input; level 0), ``.level1`` .. ``.level{S-1}`` (the lanes' top-K under ``lane_masks``
 [b, K, W], built by the host from the level before; the last one builds the tree; both over
-the target's vocabulary, an EAGLE-3 head's own taken on the device),
+the target's vocabulary, an EAGLE-3 head's own taken on the device); with the lanes
+unmasked (``constrained_draft`` "root") ``.draft`` runs every level, level i's lanes under
+``level_masks`` [b, S-1, W] row i - 1 (the grammar's forced tokens, known before the round),
 ``.verify`` (the target's forward over the tree, while the host reads the tree) and
 ``.accept`` (the logits under ``node_masks`` [b, N, W], acceptance, compaction, the draft
 extend). A sampled round's host builds every node's mask while the device verifies; a

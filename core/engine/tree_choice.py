@@ -187,7 +187,8 @@ def tree_note(choice: Mapping) -> str:
 # rounds, each tree's and a plain round's, through the real worker (captured like any round)
 # at a few batch sizes, and predicts each one's tokens per second as acceptance x bs / round
 # time (a plain round: 1 x bs / its time). Between two timed batch sizes a round's time is
-# interpolated linearly; above the largest, the last timed size's choice holds.
+# interpolated linearly; above the largest, the last timed size's choice holds. A tree must
+# beat plain rounds by a margin (:data:`SPEC_MARGIN`).
 
 ROUND_BUDGET_S = 20.0
 """Seconds the start-up timing of rounds may take (each option's round is captured before it
@@ -198,6 +199,15 @@ PRUNE_MARGIN = 0.03
 """A tree is timed at the next batch size unless some option with no more work per round
 (:func:`round_work`) was predicted faster by more than this fraction: a round's time grows with
 its work as the batch grows, so a tree that loses to a lighter one keeps losing."""
+
+
+SPEC_MARGIN = 0.10
+"""A tree replaces plain rounds at a batch size only where its predicted tokens/s is above
+plain rounds' by more than this fraction. The prediction takes the head's mean acceptance,
+but a batch whose requests start together lasts as long as its slowest-accepting ones take:
+on an H100 at batch 64 (MT-bench, 128 new tokens), rounds that switched to a tree below the
+size where the prediction crossed plain's ran 0.81x plain (docs/benchmarks.md, "Batch
+64-256"); at batch 32 the tree ran 1.18x. A thin predicted gain is not worth that risk."""
 
 
 def option_label(c: TreeCandidate | None) -> str:
@@ -248,7 +258,8 @@ def batch_schedule(
     max_batch_size: int,
 ) -> list[tuple[int, TreeCandidate | None]]:
     """The option of the most predicted tokens/s for every batch size from 1 to
-    ``max_batch_size``, as (min batch size, candidate or None for plain rounds) entries where
+    ``max_batch_size`` (plain rounds unless a tree beats them by more than
+    :data:`SPEC_MARGIN`), as (min batch size, candidate or None for plain rounds) entries where
     it changes. ``seconds``: timed batch size -> option label -> round seconds. Between two
     timed sizes an option timed at both has its time interpolated linearly; above the largest,
     that size's times hold (scaled by nothing: its choice). Batch 1 always runs a tree."""
@@ -270,7 +281,10 @@ def batch_schedule(
         if not times:
             continue
         at = hi if bs > hi else bs  # above the largest timed size: its choice
-        best = max(times, key=lambda label: tokens_per_s(by_label[label], at, times[label]))
+        rate = {label: tokens_per_s(by_label[label], at, t) for label, t in times.items()}
+        best = max(rate, key=rate.__getitem__)
+        if "plain" in rate and rate[best] <= rate["plain"] * (1 + SPEC_MARGIN):
+            best = "plain"  # a thin predicted gain (SPEC_MARGIN)
         if not out or option_label(out[-1][1]) != best:
             out.append((bs, by_label[best]))
     return out

@@ -6,6 +6,7 @@ import pytest
 
 from polyspec.config import SpeculativeConfig, TreeCandidate
 from polyspec.engine.tree_choice import (
+    SPEC_MARGIN,
     ForwardCosts,
     batch_report,
     batch_schedule,
@@ -147,6 +148,19 @@ def test_batch_one_runs_a_tree_and_costs_are_interpolated():
     }
     schedule = batch_schedule(CANDIDATES, seconds, 12)
     assert [(b, x if x is None else x.label) for b, x in schedule] == [(1, c.label), (6, None)]
+
+
+def test_a_tree_must_beat_plain_rounds_by_the_margin():
+    # predicted 5 % above plain rounds at batch 8: plain (a thin gain is not taken); 15 %
+    # above: the tree; batch 1 runs the tree either way
+    c = CANDIDATES[0]
+    assert SPEC_MARGIN == 0.10
+    for gain, want in ((1.05, None), (1.15, c.label)):
+        t = c.acceptance / gain  # its round time for that predicted gain over plain's 1.0
+        seconds = {1: {"plain": 1.0, c.label: t}, 8: {"plain": 1.0, c.label: t}}
+        schedule = batch_schedule([c], seconds, 8)
+        got = [(b, x if x is None else x.label) for b, x in schedule]
+        assert got == ([(1, c.label)] if want else [(1, c.label), (2, None)]), (gain, got)
 
 
 def test_trees_beaten_by_a_lighter_option_are_not_timed_again():

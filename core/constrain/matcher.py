@@ -37,7 +37,7 @@ class Matcher:
         self.executor = executor
         self._next: np.ndarray | None = None  # the next token's mask, until the next advance
         # The tokens the grammar forces next and the mask after them (a constrained round's
-        # draft levels, :meth:`lookahead`), until the next commit (None / False: not computed)
+        # draft levels, :meth:`lookahead`), until the next commit (None: not computed)
         self._forced: tuple[int, ...] | None = None
         self._after_forced: np.ndarray | None = None
         self._after_known = False

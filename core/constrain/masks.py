@@ -167,12 +167,14 @@ class RoundMasks:
         (outside an EAGLE-3 head's own vocabulary) ends the forced run there."""
         t = time.perf_counter()
         depth = num_steps - 1
+        # the masks after the forced runs not computed ahead (next_roots), in one call
+        next_masks([m for m in self.matchers if m is not None], num_steps)
         out = np.full((len(self.matchers), depth, self.width), -1, dtype=np.int32)
         for i, m in enumerate(self.matchers):
             if m is None or m.done:
                 continue
             forced, after = m.lookahead(num_steps)
-            self.seconds += m.take_seconds()
+            m.take_seconds()  # (this call's own time counts it)
             for level in range(1, num_steps):
                 if level < len(forced):
                     token = forced[level]
@@ -198,7 +200,7 @@ class RoundMasks:
             for i, m in enumerate(self.matchers):
                 if m is not None:
                     out[i] = m.next_mask()
-                    self.seconds += m.take_seconds()  # where the scheduler had not asked
+                    m.take_seconds()  # where the scheduler had not asked: counted below
             self._root = out
             self.seconds += time.perf_counter() - t
         return self._root

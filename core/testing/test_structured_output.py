@@ -348,21 +348,27 @@ def exact_law(plain):
 
 
 @pytest.mark.parametrize(
-    "algorithm,topk,num_steps,graphs",
-    [(None, 1, 0, "off"), ("self", 2, 3, "off"), ("eagle3", 2, 3, "off"), ("eagle3", 2, 3, "on")],
-)
+    "algorithm,topk,num_steps,graphs,draft_masks",
+    [(None, 1, 0, "off", "auto"), ("self", 2, 3, "off", "auto"), ("eagle3", 2, 3, "off", "auto"),
+     ("eagle3", 2, 3, "on", "auto"), ("eagle3", 2, 3, "on", "root")],
+)  # fmt: skip
 def test_constrained_sampling_follows_the_constrained_target(
-    backend, backend_name, tiny_models, exact_law, algorithm, topk, num_steps, graphs
-):
+    backend, backend_name, tiny_models, exact_law, algorithm, topk, num_steps, graphs,
+    draft_masks,
+):  # fmt: skip
     """Seeded sampling, plain and speculative, under a regex: the outputs' law is the
     target's masked distribution (chi-square against the exact enumeration); a negative
     control (the law at another temperature) is rejected at this sample size. With graphs
-    on, the speculative rounds replay the constrained round's three phases."""
+    on, the speculative rounds replay the constrained round's phases; with the draft masked
+    at its root only, its levels under the forced tokens' masks."""
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     if graphs == "on":
         require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     spec = {} if algorithm is None else {"topk": topk, "num_steps": num_steps}
-    llm = _llm(backend, backend_name, tiny_models, algorithm, graphs=graphs, **spec)
+    llm = _llm(
+        backend, backend_name, tiny_models, algorithm, graphs=graphs,
+        constrained_draft=draft_masks, **spec,
+    )  # fmt: skip
     params = [
         SamplingParams(max_new_tokens=6, temperature=TEMPERATURE, seed=i, regex=SAMPLE_REGEX)
         for i in range(NUM_SAMPLES)

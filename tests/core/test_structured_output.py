@@ -440,6 +440,7 @@ def test_mask_cost_script_times_copies_and_masks(tiny):
     )  # fmt: skip
     assert out["states"] == out["tokens"] - 2 > 0
     assert out["fork_us"] > 0 and out["one_at_a_time_us"] > 0 and out["allows_us"] > 0
+    assert out["forced_tokens_us"] > 0
     assert set(out["executor_us"]) == {1, 2} and all(v > 0 for v in out["executor_us"].values())
 
 

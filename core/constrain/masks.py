@@ -175,19 +175,14 @@ class RoundMasks:
                 continue
             forced, after = m.lookahead(num_steps)
             m.take_seconds()  # (this call's own time counts it)
-            for level in range(1, num_steps):
-                if level < len(forced):
-                    token = forced[level]
-                    if self.draft_vocab is not None and not self.draft_vocab.has(token):
-                        break
-                    out[i, level - 1] = 0
-                    out[i, level - 1].view(np.uint32)[token >> 5] = np.uint32(1 << (token & 31))
-                    continue
-                if level == len(forced) and after is not None:
-                    out[i, level - 1] = after
-                break
-            if forced and self.draft_vocab is not None and not self.draft_vocab.has(forced[0]):
-                out[i] = -1  # the root's forced token is not the draft's: nothing below holds
+            if self.draft_vocab is not None:  # the run ends at a token the draft lacks
+                n = next((j for j, t in enumerate(forced) if not self.draft_vocab.has(t)), None)
+                forced, after = (forced, after) if n is None else (forced[:n], None)
+            for level, token in enumerate(forced[1:], start=1):  # level 0 is the root's mask
+                out[i, level - 1] = 0
+                out[i, level - 1].view(np.uint32)[token >> 5] = np.uint32(1 << (token & 31))
+            if forced and after is not None:  # the free token after the run
+                out[i, len(forced) - 1] = after
         if draft_vocab:
             out = self._to_draft(out.reshape(-1, self.width)).reshape(len(self.matchers), depth, -1)
         self.seconds += time.perf_counter() - t

@@ -82,15 +82,19 @@ class EagleWorker(WorkerBase):
         self.root_forward = draft.algorithm == "standalone"
         self._draft_batch: _DraftBatch | None = None
         # Plain rounds skip the draft; an EAGLE head's input feature at each of their roots
-        # is kept here (by request row, position modulo P; a spare row for padding requests)
-        # until the next speculative round catches the head up (:meth:`_catch_up`).
+        # (and at a prompt prefilled then) is kept here by its KV slot, a spare row for
+        # padding requests, until the next speculative round catches the head up over every
+        # position it has not read (:meth:`_catch_up`). One feature per slot (F / 2F values
+        # an EAGLE / EAGLE-3 head's, against a target's 2 x layers x KV heads x head dim a
+        # slot: +15 % of SmolLM2's KV cache with an EAGLE-3 head) buys a catch-up as exact as
+        # drafting throughout; over a request's last 64 positions only, its later speculative
+        # rounds committed 2.54 tokens against 2.85 (docs/benchmarks.md, "Catch-up").
         self.plain_features = None
         if not self.root_forward:
             width = target.config.hidden_size * max(1, len(draft.aux_layer_ids))
             self.plain_features = torch.zeros(
-                kw["max_batch_size"] + 1, self.plain_feature_positions, width, dtype=dtype,
-                device=self.device,
-            )  # fmt: skip
+                self.num_kv_slots + 1, width, dtype=dtype, device=self.device
+            )
         # The draft lanes' slots are taken once for the largest batch and reused every round:
         # a per-round alloc / free would cost a device-to-host sync (free checks the slots)
         # in the middle of the round. The scheduler already keeps scratch_kv out of its budget.
@@ -148,11 +152,6 @@ class EagleWorker(WorkerBase):
         self._settle(schedule)
 
     plain_tree = PLAIN_ROUNDS
-    # P: the positions whose features are kept per request while rounds are plain (a prompt's
-    # prefilled then, the plain rounds' roots). A request with more is caught up over its last
-    # P positions only; the draft's KV of the positions before stays unwritten (its drafts
-    # may be accepted less, never wrong).
-    plain_feature_positions = 64
 
     def tree_for(self, bs: int) -> Tree:
         """The draft tree of a round of ``bs`` requests."""
@@ -174,7 +173,7 @@ class EagleWorker(WorkerBase):
             # Rounds of a batch this large are plain: the draft reads the prompt when the
             # request's first speculative round catches it up (never, if the batch stays this
             # large), so speculation costs a plain engine no draft prefill. An EAGLE head's
-            # features of the chunk's last P positions are kept for that catch-up.
+            # features of the chunk are kept for that catch-up.
             if not self.root_forward:
                 self._keep_prompt_features(sts, starts, lens, aux if self.use_aux else hidden)
             first = dict(zip(done_rids, self._commit_first(done_rids, first_t))) if done else {}
@@ -209,48 +208,43 @@ class EagleWorker(WorkerBase):
         return first
 
     def _keep_prompt_features(self, sts, starts, lens, features) -> None:
-        """``plain_features[row, p % P] = features`` [T, F] (a prefill's, concatenated) for the
-        last P positions ``p`` of each request's chunk: where a plain round keeps its root's."""
-        P = self.plain_features.shape[1]
-        src, rows_at, positions = [], [], []
-        offset = 0
-        for s, st, n in zip(sts, starts, lens):
-            first = max(st, st + n - P)
-            src += range(offset + first - st, offset + n)
-            rows_at += [s.row] * (st + n - first)
-            positions += [p % P for p in range(first, st + n)]
-            offset += n
-        at = self.builder.long(src + rows_at + positions).view(3, -1)
-        kept = features.index_select(0, at[0]).to(self.plain_features.dtype)
-        self.plain_features.index_put_((at[1], at[2]), kept)
+        """``plain_features[slot of p] = features`` [T, F] (a prefill's, concatenated) for
+        each position ``p`` of each request's chunk: where a plain round keeps its root's."""
+        slots = self._slots(sts, starts, [st + n for st, n in zip(starts, lens)])
+        self.plain_features.index_copy_(0, slots, features.to(self.plain_features.dtype))
+
+    def _slots(self, sts, starts, ends) -> torch.Tensor:  # [sum(ends - starts)] int64
+        """The KV slots of positions ``starts[i]`` .. ``ends[i] - 1`` of each request, in
+        order."""
+        rows_at, positions = [], []
+        for s, st, e in zip(sts, starts, ends):
+            rows_at += [s.row] * (e - st)
+            positions += range(st, e)
+        at = self.builder.long(rows_at + positions).view(2, -1)
+        return self.req_pool.req_to_token[at[0], at[1]].long()
 
     # -- the draft's state between rounds -----------------------------------------------------
     def _catch_up(self, sts: Sequence[SeqState]) -> None:
         """Bring the draft up to date for the requests of ``sts`` whose last rounds were plain
-        (they skip it): one draft extend over the positions it has not read (an EAGLE head:
-        the last P at most, from the features the plain rounds kept), as a prefill's, and
-        for an EAGLE head the state the next round drafts from."""
+        (they skip it): one draft extend over the positions it has not read (an EAGLE head's
+        from the features the prefill and the plain rounds kept), as a prefill's, and for an
+        EAGLE head the state the next round drafts from."""
         behind = [s for s in sts if s.draft_len < s.seq_len]
         if not behind:
             return
         self._own_draft_batch()  # the extend may replay graphs
-        P = 0 if self.root_forward else self.plain_features.shape[1]  # the features kept
-        starts, ids, rows_at, positions = [], [], [], []
-        for s in behind:
-            n = s.seq_len
-            start = s.draft_len if self.root_forward else max(s.draft_len, n - P)
-            starts.append(start)
+        starts = [s.draft_len for s in behind]
+        ends = [s.seq_len for s in behind]
+        ids: list[int] = []
+        for s, start, n in zip(behind, starts, ends):
             if self.root_forward:  # token p at position p; the round reads the root
                 ids += s.tokens(start, n)
             else:  # an EAGLE head pairs the feature at position p with token p + 1
                 ids += s.tokens(start + 1, n + 1)
-                rows_at += [s.row] * (n - start)
-                positions += [p % P for p in range(start, n)]
-        lens = [s.seq_len - st for s, st in zip(behind, starts)]
+        lens = [n - st for st, n in zip(starts, ends)]
         features = None
         if not self.root_forward:
-            at = self.builder.long(rows_at + positions).view(2, -1)
-            features = self.plain_features[at[0], at[1]]  # [T, F]
+            features = self.plain_features.index_select(0, self._slots(behind, starts, ends))
         logit_h, next_feat = self._extend(
             self.draft_runner, [s.row for s in behind], starts, lens, ids, features
         )

@@ -129,8 +129,8 @@ class RoundParts:
     use_aux: bool  # the head reads the target's aux features (EAGLE-3)
     state_topk: int  # K', the top-K kept between rounds (the widest tree's)
     arange: Callable[[int], torch.Tensor]  # cached arange on the device
-    # [R + 1, P, F]: an EAGLE head's input feature at each plain round's root, by request row
-    # and position modulo P (row R takes the padding requests' writes); None without a head
+    # [slots + 1, F]: an EAGLE head's input feature at each plain round's root, by the root's
+    # KV slot (the last row takes the padding requests' writes); None without a head
     plain_features: torch.Tensor | None = None
     # the device runs asynchronously to the host (Capabilities.async_execution): the host
     # can build a constrained round's masks while it verifies (SpecRound.walk_tree)
@@ -425,14 +425,13 @@ class SpecRound:
         return (packed,)
 
     def keep_feature(self, rows, seq_lens, live, feats) -> None:
-        """``plain_features[row, seq_len % P] = feats`` [b, F] for each live request: the
+        """``plain_features[slot of (row, seq_len)] = feats`` [b, F] for each live request: the
         feature the head pairs with the committed token at that position, when the worker
         brings it up to date. A padding request writes the spare last row."""
-        ring = self.p.plain_features
-        spare = ring.shape[0] - 1
-        at_row = torch.where(live > 0, rows, spare).long()
-        at_pos = (seq_lens % ring.shape[1]).long()
-        ring.index_put_((at_row, at_pos), feats.to(ring.dtype))
+        kept = self.p.plain_features
+        slots = self.p.req_to_token[rows.long(), seq_lens.long()]  # [b]
+        at = torch.where(live > 0, slots, kept.shape[0] - 1).long()
+        kept.index_copy_(0, at, feats.to(kept.dtype))
 
     # -- the steps, in the order they run --------------------------------------------------------
     def _columns(self, per_request: torch.Tensor):

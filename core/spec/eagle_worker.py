@@ -84,11 +84,10 @@ class EagleWorker(WorkerBase):
         # Plain rounds skip the draft; an EAGLE head's input feature at each of their roots
         # (and at a prompt prefilled then) is kept here by its KV slot, a spare row for
         # padding requests, until the next speculative round catches the head up over every
-        # position it has not read (:meth:`_catch_up`). One feature per slot (F / 2F values
-        # an EAGLE / EAGLE-3 head's, against a target's 2 x layers x KV heads x head dim a
-        # slot: +15 % of SmolLM2's KV cache with an EAGLE-3 head) buys a catch-up as exact as
-        # drafting throughout; over a request's last 64 positions only, its later speculative
-        # rounds committed 2.54 tokens against 2.85 (docs/benchmarks.md, "Catch-up").
+        # position it has not read (:meth:`_catch_up`), as drafting throughout would have.
+        # It costs F values a slot (H for an EAGLE head, 3H for an EAGLE-3 head: 15 % of
+        # SmolLM2's KV bytes); a head caught up over part of what it missed drafts worse
+        # (docs/benchmarks.md, "Catch-up after plain rounds").
         self.plain_features = None
         if not self.root_forward:
             width = target.config.hidden_size * max(1, len(draft.aux_layer_ids))

@@ -5,12 +5,14 @@ A constrained speculative round builds token masks on the host for the draft lan
 tree's nodes of each constrained request (docs/structured-output.md), and cannot be queued
 behind the last round; a plain round builds one mask a request. Which of the two gives
 more tokens a second depends on the grammar, the head's acceptance under it, the host's
-CPUs and how fast the device is (docs/benchmarks.md, "Structured output": plain rounds won
-on an H100 and on a 2-core AMD EPYC). ``auto`` therefore measures: for each range
-of batch sizes (1, 2-3, 4-7, ...) the first rounds alternate between the two kinds until
-each has ``probe`` rounds, then the kind with more tokens per second of its rounds runs;
-every ``window`` rounds the other kind is measured again (the text and the grammar's state
-change as requests go on), the older measurements of the kind in use counting half.
+CPUs and how fast the device is (docs/benchmarks.md, "Structured output"). ``auto`` therefore
+measures: for each range of batch sizes (1, 2-3, 4-7, ...) the first ``probe`` rounds
+speculate and the next ``probe`` are plain, then the kind with more tokens per second of its
+rounds runs; every ``window`` rounds the other kind is measured again (the text and the
+grammar's state change as requests go on), the older measurements of the kind in use counting
+half. A speculative round right after plain rounds is not measured: it first catches the
+draft up over the plain rounds' tokens (a draft extend), a cost paid once a switch, which
+would make every speculative round look slower if the kinds alternated round by round.
 Either kind gives the same greedy output; sampled output follows the target's distribution
 either way.
 """
@@ -37,6 +39,7 @@ class _Range:
     spec: _Kind = dataclasses.field(default_factory=_Kind)
     plain: _Kind = dataclasses.field(default_factory=_Kind)
     since_probe: int = 0  # rounds since both kinds were last measured
+    last_plain: bool | None = None  # the kind of the range's last round
 
 
 class ConstrainedChoice:
@@ -67,10 +70,10 @@ class ConstrainedChoice:
         if self.mode != "auto":
             return self.mode == "off"
         r = self._ranges.setdefault(self._key(bs), _Range())
-        if r.spec.rounds < self.probe and r.plain.rounds < self.probe:
-            return r.plain.rounds < r.spec.rounds  # alternate while probing, spec first
-        if r.spec.rounds < self.probe or r.plain.rounds < self.probe:
-            return r.plain.rounds < self.probe  # the kind measured again
+        if r.spec.rounds < self.probe:  # speculative rounds measured first (or again)
+            return False
+        if r.plain.rounds < self.probe:
+            return True
         return r.plain.rate() > r.spec.rate()
 
     def record(self, bs: int, plain: bool, tokens: int, seconds: float) -> None:
@@ -79,6 +82,9 @@ class ConstrainedChoice:
         if self.mode != "auto" or self.forced is not None:
             return
         r = self._ranges.setdefault(self._key(bs), _Range())
+        after_plain, r.last_plain = r.last_plain, plain
+        if not plain and after_plain:  # it caught the draft up first: not a steady round
+            return
         kind = r.plain if plain else r.spec
         kind.rounds += 1
         kind.tokens += tokens

@@ -39,7 +39,6 @@ class _Range:
     spec: _Kind = dataclasses.field(default_factory=_Kind)
     plain: _Kind = dataclasses.field(default_factory=_Kind)
     since_probe: int = 0  # rounds since both kinds were last measured
-    last_plain: bool | None = None  # the kind of the range's last round
 
 
 class ConstrainedChoice:
@@ -57,6 +56,7 @@ class ConstrainedChoice:
         self.probe = probe
         self.window = window
         self.forced: bool | None = None  # set: every round plain (True) or speculative
+        self._last_plain = False  # the kind of the last constrained round (any batch size)
         self._ranges: dict[int, _Range] = {}
 
     @staticmethod
@@ -81,10 +81,10 @@ class ConstrainedChoice:
         ``tokens`` in ``seconds`` of wall time."""
         if self.mode != "auto" or self.forced is not None:
             return
-        r = self._ranges.setdefault(self._key(bs), _Range())
-        after_plain, r.last_plain = r.last_plain, plain
+        after_plain, self._last_plain = self._last_plain, plain
         if not plain and after_plain:  # it caught the draft up first: not a steady round
-            return
+            return  # (whatever the batch size of the plain rounds before it)
+        r = self._ranges.setdefault(self._key(bs), _Range())
         kind = r.plain if plain else r.spec
         kind.rounds += 1
         kind.tokens += tokens

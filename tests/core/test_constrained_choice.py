@@ -68,6 +68,10 @@ def test_a_speculative_round_after_plain_rounds_is_not_measured():
     choice.record(1, False, 2, 1e-3)
     assert choice.rates() == {1: (2000.0, 1000.0)}
     assert not choice.plain(1)
+    # the same after plain rounds of another batch size (the request's draft is behind)
+    choice.record(5, True, 1, 1e-3)
+    choice.record(2, False, 2, 5e-3)
+    assert 2 not in choice.rates()
 
 
 def test_forced_overrides_and_is_not_measured():

@@ -261,9 +261,9 @@ def test_the_draft_proposes_the_forced_tokens(
 def test_constrained_batches_run_the_rounds_chosen(backend, backend_name, tiny_models, plain, mode):
     """``constrained_speculation``: "off" runs plain rounds for every batch with a
     constrained request (its requests commit one token a round; the unconstrained ones
-    speculate once the constrained ones have finished); "auto" measures both kinds (the
-    first rounds alternate) and runs the one with more tokens a second. Greedy outputs equal
-    plain decoding's either way."""
+    speculate once the constrained ones have finished); "auto" measures both kinds (a range's
+    first rounds speculate, the next are plain) and runs the one with more tokens a second.
+    Greedy outputs equal plain decoding's either way."""
     topk = 2 if backend.capabilities.tree_attention else 1
     llm = _llm(
         backend, backend_name, tiny_models, "eagle3", constrained_speculation=mode,
@@ -275,7 +275,7 @@ def test_constrained_batches_run_the_rounds_chosen(backend, backend_name, tiny_m
     rates = llm.scheduler.constrained.rates()
     if mode == "off":
         assert max(constrained) == 1 and rates == {}, (constrained, rates)
-    else:  # both kinds measured (the first rounds of a range alternate)
+    else:  # both kinds measured (a range's first rounds: speculative, then plain)
         assert any(spec > 0 and plain_ > 0 for spec, plain_ in rates.values()), rates
 
 

@@ -209,18 +209,9 @@ class EagleWorker(WorkerBase):
     def _keep_prompt_features(self, sts, starts, lens, features) -> None:
         """``plain_features[slot of p] = features`` [T, F] (a prefill's, concatenated) for
         each position ``p`` of each request's chunk: where a plain round keeps its root's."""
-        slots = self._slots(sts, starts, [st + n for st, n in zip(starts, lens)])
+        ends = [st + n for st, n in zip(starts, lens)]
+        slots = self.builder.slots([s.row for s in sts], starts, ends).long()
         self.plain_features.index_copy_(0, slots, features.to(self.plain_features.dtype))
-
-    def _slots(self, sts, starts, ends) -> torch.Tensor:  # [sum(ends - starts)] int64
-        """The KV slots of positions ``starts[i]`` .. ``ends[i] - 1`` of each request, in
-        order."""
-        rows_at, positions = [], []
-        for s, st, e in zip(sts, starts, ends):
-            rows_at += [s.row] * (e - st)
-            positions += range(st, e)
-        at = self.builder.long(rows_at + positions).view(2, -1)
-        return self.req_pool.req_to_token[at[0], at[1]].long()
 
     # -- the draft's state between rounds -----------------------------------------------------
     def _catch_up(self, sts: Sequence[SeqState]) -> None:
@@ -243,7 +234,8 @@ class EagleWorker(WorkerBase):
         lens = [n - st for st, n in zip(starts, ends)]
         features = None
         if not self.root_forward:
-            features = self.plain_features.index_select(0, self._slots(behind, starts, ends))
+            slots = self.builder.slots([s.row for s in behind], starts, ends).long()
+            features = self.plain_features.index_select(0, slots)
         logit_h, next_feat = self._extend(
             self.draft_runner, [s.row for s in behind], starts, lens, ids, features
         )

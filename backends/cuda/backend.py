@@ -90,7 +90,10 @@ class CUDABackend(Backend):
                 f"{torch.cuda.device_count()} CUDA device(s) are visible"
             )
         self.capabilities = CUDA_CAPABILITIES
-        self.kernels = dataclasses.replace(reference_kernels(), **_chosen_overrides())
+        overrides = _chosen_overrides()
+        self.kernels = dataclasses.replace(reference_kernels(), **overrides)
+        # the norms fold into the projections only where their Triton kernels run
+        self._fold_norms = {"rms_norm", "fused_add_rms_norm"} <= overrides.keys()
         self.kernel_mode = _kernel_mode()
         self._read_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
@@ -161,6 +164,23 @@ class CUDABackend(Backend):
             return row_invariant_linear(x, w, bias)
 
         return linear
+
+    def norm_linear_fn(self, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+        """The RMSNorm folded into the row-invariant Triton linear (one launch instead of
+        two, ``kernels/triton/linear.py``) in ``rowinv`` mode; None in ``torch`` mode and
+        where ``POLYSPEC_CUDA_REFERENCE_KERNELS`` keeps a norm's reference."""
+        if not self._fold_norms or norm_weight.dtype != weight.dtype:
+            return None
+        if self.linear_fn(weight) is None:
+            return None
+        from polyspec.kernels.triton.linear import rms_norm_linear
+
+        w = weight.contiguous()
+
+        def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, bias: torch.Tensor | None):
+            return rms_norm_linear(x, residual, norm_weight, eps, w, bias)
+
+        return norm_linear
 
     def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
         """A token-slot (``page_size == 1``) or paged allocator; free lists stay on the host,

@@ -67,6 +67,17 @@ def _kernel_mode() -> str:
     return mode
 
 
+def _fold_norms() -> bool:
+    """``POLYSPEC_CUDA_FOLD_NORMS``: "1" folds a decoder layer's RMSNorms into the projections
+    after them (:meth:`CUDABackend.norm_linear_fn`); "0" (default) keeps the norm kernels:
+    the fold has not been timed on a GPU, and a like fold (the MLP's activation computed in
+    the down projection's K loop) made the 8B-shape step slower."""
+    value = os.environ.get("POLYSPEC_CUDA_FOLD_NORMS", "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"POLYSPEC_CUDA_FOLD_NORMS={value!r}: use 1 (fold) or 0 (the default)")
+    return value == "1"
+
+
 class CUDABackend(Backend):
     """NVIDIA GPUs through torch.cuda, with the Triton kernels of ``polyspec.kernels.triton``."""
 
@@ -92,8 +103,8 @@ class CUDABackend(Backend):
         self.capabilities = CUDA_CAPABILITIES
         overrides = _chosen_overrides()
         self.kernels = dataclasses.replace(reference_kernels(), **overrides)
-        # the norms fold into the projections only where their Triton kernels run
-        self._fold_norms = {"rms_norm", "fused_add_rms_norm"} <= overrides.keys()
+        # the norms fold into the projections where asked and their Triton kernels run
+        self._fold_norms = _fold_norms() and {"rms_norm", "fused_add_rms_norm"} <= overrides.keys()
         self.kernel_mode = _kernel_mode()
         self._read_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
@@ -167,8 +178,8 @@ class CUDABackend(Backend):
 
     def norm_linear_fn(self, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float):
         """The RMSNorm folded into the row-invariant Triton linear (one launch instead of
-        two, ``kernels/triton/linear.py``) in ``rowinv`` mode; None in ``torch`` mode and
-        where ``POLYSPEC_CUDA_REFERENCE_KERNELS`` keeps a norm's reference."""
+        two, ``kernels/triton/linear.py``) in ``rowinv`` mode with ``POLYSPEC_CUDA_FOLD_NORMS=1``;
+        None otherwise, and where ``POLYSPEC_CUDA_REFERENCE_KERNELS`` keeps a norm's reference."""
         if not self._fold_norms or norm_weight.dtype != weight.dtype:
             return None
         if self.linear_fn(weight) is None:

@@ -545,25 +545,6 @@ class Backend(abc.ABC):
         inside the callable (the cpu backend prepacks bf16 weights for oneDNN)."""
         return None
 
-    def norm_linear_fn(
-        self,
-        weight: torch.Tensor,  # [out, in], as returned by prepare_linear_weight
-        norm_weight: torch.Tensor,  # [in] the RMSNorm before it
-        eps: float,
-    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None:
-        """The RMSNorm in front of ``weight`` and the product in one call, or None (the
-        default: the model calls ``fused_add_rms_norm`` and then :meth:`linear_fn`'s callable
-        or ``F.linear``). Called as ``fn(x [T, in], residual [T, in] | None, bias [out] |
-        None) -> (y [T, out], x + residual [T, in] | None)`` with ``x`` and ``residual`` of
-        the weight's dtype, where ``y`` is ``linear(rms_norm(x + residual, norm_weight, eps),
-        weight, bias)`` up to the rounding of the normed input (which a fused kernel need not
-        write) and the sum is rounded to ``x``'s dtype as ``x + residual`` is. Asked at load
-        time for the projections a target's decoder layer normalises into (q/k/v and the
-        fused gate/up), after :meth:`linear_fn`; both must be row-invariant where
-        :meth:`row_invariant` claims it. The conformance suite compares it with the two
-        reference steps."""
-        return None
-
     def quantized_linear_fn(
         self,
         weight: torch.Tensor,  # [out, in] float

@@ -67,17 +67,6 @@ def _kernel_mode() -> str:
     return mode
 
 
-def _fold_norms() -> bool:
-    """``POLYSPEC_CUDA_FOLD_NORMS``: "1" folds a decoder layer's RMSNorms into the projections
-    after them (:meth:`CUDABackend.norm_linear_fn`); "0" (default) keeps the norm kernels:
-    the fold has not been timed on a GPU, and a like fold (the MLP's activation computed in
-    the down projection's K loop) made the 8B-shape step slower."""
-    value = os.environ.get("POLYSPEC_CUDA_FOLD_NORMS", "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"POLYSPEC_CUDA_FOLD_NORMS={value!r}: use 1 (fold) or 0 (the default)")
-    return value == "1"
-
-
 class CUDABackend(Backend):
     """NVIDIA GPUs through torch.cuda, with the Triton kernels of ``polyspec.kernels.triton``."""
 
@@ -101,10 +90,7 @@ class CUDABackend(Backend):
                 f"{torch.cuda.device_count()} CUDA device(s) are visible"
             )
         self.capabilities = CUDA_CAPABILITIES
-        overrides = _chosen_overrides()
-        self.kernels = dataclasses.replace(reference_kernels(), **overrides)
-        # the norms fold into the projections where asked and their Triton kernels run
-        self._fold_norms = _fold_norms() and {"rms_norm", "fused_add_rms_norm"} <= overrides.keys()
+        self.kernels = dataclasses.replace(reference_kernels(), **_chosen_overrides())
         self.kernel_mode = _kernel_mode()
         self._read_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
@@ -175,23 +161,6 @@ class CUDABackend(Backend):
             return row_invariant_linear(x, w, bias)
 
         return linear
-
-    def norm_linear_fn(self, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float):
-        """The RMSNorm folded into the row-invariant Triton linear (one launch instead of
-        two, ``kernels/triton/linear.py``) in ``rowinv`` mode with ``POLYSPEC_CUDA_FOLD_NORMS=1``;
-        None otherwise, and where ``POLYSPEC_CUDA_REFERENCE_KERNELS`` keeps a norm's reference."""
-        if not self._fold_norms or norm_weight.dtype != weight.dtype:
-            return None
-        if self.linear_fn(weight) is None:
-            return None
-        from polyspec.kernels.triton.linear import rms_norm_linear
-
-        w = weight.contiguous()
-
-        def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, bias: torch.Tensor | None):
-            return rms_norm_linear(x, residual, norm_weight, eps, w, bias)
-
-        return norm_linear
 
     def make_allocator(self, num_slots: int, page_size: int) -> PagedAllocator:
         """A token-slot (``page_size == 1``) or paged allocator; free lists stay on the host,

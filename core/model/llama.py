@@ -28,7 +28,7 @@ from torch import nn
 from polyspec.backend import AttentionBackend, AttentionMetadata, KernelSet
 from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig
-from polyspec.model.linear import linear, norm_linear
+from polyspec.model.linear import linear
 from polyspec.model.rope import cos_sin_cache
 from polyspec.parallel.group import TPGroup
 from polyspec.parallel.shard import ShardLayout
@@ -99,21 +99,10 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         """q/k/v projection (+ Qwen3 q/k norm), RoPE, backend attention, o_proj."""
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
-        return self.attend(qkv, positions, attn, metadata)
-
-    def attend(
-        self,
-        qkv: torch.Tensor,  # [T, q_size + 2 * kv_size] the q/k/v projection
-        positions: torch.Tensor,  # [T]
-        attn: AttentionBackend,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        """:meth:`self_attn` after the projection: (Qwen3 q/k norm), RoPE, attention, o_proj."""
-        t = qkv.shape[0]
+        t = x.shape[0]
         # One view as heads, then head slices: Tensor.split goes through a Python wrapper that
         # cost ~13 us a layer on the CPU, as much as the layer's norms.
-        qkv = qkv.view(t, -1, self.head_dim)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias).view(t, -1, self.head_dim)
         hq, hkv = self.num_heads, self.num_kv_heads
         q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
         if self.qk_norm:
@@ -131,11 +120,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """SwiGLU MLP with one fused gate/up matmul (row parallel down_proj under tp)."""
-        return self.mlp_down(linear(x, self.gate_up_proj))
-
-    def mlp_down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, H]
-        """:meth:`mlp` after the gate/up projection."""
-        out = linear(self.kernels.silu_and_mul(gate_up), self.down_proj)
+        out = linear(self.kernels.silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def load_weights(self, get: Getter, prefix: str, skip_input_norm: bool = False) -> None:
@@ -329,17 +314,16 @@ class CausalLM(nn.Module):
         hidden = self.embed(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
-            # each norm with the projection after it (one kernel where the backend fuses them)
-            qkv, residual = norm_linear(
-                hidden, residual, layer.input_layernorm, eps, layer.qkv_proj, k, layer.qkv_bias
-            )
+            if residual is None:
+                residual = hidden
+                x = k.rms_norm(hidden, layer.input_layernorm, eps)
+            else:
+                x, residual = k.fused_add_rms_norm(hidden, residual, layer.input_layernorm, eps)
             if capture_layers and i in capture_layers:
                 captured[i] = residual
-            h = layer.attend(qkv, positions, attn, metadata)
-            gate_up, residual = norm_linear(
-                h, residual, layer.post_attention_layernorm, eps, layer.gate_up_proj, k
-            )
-            hidden = layer.mlp_down(gate_up)
+            h = layer.self_attn(x, positions, attn, metadata)
+            x, residual = k.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, eps)
+            hidden = layer.mlp(x)
         out, residual = k.fused_add_rms_norm(hidden, residual, self.norm, eps)
         if not capture_layers:
             return out, None

@@ -170,9 +170,8 @@ def load_target(
 
 def apply_weight_layout(model: torch.nn.Module, backend: Backend) -> None:
     """Give every matrix ``F.linear`` reads the layout the backend prefers
-    (:meth:`Backend.prepare_linear_weight`) and its kernels (:meth:`Backend.linear_fn`, and
-    for a target :meth:`Backend.norm_linear_fn`); a tied lm_head gets its own copy so that
-    the embedding lookup keeps its row-major table."""
+    (:meth:`Backend.prepare_linear_weight`); a tied lm_head gets its own copy so that the
+    embedding lookup keeps its row-major table."""
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "fc", "lm_head")
     with torch.no_grad():
         for module in model.modules():
@@ -194,23 +193,6 @@ def apply_weight_layout(model: torch.nn.Module, backend: Backend) -> None:
                 model.lm_head = torch.nn.Parameter(tied, requires_grad=False)
                 if fn is not None:
                     model.lm_head.polyspec_linear = fn
-        if isinstance(model, CausalLM):
-            attach_norm_linear_fns(model, backend)
-
-
-def attach_norm_linear_fns(model: CausalLM, backend: Backend) -> None:
-    """Store the backend's :meth:`Backend.norm_linear_fn` on each decoder layer's q/k/v and
-    gate/up weights (with the norm before each), where
-    :func:`polyspec.model.linear.norm_linear` finds it."""
-    eps = model.config.rms_norm_eps
-    for layer in model.layers:
-        for weight, norm in (
-            (layer.qkv_proj, layer.input_layernorm),
-            (layer.gate_up_proj, layer.post_attention_layernorm),
-        ):
-            fn = backend.norm_linear_fn(weight.data, norm.data, eps)
-            if fn is not None:
-                weight.polyspec_norm_linear = fn
 
 
 def attach_linear_fn(weight: torch.Tensor, backend: Backend) -> None:

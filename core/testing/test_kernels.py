@@ -646,52 +646,6 @@ def test_rms_norm_and_fused_add_match_reference(backend, reference_backend):
         _assert_equal(res, res0, "fused_add_rms_norm modified residual")
 
 
-def test_norm_linear_fn_matches_the_norm_then_the_product(backend, reference_backend):
-    """``Backend.norm_linear_fn`` (where the backend fuses a norm into the projection after
-    it): the reference norm and ``F.linear`` within the dtype's tolerance, the residual
-    stream's sum exact, the inputs untouched, and each row alone as in the batch where the
-    backend claims row invariance."""
-    g = _gen(SEED + 37)
-    folded = False
-    for dtype in _model_dtypes(backend):
-        w = (torch.randn(48, 160, generator=g) / 160**0.5).to(dtype)
-        nw = (1 + 0.1 * torch.randn(160, generator=g)).to(dtype)
-        bias = torch.randn(48, generator=g).to(dtype)
-        w_dev = _dev(backend, backend.prepare_linear_weight(w))
-        fn = backend.norm_linear_fn(w_dev, _dev(backend, nw), 1e-6)
-        if fn is None:
-            continue
-        folded = True
-        x = (3 * torch.randn(19, 160, generator=g)).to(dtype)
-        res = torch.randn(19, 160, generator=g).to(dtype)
-        x0, res0 = x.clone(), res.clone()
-        for r, b in ((res, bias), (None, None)):
-            y, total = fn(_dev(backend, x), None if r is None else _dev(backend, r), b)
-            if r is None:
-                assert total is None, "norm_linear_fn returned a sum without a residual"
-                normed = reference_backend.kernels.rms_norm(x, nw, 1e-6)
-            else:
-                normed, ref_total = reference_backend.kernels.fused_add_rms_norm(x, r, nw, 1e-6)
-                _assert_equal(_cpu(total), ref_total, "norm_linear_fn's x + residual")
-            ref = torch.nn.functional.linear(
-                normed.double(), w.double(), None if b is None else b.double()
-            )
-            assert y.dtype == dtype and tuple(y.shape) == (19, 48)
-            torch.testing.assert_close(_cpu(y).double(), ref.to(torch.float64), **_TOL[dtype])
-            if backend.row_invariant(dtype):
-                for i in (0, 7, 18):
-                    one, _ = fn(
-                        _dev(backend, x[i : i + 1]),
-                        None if r is None else _dev(backend, r[i : i + 1]),
-                        b,
-                    )
-                    _assert_equal(_cpu(one), _cpu(y[i : i + 1]), f"norm_linear_fn row {i} alone")
-        _assert_equal(x, x0, "norm_linear_fn modified x")
-        _assert_equal(res, res0, "norm_linear_fn modified residual")
-    if not folded:
-        pytest.skip("the backend folds no norm into a projection (norm_linear_fn gives None)")
-
-
 def _cos_sin_cache(max_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
     inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     freqs = torch.arange(max_pos, dtype=torch.float32).unsqueeze(1) * inv

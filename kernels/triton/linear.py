@@ -10,6 +10,11 @@ column block and K, never on how many rows came with it or where in the batch it
 zero rows padding a tile never mix into it: a matrix-multiply unit sums each output element
 over k alone).
 
+The input is loaded as it is. Work done on it inside the K loop (the RMSNorm before a
+projection, the MLP's activation before the down projection) made a decode step slower on an
+H100, at SmolLM2's shape and at Llama-3-8B's, than the launch it saved: the norms and the
+activation stay kernels of their own.
+
 ``M`` is never specialised (``do_not_specialize``): Triton would otherwise compile a separate
 variant for ``M == 1``. The grid runs row blocks fastest, so the programs that share a column
 block of ``W`` run together and ``W`` streams from memory once per call.
@@ -56,20 +61,13 @@ def _row_invariant_linear_kernel(
     w_ptr,  # [N, K]
     b_ptr,  # [N] (read only when HAS_BIAS)
     y_ptr,  # [M, N]
-    res_ptr,  # [M, K] residual (read only when HAS_RESIDUAL)
-    nw_ptr,  # [K] RMSNorm weight (read only when NORM)
-    sum_ptr,  # [M, K] contiguous x + residual (written only when HAS_RESIDUAL)
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_ym,
-    stride_rm,
-    eps,
     HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -86,27 +84,10 @@ def _row_invariant_linear_kernel(
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
-        xk_ok = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_rows + k[None, :], mask=xk_ok, other=0.0)
-        if NORM:
-            # RMSNorm folded in: the row's sum of squares accumulates over the K steps and
-            # 1 / rms scales the accumulator after the loop (a per-row scalar commutes with
-            # the product), so the normed input is never written. The weight is applied here.
-            if HAS_RESIDUAL:
-                res = tl.load(res_ptr + rm.to(tl.int64)[:, None] * stride_rm + k[None, :],
-                              mask=xk_ok, other=0.0)  # fmt: skip
-                # rounded to its own dtype first, as ``x + residual`` in torch
-                x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if pid_n == 0:
-                    tl.store(sum_ptr + rm.to(tl.int64)[:, None] * K + k[None, :], x, mask=xk_ok)
-            xf = x.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
-            nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             # The interpreter: numpy's BLAS may round a row differently by its place in the
@@ -118,8 +99,6 @@ def _row_invariant_linear_kernel(
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
@@ -135,48 +114,6 @@ def row_invariant_linear(
     """``F.linear(x, weight, bias)`` with fp32 accumulation in a fixed order (module doc), for
     fp32 (exact fp32 products, no TF32), bf16 and fp16 inputs of the weight's dtype.
     ``config`` overrides :func:`tile_config` (benchmarks only: a weight must keep one)."""
-    return _launch(x, weight, bias, config)[0]
-
-
-def rms_norm_linear(
-    x: torch.Tensor,  # [..., K]
-    residual: torch.Tensor | None,  # [..., K]
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-    config: tuple[int, int, int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([..., N], [..., K] x + residual | None)
-    """``row_invariant_linear(rms_norm(x + residual, norm_weight, eps), weight, bias)`` in one
-    launch, and ``x + residual`` (rounded to x's dtype, as the residual stream keeps it; None
-    without a residual). The norm's weight multiplies each input before the product and
-    ``1 / rms`` of the row scales the product after it, so the normed input is neither
-    written nor rounded: the result differs from the two kernels in sequence by that
-    rounding, and is as row-invariant as the linear."""
-    check(
-        norm_weight.dim() == 1 and norm_weight.shape[0] == x.shape[-1],
-        f"rms_norm_linear: norm weight must be [{x.shape[-1]}], got {list(norm_weight.shape)}",
-    )
-    check(
-        residual is None or residual.shape == x.shape,
-        f"rms_norm_linear: residual must have x's shape {list(x.shape)}, got "
-        f"{None if residual is None else list(residual.shape)}",
-    )
-    check(
-        residual is None or residual.dtype == x.dtype,
-        f"rms_norm_linear: residual must be {x.dtype}, got "
-        f"{None if residual is None else residual.dtype}",
-    )
-    return _launch(x, weight, bias, config, (residual, norm_weight.contiguous(), float(eps)))
-
-
-def _launch(
-    x: torch.Tensor,  # [..., K]
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    config: tuple[int, int, int, int] | None,
-    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([..., N], [..., K] | None)
     check(weight.dim() == 2, f"linear: weight must be [N, K], got {list(weight.shape)}")
     n, k = weight.shape
     check(
@@ -199,24 +136,17 @@ def _launch(
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    residual, norm_weight, eps = norm if norm is not None else (None, w, 0.0)
-    res2 = total = x2
-    if residual is not None:
-        res2 = residual.reshape(-1, k)
-        if res2.stride(-1) != 1:
-            res2 = res2.contiguous()
-        total = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    if m > 0:
-        upcast = interpreted()  # numpy has no bf16 (see interpreted())
-        block_n, block_k, num_warps, num_stages = config or tile_config(n, k)
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
-        _row_invariant_linear_kernel[grid](
-            x2, w, bias if bias is not None else w, y, res2, norm_weight, total,
-            m, n, k, x2.stride(0), w.stride(0), y.stride(0), res2.stride(0), eps,
-            HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-            IEEE=x.dtype == torch.float32 or upcast, UPCAST=upcast,
-            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-            num_stages=num_stages,
-        )  # fmt: skip
-    out = y.reshape(*lead, n)
-    return out, (total.reshape(*lead, k) if residual is not None else None)
+    if m == 0:
+        return y.reshape(*lead, n)
+    upcast = interpreted()  # numpy has no bf16 (see interpreted())
+    block_n, block_k, num_warps, num_stages = config or tile_config(n, k)
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    _row_invariant_linear_kernel[grid](
+        x2, w, bias if bias is not None else w, y,
+        m, n, k, x2.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or upcast,
+        UPCAST=upcast,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return y.reshape(*lead, n)

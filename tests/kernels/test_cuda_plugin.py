@@ -63,16 +63,3 @@ def test_declared_capabilities_are_the_backends():
     assert issubclass(CUDAGraphRunner, GraphRunner)
     with pytest.raises(ValueError, match="warmup_iters"):
         CUDAGraphRunner(torch.device("cuda"), warmup_iters=0)
-
-
-def test_norm_folding_is_off_unless_asked(monkeypatch):
-    """POLYSPEC_CUDA_FOLD_NORMS: off by default, on with 1, a clear error otherwise."""
-    from polyspec.backends.cuda.backend import _fold_norms
-
-    monkeypatch.delenv("POLYSPEC_CUDA_FOLD_NORMS", raising=False)
-    assert _fold_norms() is False
-    monkeypatch.setenv("POLYSPEC_CUDA_FOLD_NORMS", "1")
-    assert _fold_norms() is True
-    monkeypatch.setenv("POLYSPEC_CUDA_FOLD_NORMS", "yes")
-    with pytest.raises(ValueError, match="POLYSPEC_CUDA_FOLD_NORMS='yes'"):
-        _fold_norms()

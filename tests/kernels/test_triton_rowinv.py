@@ -17,12 +17,11 @@ from polyspec.backend import ForwardBatch, ForwardMode
 from polyspec.backends.common import SDPAAttention, TensorKVPool
 from polyspec.backends.cpu.backend import CPUBackend
 from polyspec.backends.cuda.attention import RowInvariantAttention, key_lists_from
-from polyspec.kernels.triton.linear import rms_norm_linear, row_invariant_linear
+from polyspec.kernels.triton.linear import row_invariant_linear
 from polyspec.kernels.triton.list_attention import (
     list_attention,
     static_key_lists,
 )
-from polyspec.kernels.triton.norm import fused_add_rms_norm, rms_norm
 from polyspec.testing.test_attention import (
     MAX_CONTEXT,
     SCENARIOS,
@@ -105,55 +104,6 @@ def test_linear_shapes_and_errors(triton_device):
         row_invariant_linear(torch.randn(2, 16).to(dev).bfloat16(), w)
     with pytest.raises(ValueError, match="bias must be"):
         row_invariant_linear(torch.randn(2, 16).to(dev), w, torch.randn(7).to(dev))
-
-
-# ----------------------------------------------------------------------------- norm + linear
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (5, 100, 70), (17, 48, 576), (3, 40, 2100)])
-@pytest.mark.parametrize("residual", [False, True], ids=["first", "residual"])
-def test_rms_norm_linear_values(triton_device, dtype, m, n, k, residual):
-    """Against the Triton norm kernel then the linear (the two launches it replaces): the sum
-    bitwise equal, the product within one rounding of the normed input and the output (the
-    fused kernel scales by 1 / rms after the product instead of rounding the normed input);
-    each row alone bitwise as in the batch. k=2100 takes an 8B layer's tile."""
-    gen = _gen(f"normlin/{dtype}/{m}/{n}/{k}/{residual}")
-    dt = DTYPES[dtype]
-    dev = triton_device
-    x = (3 * torch.randn(m, k, generator=gen)).to(dt).to(dev)
-    res = torch.randn(m, k, generator=gen).to(dt).to(dev) if residual else None
-    nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dt).to(dev)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dt).to(dev)
-    b = torch.randn(n, generator=gen).to(dt).to(dev)
-    y, total = rms_norm_linear(x, res, nw, 1e-5, w, b)
-    if residual:
-        normed, want = fused_add_rms_norm(x, res, nw, 1e-5)
-        assert torch.equal(total, want)
-    else:
-        normed = rms_norm(x, nw, 1e-5)
-        assert total is None
-    two = row_invariant_linear(normed, w, b)
-    assert y.shape == (m, n) and y.dtype == dt
-    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dt]
-    torch.testing.assert_close(y.cpu().double(), two.cpu().double(), atol=tol, rtol=tol)
-    for i in {0, m // 2, m - 1}:
-        one, _ = rms_norm_linear(
-            x[i : i + 1], None if res is None else res[i : i + 1], nw, 1e-5, w, b
-        )
-        assert torch.equal(one, y[i : i + 1]), i
-
-
-def test_rms_norm_linear_errors(triton_device):
-    dev = triton_device
-    w, nw = torch.randn(8, 16).to(dev), torch.ones(16).to(dev)
-    x = torch.randn(2, 16).to(dev)
-    with pytest.raises(ValueError, match="norm weight must be"):
-        rms_norm_linear(x, None, torch.ones(15).to(dev), 1e-5, w)
-    with pytest.raises(ValueError, match="residual must have"):
-        rms_norm_linear(x, torch.randn(3, 16).to(dev), nw, 1e-5, w)
-    with pytest.raises(ValueError, match="residual must be"):
-        rms_norm_linear(x, x.double(), nw, 1e-5, w)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -212,12 +212,6 @@ def _details(report: Mapping[str, Any]) -> list[str]:
             f"{name} rounds queued behind another (overlap_rounds): {q['queued']}, "
             f"{q['used']} of them used"
         )
-    if settings.get("queued_fronts"):
-        q = settings["queued_fronts"]
-        lines.append(
-            "spec constrained rounds' drafts and verifies queued behind the round before "
-            f"(overlap_rounds): {q['queued']}, {q['used']} of them used"
-        )
     lines.append(f"spec and plain outputs identical: {_identity(report)}")
     if "transformers_outputs_differing_from_plain" in report:
         lines.append(
@@ -381,16 +375,6 @@ def format_sweep_text(report: Mapping[str, Any]) -> str:
     ]
     if differ:
         out.append(f"spec and plain outputs differ at batch {', '.join(differ)}")
-    fronts = []  # constrained rounds' drafts and verifies queued (overlap_rounds)
-    for r in report["batch_sweep"]:
-        e = r.get("engine", {}).get("spec", {})
-        if e.get("queued_fronts"):
-            fronts.append(f"{r['batch_size']}: {e['queued_fronts_used']} of {e['queued_fronts']}")
-    if fronts:
-        out.append(
-            "spec constrained drafts and verifies queued behind the round before, used: "
-            + ", ".join(fronts)
-        )
     for name, mem in (report["settings"].get("graph_memory") or {}).items():
         if mem.get("bytes") is not None:
             out.append(f"{name} graphs: {mem['graphs']}, {mem['bytes'] / 2**20:.0f} MiB")

@@ -402,8 +402,6 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
                 **(settings["queued_rounds"] or {}),
                 "spec": dict(llm.worker.queued_rounds),
             }
-            if llm.worker.queued_fronts["queued"]:  # constrained rounds' drafts and verifies
-                settings["queued_fronts"] = dict(llm.worker.queued_fronts)
         _record_graph_memory(settings, "spec", llm)
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
@@ -535,7 +533,6 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
             batch_ids = [ids[i % len(ids)] for i in range(max(len(ids), b))]
             before = dict(llm.worker.rounds_by_tree)
             rounds0, queued0 = llm.scheduler.rounds, dict(llm.worker.queued_rounds)
-            fronts0 = dict(llm.worker.queued_fronts)
             results[system][b] = runner.run_polyspec(
                 llm, f"{system} @{b}", batch_ids, sampling, progress, phase_times=False,
                 warmup_prompts=b, repeats=args.repeats, batch_size=b,
@@ -546,10 +543,6 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
                 "queued_rounds": queued["queued"] - queued0["queued"],
                 "queued_rounds_used": queued["used"] - queued0["used"],
             }
-            fronts = llm.worker.queued_fronts
-            if fronts["queued"] > fronts0["queued"]:  # constrained rounds' drafts and verifies
-                engine[system][b]["queued_fronts"] = fronts["queued"] - fronts0["queued"]
-                engine[system][b]["queued_fronts_used"] = fronts["used"] - fronts0["used"]
             if system == "spec":
                 after = llm.worker.rounds_by_tree
                 rounds = {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}

@@ -185,12 +185,6 @@ class Matcher:
             self._ahead_final = True
         return not self._ahead_final
 
-    @property
-    def walk_ended(self) -> bool:
-        """The walk of a round not yet committed ended the output (the grammar complete, or
-        no token allowed after it): the request finishes with that round."""
-        return self._ahead is not None and self._ahead_final
-
     def end_walk(self) -> None:
         """The walk stops at a state where no token is allowed: the round's next token (the
         device's unmasked choice) is not output, and :meth:`next_mask` raises."""

@@ -71,22 +71,6 @@ class SeqState:
         return head + self.generated[max(start - n, 0) : max(end - n, 0)]
 
 
-@dataclasses.dataclass
-class QueuedFront:
-    """A constrained speculative round's draft and verify on the device queue; the host's
-    walk of greedy acceptance (or the tree's masks) and the acceptance phase are still to
-    come (:meth:`WorkerBase._draft_and_verify`, :meth:`WorkerBase._walk_and_accept`)."""
-
-    key: tuple  # the request ids it was launched for, in order
-    tree: Tree
-    fn: SpecRound
-    masks: RoundMasks  # its host side, the tree on its way to the host
-    inputs: dict[str, torch.Tensor]  # the round's inputs ([bs, ...] each, on the device)
-    nodes: torch.Tensor  # [bs, 3, N] the tree (tree_nodes), a copy
-    drafted: torch.Tensor  # [bs] levels drafted, a copy
-    verify: Launched  # the verify phase: hidden states or logits, features, top logits
-
-
 class PhaseTimer:
     """Wall time per phase; synchronises the device only when enabled (benchmarks)."""
 
@@ -182,10 +166,6 @@ class WorkerBase:
         # how many of those after requests had left, and how many with requests that had
         # joined sitting it out.
         self._queued: tuple[Tree, Launched] | None = None
-        # A greedy constrained round's draft and verify queued behind the last round (its
-        # host walk and acceptance run in the next call), and how many were queued / used.
-        self._front: QueuedFront | None = None
-        self.queued_fronts = {"queued": 0, "used": 0}
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self._rounds: dict[tuple[Tree, bool], SpecRound] = {}
         self.rounds_by_tree: dict[str, int] = {}
@@ -211,7 +191,6 @@ class WorkerBase:
         self.rounds_by_tree = dict.fromkeys(self.rounds_by_tree, 0)
         self.drafted_levels = [0] * len(self.drafted_levels)
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
-        self.queued_fronts = {"queued": 0, "used": 0}
         self.timer.seconds.clear()
         self.mask_seconds = 0.0
         self.masks_computed = 0
@@ -261,9 +240,8 @@ class WorkerBase:
         self, rids: Sequence[int], lookahead: bool = False, plain: bool = False
     ) -> list[list[int]]:
         """One round for ``rids`` -> each request's new tokens. ``lookahead``: queue the next
-        round behind this one (``EngineConfig.overlap_rounds``): a greedy round without a
-        constraint whole, a greedy constrained round's draft and verify (its walk and
-        acceptance need the host). A request that has just joined may get no token
+        round behind this one (``EngineConfig.overlap_rounds``); only all-greedy rounds
+        without a constraint are queued. A request that has just joined may get no token
         (``[]``) when the round the last call queued is run for the others: it sits this
         round out and is in the one queued behind it. ``plain``: a plain round whatever the
         batch size's tree (the engine's choice for a constrained batch,
@@ -274,19 +252,10 @@ class WorkerBase:
         # of them have left since (their rows are not read) or some have joined since (they
         # sit it out).
         taken = self._take_queued(rids, sts)
-        front = self._take_front(rids, plain)
         masks = None
         if taken is not None:
             tree, launched, rows, joined = taken
             greedy = True
-        elif front is not None:  # its draft and verify were queued: the walk and acceptance
-            tree, rows, joined, greedy, masks = front.tree, None, 0, True, front.masks
-            seq_lens = [s.seq_len for s in sts]
-            width = _round_width(tree)
-            self.kv.ensure([s.row for s in sts], [n + width for n in seq_lens], self.kv_lookahead)
-            host = HostView(seq_lens, self._lap, masks)
-            launched = self._walk_and_accept(front, max(seq_lens), host, lookahead)
-            self._count_masks(front.fn, masks)
         else:
             tree, rows, joined = self.tree_for(len(sts)), None, 0
             if plain:
@@ -299,9 +268,6 @@ class WorkerBase:
         self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
         if lookahead and greedy and masks is None:
             self._keep_queued(tree, self._queue_next(tree, launched, rids, sts, rows, joined))
-        elif lookahead and greedy:
-            self._front = self._queue_front(tree, launched, rids, sts)
-            self.queued_fronts["queued"] += self._front is not None
         members = sts[: len(sts) - joined]
         return self._finish(tree, launched, members, rows) + [[] for _ in range(joined)]
 
@@ -327,133 +293,63 @@ class WorkerBase:
                 copy=lookahead and greedy and masks is None,
             )  # fmt: skip
         elif self.executor.captures(len(sts), max(seq_lens)):
-            front = self._draft_and_verify(fn, rids, inputs, masks, max(seq_lens), host)
-            launched = self._walk_and_accept(front, max(seq_lens), host, lookahead and greedy)
+            launched = self._launch_phases(fn, rids, inputs, max(seq_lens), host)
         else:  # the whole round eagerly, every draft level masked
             launched = self.executor.launch(
                 rids, fn.__name__, fn, inputs, max(seq_lens), host, eager=True
             )
         if masks is not None:
-            self._count_masks(fn, masks)
+            if fn.walk_tree and tree.num_steps > 0:  # the walk committed the round's tokens:
+                # the next roots' masks (and forced tokens') while the device accepts
+                masks.next_roots(0 if fn.mask_lanes else tree.num_steps)
+            self.mask_seconds += masks.seconds
+            self.masks_computed += masks.computed
+            self.constrained_rounds += 1
         return launched
 
-    def _count_masks(self, fn: SpecRound, masks: RoundMasks) -> None:
-        """A constrained round is launched: where the host has walked its acceptance (and so
-        committed its tokens), the next roots' masks (and forced tokens') while the device
-        accepts; then the round's mask statistics."""
-        if fn.walk_tree and fn.tree.num_steps > 0:
-            masks.next_roots(0 if fn.mask_lanes else fn.tree.num_steps)
-        self.mask_seconds += masks.seconds
-        self.masks_computed += masks.computed
-        self.constrained_rounds += 1
-
-    def _draft_and_verify(
-        self, fn: SpecRound, rids, inputs, masks: RoundMasks, max_prefix: int, host
-    ) -> QueuedFront | None:
-        """The first part of a constrained speculative round where the batch replays graphs
-        (:meth:`SpecRound.phases`, each replayed): the root's mask before the draft, each
-        level's lanes' masks after it (the device waits for them), then the verify, the tree
-        starting towards the host as it is queued. ``host`` None: queued behind the round
-        before, from its outputs on the device (never eagerly: None where a phase cannot
-        replay). :meth:`_walk_and_accept` finishes the round."""
-        *levels, verify, _ = fn.phases()
-        bs, K = len(rids), fn.tree.topk
+    def _launch_phases(self, fn: SpecRound, rids, inputs, max_prefix: int, host) -> Launched:
+        """A constrained speculative round where the batch replays graphs: its phases
+        (:meth:`SpecRound.phases`), each replayed, the host's work between them: the root's
+        mask before the draft, each level's lanes' masks after it (the device waits for
+        them), and the tree's node masks while the device verifies (the tree starts towards
+        the host as the verify is queued), or greedy acceptance walked on the host after the
+        verify. -> the accept phase, as the round's."""
+        *levels, verify, accept = fn.phases()
+        masks, bs, K = host.masks, len(rids), fn.tree.topk
         own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
         state = {k: v for k, v in inputs.items() if k == "host" or k in own}
         state["root_mask"] = masks.root()  # [bs, W] int32 (the phase takes the draft's vocab)
         if not fn.mask_lanes and fn.tree.num_steps > 1:  # [bs, S-1, W] int32, the same
             state["level_masks"] = masks.draft_levels(fn.tree.num_steps, draft_vocab=False)
-        if host is None:
-            launch = functools.partial(self.executor.queue, tuple(rids), max_prefix=max_prefix)
-        else:
-            launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
-        out = launch(name=levels[0].__name__, fn=levels[0], inputs=state)
-        if out is None:
-            return None
+        launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
+        out = launch(levels[0].__name__, levels[0], state)
         for i, phase in enumerate(levels[1:], start=1):
             keys = level_keys(i, fn.stop_below > 0)
             level = {k: t[:bs] for k, t in zip(keys, out.outputs)}
             tokens, parents = level["input_ids"].reshape(-1), level["parents"]
             lane_masks = masks.lanes(i - 1, tokens, parents if i > 1 else None, K, False)
             level["lane_masks"] = lane_masks.view(bs, K, -1)  # [bs, K, W] int32
-            out = launch(name=phase.__name__, fn=phase, inputs={"host": inputs["host"], **level})
+            out = launch(phase.__name__, phase, {"host": inputs["host"], **level})
         # copies of what the accept phase reads (a replay may overwrite a graph's outputs)
         nodes, tree_mask, positions, drafted = (t[:bs] for t in out.outputs)
         nodes, drafted = nodes.clone(), drafted.clone()
         masks.start_tree(nodes)
-        tree = {"host": inputs["host"], "nodes": nodes, "tree_mask": tree_mask}
-        second = launch(name=verify.__name__, fn=verify, inputs={**tree, "positions": positions})
-        if second is None:
-            return None
-        self._lap("draft")
-        return QueuedFront(tuple(rids), fn.tree, fn, masks, dict(inputs), nodes, drafted, second)
-
-    def _walk_and_accept(
-        self, front: QueuedFront, max_prefix: int, host: HostView, lookahead: bool
-    ) -> Launched:
-        """The rest of a constrained speculative round after :meth:`_draft_and_verify`:
-        greedy acceptance walked on the host from the verify's top logits, or the tree's
-        node masks built while the device verified; then the accept phase (``lookahead``:
-        its outputs copied and its result started towards the host, as the next round's
-        draft and verify may be queued behind it). -> the accept phase, as the round's."""
-        fn, masks, inputs, second = front.fn, front.masks, front.inputs, front.verify
-        bs = len(front.key)
+        tree = {"host": inputs["host"], "nodes": nodes}
+        second = launch(verify.__name__, verify, {**tree, "tree_mask": tree_mask,
+                                                  "positions": positions})  # fmt: skip
         # hidden states, or logits and their top where the round walks the tree (walk_tree)
         first, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
+        self._lap("draft")
         if top:  # greedy acceptance walked on the host, from the target's top logits
             node = {"node_choice": masks.greedy_walk(top[0], first.flatten(0, 1)).view(bs, -1)}
         else:  # every node's mask, while the device verifies
             node = {"node_masks": masks.tree().view(bs, -1, masks.width)}
         self._lap("verify")
-        own = ("host", "topk_p", "topk_index", "hidden")  # the draft's inputs
-        sampled = {k: v for k, v in inputs.items() if k not in own}  # sampling, coins
-        last = {"host": inputs["host"], "nodes": front.nodes, **sampled,
-                ("logits" if top else "hidden"): first, "features": feats, **node,
-                "drafted": front.drafted}  # fmt: skip
-        accept = fn.phases()[-1]
-        out = self.executor.launch(
-            front.key, accept.__name__, accept, last, max_prefix, host, copy=lookahead
-        )
+        sampled = {k: v for k, v in inputs.items() if k not in state}  # sampling, coins
+        last = {**tree, **sampled, ("logits" if top else "hidden"): first, "features": feats,
+                **node, "drafted": drafted}  # fmt: skip
+        out = launch(accept.__name__, accept, last)
         return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
-
-    def _queue_front(self, tree: Tree, launched: Launched, rids, sts) -> QueuedFront | None:
-        """Queue the next round's draft and verify behind a greedy constrained round whose
-        acceptance the host walked (:attr:`SpecRound.walk_tree`, the draft masked at its
-        root only), from ``launched``'s outputs on the device. The host knows the round's
-        constrained tokens from its walk, so the next roots' masks and forced tokens are
-        known; the device drafts and verifies while the host reads the round's result and
-        schedules. None where it cannot be queued: another kind of round, a request whose
-        output the walk ended, a batch that does not replay. The next call uses it when it
-        is for the same requests in the same order and speculates, with no prefill between
-        (:meth:`_take_front`); else it is dropped (its writes lie past the committed
-        prefixes, as a queued round's do)."""
-        fn = launched.fn
-        if not isinstance(fn, SpecRound) or not fn.walk_tree or fn.mask_lanes:
-            return None
-        if tree.num_steps == 0 or tree != self.tree_for(len(sts)) or not launched.captured:
-            return None
-        if any(s.matcher is not None and s.matcher.walk_ended for s in sts):
-            return None  # its request finishes (the grammar complete, or a dead end)
-        depth = tree.num_steps + 1
-        max_prefix = max(s.seq_len + depth for s in sts)
-        if not self.executor.captures(len(sts), max_prefix):
-            return None
-        width = _round_width(tree)
-        need = [min(s.seq_len + depth, self._end_len(s) - 1) + width for s in sts]
-        self.kv.ensure([s.row for s in sts], need, self.kv_lookahead)
-        inputs = next_round_inputs(tree, launched.inputs, launched.outputs, launched.rows)
-        masks = self._round_masks(sts)
-        return self._draft_and_verify(fn, rids, inputs, masks, max_prefix, None)
-
-    def _take_front(self, rids: Sequence[int], plain: bool) -> QueuedFront | None:
-        """The draft and verify the last call queued (:meth:`_queue_front`) when this call
-        is the round they were queued for: the same requests in the same order (so the same
-        tree), speculating. Either way it is gone."""
-        front, self._front = self._front, None
-        if front is None or front.key != tuple(rids) or plain:
-            return None
-        self.queued_fronts["used"] += 1
-        return front
 
     def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
         """The mask builder of a round with a constrained request, else None."""

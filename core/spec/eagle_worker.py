@@ -162,9 +162,6 @@ class EagleWorker(WorkerBase):
         to the request's first speculative round while the batch's rounds are plain)."""
         self.timer.start()
         self._own_draft_batch()
-        # A constrained round's queued draft and verify: the prefill's graphs may overwrite
-        # its outputs, and the batch is changing (the next round drafts afresh).
-        self._front = None
         hidden, aux, starts, lens = self._target_extend(rids, ends)
         sts = [self.states[r] for r in rids]
         done = [i for i, s in enumerate(sts) if ends[i] == len(s.prompt)]

@@ -58,7 +58,7 @@ CHOICES = ["alpha", "beta gamma", 'say "hi"']
 
 def _llm(
     backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="off",
-    constrained_speculation="on", constrained_draft="auto", overlap_rounds="off", **spec,
+    constrained_speculation="on", constrained_draft="auto", **spec,
 ):  # fmt: skip
     """An engine over the tiny models. ``graphs`` "off" by default: the eager constrained
     round (:func:`test_constrained_rounds_replay_graphs` runs the replayed phases). A batch
@@ -75,7 +75,7 @@ def _llm(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
         dtype=dtype, max_batch_size=64, max_context=160, page_size=default_page_size(backend),
         graphs=graphs, constrained_speculation=constrained_speculation,
-        constrained_draft=constrained_draft, overlap_rounds=overlap_rounds,
+        constrained_draft=constrained_draft,
     )  # fmt: skip
 
 
@@ -219,49 +219,6 @@ def test_constrained_rounds_replay_graphs(
         assert max(accepted) > 1, f"constrained={constrained}: no draft token was accepted"
     if dynamic_depth:  # rounds stopped drafting early
         assert sum(llm.worker.drafted_levels[1:3]) > 0, llm.worker.drafted_levels
-
-
-LONG_REGEX = r"[a-e]{30}"
-"""A regex of free tokens only, whose outputs run for many rounds."""
-
-
-@pytest.mark.parametrize("algorithm", ["self", "eagle3"])
-def test_queued_constrained_rounds_equal_plain(
-    backend, backend_name, tiny_models, plain, algorithm
-):
-    """``overlap_rounds`` with the draft masked at its root only: the host walks a greedy
-    constrained round's acceptance, so it knows the round's tokens before the device has
-    accepted them, and the next round's draft and verify are queued behind the round, under
-    the next roots' masks, before the host reads its result
-    (:meth:`~polyspec.spec.base.WorkerBase._queue_front`). Long constrained outputs with
-    unconstrained requests in their batch, one stopping at its token limit early on (the
-    draft queued for its batch is dropped), and the first batch of :func:`_batch` (the
-    grammar's ends): the outputs equal plain decoding's, satisfy their constraints, queued
-    drafts are used, and no KV slot leaks."""
-    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
-    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
-    require(
-        not backend.capabilities.graph_needs_prepare,
-        "graphs without prepare (a queued round's lengths are not on the host yet)",
-    )
-    llm = _llm(
-        backend, backend_name, tiny_models, algorithm, graphs="on", constrained_draft="root",
-        overlap_rounds="on", topk=2, num_steps=3,
-    )  # fmt: skip
-    free_before = llm.kv_slots_free
-    params = [SamplingParams(max_new_tokens=60, regex=LONG_REGEX) for _ in PROMPTS]
-    params += [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 50)]
-    prompts = PROMPTS + PROMPTS[:2]
-    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
-    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for o in got[: len(PROMPTS)]:
-        assert o.finish_reason == "stop" and re.fullmatch(LONG_REGEX, o.text), o.text
-    queued = llm.worker.queued_fronts
-    assert 0 < queued["used"] < queued["queued"], queued
-    assert max(_accepted(params, got, True)) > 1, "no constrained round accepted a draft"
-    params, got = _mixed_batch_equals_plain(llm, plain)
-    assert llm.kv_slots_free == free_before, "KV slots leaked"
 
 
 FORCED = r"\{\"name\": \"(ab|cd)\", \"level\": \"[xy]\"\}"

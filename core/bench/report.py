@@ -375,6 +375,16 @@ def format_sweep_text(report: Mapping[str, Any]) -> str:
     ]
     if differ:
         out.append(f"spec and plain outputs differ at batch {', '.join(differ)}")
+    for system in ("plain", "spec"):  # constrained plain rounds' forwards (overlap_rounds)
+        used = [
+            f"{r['batch_size']}: {e['queued_forwards_used']} of {e['queued_forwards']}"
+            for r in report["batch_sweep"]
+            if (e := r.get("engine", {}).get(system, {})).get("queued_forwards")
+        ]
+        if used:
+            out.append(
+                f"{system} constrained plain rounds' forwards queued, used: {', '.join(used)}"
+            )
     for name, mem in (report["settings"].get("graph_memory") or {}).items():
         if mem.get("bytes") is not None:
             out.append(f"{name} graphs: {mem['graphs']}, {mem['bytes'] / 2**20:.0f} MiB")

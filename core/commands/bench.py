@@ -533,6 +533,7 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
             batch_ids = [ids[i % len(ids)] for i in range(max(len(ids), b))]
             before = dict(llm.worker.rounds_by_tree)
             rounds0, queued0 = llm.scheduler.rounds, dict(llm.worker.queued_rounds)
+            forwards0 = dict(llm.worker.queued_forwards)
             results[system][b] = runner.run_polyspec(
                 llm, f"{system} @{b}", batch_ids, sampling, progress, phase_times=False,
                 warmup_prompts=b, repeats=args.repeats, batch_size=b,
@@ -543,6 +544,10 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
                 "queued_rounds": queued["queued"] - queued0["queued"],
                 "queued_rounds_used": queued["used"] - queued0["used"],
             }
+            forwards = llm.worker.queued_forwards
+            if forwards["queued"] > forwards0["queued"]:  # constrained plain rounds' forwards
+                engine[system][b]["queued_forwards"] = forwards["queued"] - forwards0["queued"]
+                engine[system][b]["queued_forwards_used"] = forwards["used"] - forwards0["used"]
             if system == "spec":
                 after = llm.worker.rounds_by_tree
                 rounds = {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}

@@ -12,7 +12,11 @@ rounds runs; every ``window`` rounds the other kind is measured again (the text 
 grammar's state change as requests go on), the older measurements of the kind in use counting
 half. A speculative round right after plain rounds is not measured: it first catches the
 draft up over the plain rounds' tokens (a draft extend), a cost paid once a switch, which
-would make every speculative round look slower if the kinds alternated round by round.
+would make every speculative round look slower if the kinds alternated round by round. Nor
+is a plain round right after speculative ones: with ``overlap_rounds`` each plain round's
+forward is queued behind the round before, and the first one's is not. A round's time is
+the scheduler's: the wall time from the end of the round before (the host's work between
+rounds included), or from its own start after a prefill.
 Either kind gives the same greedy output; sampled output follows the target's distribution
 either way.
 """
@@ -82,8 +86,8 @@ class ConstrainedChoice:
         if self.mode != "auto" or self.forced is not None:
             return
         after_plain, self._last_plain = self._last_plain, plain
-        if not plain and after_plain:  # it caught the draft up first: not a steady round
-            return  # (whatever the batch size of the plain rounds before it)
+        if plain != after_plain:  # a switch: not a steady round (whatever the batch size of
+            return  # the rounds before it): the draft's catch-up, or an unqueued forward
         r = self._ranges.setdefault(self._key(bs), _Range())
         kind = r.plain if plain else r.spec
         kind.rounds += 1

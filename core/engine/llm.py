@@ -729,7 +729,8 @@ class LLM:
                     for name in names:
                         graphs.restrict(name, lo, hi)
                     if plain_any_size and tree == worker.plain_tree:
-                        graphs.restrict(constrained.__name__, 1, hi)
+                        for name in (constrained.__name__, *names[2:]):  # and its phases
+                            graphs.restrict(name, 1, hi)
             graphs.capture_all(cfg.max_batch_size, cfg.max_context, progress)
         self.shutdown()
         return {"graphs": graphs.num_captured - before, "seconds": time.perf_counter() - t0}

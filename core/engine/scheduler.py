@@ -68,6 +68,9 @@ class Scheduler:
         self.rounds = 0  # decode rounds run
         # speculative or plain rounds for a batch with a constrained request
         self.constrained = ConstrainedChoice(config.constrained_speculation)
+        # when the last step's decode round ended, if that step prefilled nothing (None
+        # otherwise): a constrained round's time runs from there
+        self._round_end: float | None = None
 
     def check(self, prompt_len: int, max_new_tokens: int) -> None:
         """Raise :class:`RequestError` when a request of this size can never run here."""
@@ -210,6 +213,7 @@ class Scheduler:
         self._admit()
         finished: list[Request] = self._failed
         if self.prefilling:
+            self._round_end = None
             try:
                 self._prefill(finished)
             except RankFailure:
@@ -291,12 +295,17 @@ class Scheduler:
         matchers = self._matchers(batch)
         if matchers and self.worker.tree_for(len(rids)).num_steps > 0:
             plain = self.constrained.plain(len(rids))
-            start = time.perf_counter()  # a constrained round is never queued: its whole time
+            # A round's time is the wall time since the last round ended (the host's work
+            # between rounds included: a plain round's forward runs on the device meanwhile,
+            # a speculative round's draft waits for it), or its call's after a prefill.
+            start = self._round_end or time.perf_counter()
             new_tokens = self.worker.decode(rids, lookahead=self.overlap, plain=plain)
-            seconds = time.perf_counter() - start
+            self._round_end = time.perf_counter()
+            seconds = self._round_end - start
             self.constrained.record(len(rids), plain, sum(map(len, new_tokens)), seconds)
         else:
             new_tokens = self.worker.decode(rids, lookahead=self.overlap)
+            self._round_end = time.perf_counter()
         next_masks(matchers)  # in one parallel call (_grammar_failed reads them)
         for req, toks in zip(batch, new_tokens):
             if not toks:  # it joined this step and sits this round out (the worker's decode)

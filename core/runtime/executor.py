@@ -105,6 +105,18 @@ class RoundExecutor:
         key = launched.key if key is None else key
         return self._replay(key, launched.name, launched.fn, inputs, max_prefix, True, None)
 
+    def queue(
+        self, key: tuple, name: str, fn: RoundFn, inputs: Mapping[str, torch.Tensor],
+        max_prefix: int,
+    ) -> Launched | None:  # fmt: skip
+        """Replay ``fn`` over ``inputs`` computed on the device, before the host knows their
+        lengths (part of a round queued behind the one before, as :meth:`queue_next` queues
+        a whole one) -> None where it cannot replay: no bucket holds the batch, the backend's
+        graph budget is spent, or its graphs need the replay's host lengths. Never eager."""
+        if self.graphs is None or self.graphs.needs_prepare:
+            return None
+        return self._replay(key, name, fn, inputs, max_prefix, False, None)
+
     def _replay(
         self, key, name, fn, inputs, max_prefix: int, copy: bool, host_params
     ) -> Launched | None:

@@ -166,6 +166,11 @@ class WorkerBase:
         # how many of those after requests had left, and how many with requests that had
         # joined sitting it out.
         self._queued: tuple[Tree, Launched] | None = None
+        # A constrained plain round's forward, queued behind the round before it (its next
+        # tokens need the host's masks, its forward does not), and how many were queued /
+        # used by the next call.
+        self._forward: Launched | None = None
+        self.queued_forwards = {"queued": 0, "used": 0}
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self._rounds: dict[tuple[Tree, bool], SpecRound] = {}
         self.rounds_by_tree: dict[str, int] = {}
@@ -191,6 +196,7 @@ class WorkerBase:
         self.rounds_by_tree = dict.fromkeys(self.rounds_by_tree, 0)
         self.drafted_levels = [0] * len(self.drafted_levels)
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
+        self.queued_forwards = {"queued": 0, "used": 0}
         self.timer.seconds.clear()
         self.mask_seconds = 0.0
         self.masks_computed = 0
@@ -240,8 +246,9 @@ class WorkerBase:
         self, rids: Sequence[int], lookahead: bool = False, plain: bool = False
     ) -> list[list[int]]:
         """One round for ``rids`` -> each request's new tokens. ``lookahead``: queue the next
-        round behind this one (``EngineConfig.overlap_rounds``); only all-greedy rounds
-        without a constraint are queued. A request that has just joined may get no token
+        round behind this one (``EngineConfig.overlap_rounds``): a greedy round without a
+        constraint whole, a constrained plain round's forward (its next tokens need the
+        host's masks). A request that has just joined may get no token
         (``[]``) when the round the last call queued is run for the others: it sits this
         round out and is in the one queued behind it. ``plain``: a plain round whatever the
         batch size's tree (the engine's choice for a constrained batch,
@@ -252,6 +259,7 @@ class WorkerBase:
         # of them have left since (their rows are not read) or some have joined since (they
         # sit it out).
         taken = self._take_queued(rids, sts)
+        forward = self._take_forward(rids)
         masks = None
         if taken is not None:
             tree, launched, rows, joined = taken
@@ -264,16 +272,19 @@ class WorkerBase:
             # A round with a constrained request works with the host in the middle (the
             # grammar's masks), and nothing is queued behind it.
             masks = self._round_masks(sts)
-            launched = self._launch(tree, rids, sts, greedy, masks, lookahead)
+            launched = self._launch(tree, rids, sts, greedy, masks, lookahead, forward)
         self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
         if lookahead and greedy and masks is None:
             self._keep_queued(tree, self._queue_next(tree, launched, rids, sts, rows, joined))
         members = sts[: len(sts) - joined]
         return self._finish(tree, launched, members, rows) + [[] for _ in range(joined)]
 
-    def _launch(self, tree: Tree, rids, sts, greedy: bool, masks, lookahead: bool) -> Launched:
+    def _launch(
+        self, tree: Tree, rids, sts, greedy: bool, masks, lookahead: bool, forward=None
+    ) -> Launched:
         """Launch a round of ``tree`` for ``rids`` (copying its outputs out of the graph's
-        buffers when another round may be queued behind it)."""
+        buffers when another round may be queued behind it). ``forward``: a constrained plain
+        round's forward the last call queued for these requests (:meth:`_plain_phases`)."""
         # Slots for the tree's nodes (and the draft extend's tokens). The rejected nodes'
         # slots are not freed after the round (the next round's tree reuses them), and growth
         # allocates ahead within the request's reservation: most rounds neither allocate nor
@@ -287,7 +298,9 @@ class WorkerBase:
             inputs["root_mask"] = masks.root()  # [bs, W] int32
         self.timer.lap(self.prepare_phase)
         host = HostView(seq_lens, self._lap, masks)
-        if masks is None or tree.num_steps == 0:
+        if masks is not None and tree.num_steps == 0 and self._splits_plain(sts, lookahead):
+            launched = self._plain_phases(fn, rids, sts, inputs, host, forward)
+        elif masks is None or tree.num_steps == 0:
             launched = self.executor.launch(
                 rids, fn.__name__, fn, inputs, max(seq_lens), host,
                 copy=lookahead and greedy and masks is None,
@@ -306,6 +319,53 @@ class WorkerBase:
             self.masks_computed += masks.computed
             self.constrained_rounds += 1
         return launched
+
+    def _splits_plain(self, sts, lookahead: bool) -> bool:
+        """Whether a constrained plain round runs as its two phases, the next round's forward
+        queued behind it: ``overlap_rounds``, and both rounds' batches replay graphs that
+        need no host lengths."""
+        if not lookahead or self.graphs is None or self.graphs.needs_prepare:
+            return False
+        return self.executor.captures(len(sts), max(s.seq_len for s in sts) + 1)
+
+    def _plain_phases(self, fn: SpecRound, rids, sts, inputs, host, forward) -> Launched:
+        """A constrained plain round as its phases (:meth:`SpecRound.phases`): the forward
+        (the one the last call queued, else launched now), the next tokens under the roots'
+        masks (its result starting towards the host), then the next round's forward queued
+        from those tokens on the device, before the host reads them: the device runs it
+        while the host commits the tokens, schedules and builds the next masks. The queued
+        forward is used by the next call for the same requests in the same order, and
+        dropped otherwise (it writes each root's KV past the committed prefix, as a queued
+        round does). -> the round's result."""
+        forward_phase, next_phase = fn.phases()
+        bs, max_prefix = len(rids), max(s.seq_len for s in sts)
+        if forward is not None and forward.name == forward_phase.__name__:
+            self.queued_forwards["used"] += 1
+        else:
+            forward = self.executor.launch(
+                rids, forward_phase.__name__, forward_phase, {"host": inputs["host"]},
+                max_prefix, host,
+            )  # fmt: skip
+        step = {**inputs, "logits": forward.outputs[0][:bs], "root_mask": host.masks.root()}
+        out = self.executor.launch(
+            rids, next_phase.__name__, next_phase, step, max_prefix, host, copy=True
+        )
+        out = dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
+        need = [min(s.seq_len + 1, self._end_len(s) - 1) + 1 for s in sts]
+        self.kv.ensure([s.row for s in sts], need, self.kv_lookahead)
+        nxt = next_round_inputs(fn.tree, inputs, out.outputs, out.rows)
+        self._forward = self.executor.queue(
+            tuple(rids), forward_phase.__name__, forward_phase, nxt, max_prefix + 1
+        )
+        self.queued_forwards["queued"] += self._forward is not None
+        return out
+
+    def _take_forward(self, rids: Sequence[int]) -> Launched | None:
+        """The constrained plain round's forward the last call queued, when this call is for
+        the same requests in the same order (the caller uses it if this round is a
+        constrained plain one of the same kind). Either way it is gone."""
+        queued, self._forward = self._forward, None
+        return queued if queued is not None and queued.key == tuple(rids) else None
 
     def _launch_phases(self, fn: SpecRound, rids, inputs, max_prefix: int, host) -> Launched:
         """A constrained speculative round where the batch replays graphs: its phases
@@ -548,6 +608,9 @@ class WorkerBase:
         """Target EXTEND over prompt[prefilled:end] of each request.
 
         Returns (hidden [T, H], aux [T, A*H] | None, the host lists starts / lens)."""
+        # A queued plain forward is dropped: the prefill's graphs may overwrite its logits,
+        # and the batch is changing.
+        self._forward = None
         sts = [self.states[r] for r in rids]
         rows = [s.row for s in sts]
         starts = [s.prefilled for s in sts]

@@ -299,7 +299,16 @@ class SpecRound:
         its level; the last one builds the tree), ``.verify`` (the target's forward over the
         tree, to its hidden states) and ``.accept`` (the logits masked by ``node_masks``,
         steps 5-7). Without lane masks (:attr:`mask_lanes` False) ``.draft`` runs every level
-        and builds the tree."""
+        and builds the tree. A plain round's phases are ``.forward`` (the target's forward of
+        the roots, to logits) and ``.next`` (the next tokens under ``root_mask``): the next
+        round's forward is queued behind this one before the host has read its tokens, and
+        the host builds the next masks while the device runs it
+        (:meth:`~polyspec.spec.base.WorkerBase.decode`)."""
+        if self._phases is None and self.tree.num_steps == 0:
+            self._phases = (
+                RoundPhase(f"{self.__name__}.forward", self._plain_forward_phase),
+                RoundPhase(f"{self.__name__}.next", self._plain_next_phase),
+            )
         if self._phases is None:
             S = self.tree.num_steps if self.mask_lanes else 1
             levels = [RoundPhase(f"{self.__name__}.draft", functools.partial(self._level_phase, 0))]
@@ -410,19 +419,40 @@ class SpecRound:
         """A round of the plain tree: the target's DECODE of the root and the next token. In a
         speculative engine the draft does not run: an EAGLE head's input feature at the root
         is kept for it (:meth:`keep_feature`)."""
-        p = self.p
+        logits = self.plain_forward(rows, seq_lens, roots, live, max_prefix, host)
+        packed = self.plain_next(logits, inputs, b)
+        _lap(host, "verify")
+        return (packed,)
+
+    def plain_forward(self, rows, seq_lens, roots, live, max_prefix, host) -> torch.Tensor:
+        """A plain round's forward: the target's DECODE of each root -> logits [b, V] fp32
+        (an EAGLE head's input feature at the root kept, :meth:`keep_feature`)."""
         logits, feats = self.verify(
             rows, seq_lens, roots[:, None], live, None, None, max_prefix, host
         )
-        if self.constrained:  # the root's mask, an input: a plain round replays a graph too
-            p.kernels.apply_token_bitmask(logits, inputs["root_mask"])
+        if self.p.plain_features is not None:
+            self.keep_feature(rows, seq_lens, live, feats)
+        return logits
+
+    def plain_next(self, logits, inputs, b: int) -> torch.Tensor:  # [b, V] -> [3b + 1] int64
+        """A plain round's next token from each root's ``logits`` (a constrained round's under
+        ``root_mask``, an input: a plain round replays a graph too), packed as a round's
+        result: no draft accepted, each request's own row its bonus node."""
+        if self.constrained:
+            self.p.kernels.apply_token_bitmask(logits, inputs["root_mask"])
         predicts = self.sample_next(logits, inputs)  # [b]
         none = torch.zeros_like(predicts)
-        packed = torch.cat([none, p.arange(b), predicts, none[:1]])
-        if p.plain_features is not None:
-            self.keep_feature(rows, seq_lens, live, feats)
-        _lap(host, "verify")
-        return (packed,)
+        return torch.cat([none, self.p.arange(b), predicts, none[:1]])
+
+    def _plain_forward_phase(self, inputs, b: int, max_prefix, host):
+        """A constrained plain round's first phase (:meth:`phases`) -> (logits [b, V],)."""
+        rows, seq_lens, roots, live = self._columns(inputs["host"])
+        return (self.plain_forward(rows, seq_lens, roots, live, max_prefix, host),)
+
+    def _plain_next_phase(self, inputs, b: int, max_prefix, host):  # noqa: ARG002
+        """Its second phase: the next tokens from ``logits`` [b, V] under ``root_mask``
+        [b, W] -> (the round's result,)."""
+        return (self.plain_next(inputs["logits"], inputs, b),)
 
     def keep_feature(self, rows, seq_lens, live, feats) -> None:
         """``plain_features[slot of (row, seq_len)] = feats`` [b, F] for each live request: the

@@ -58,7 +58,7 @@ CHOICES = ["alpha", "beta gamma", 'say "hi"']
 
 def _llm(
     backend, backend_name, tiny, algorithm=None, dtype="float32", graphs="off",
-    constrained_speculation="on", constrained_draft="auto", **spec,
+    constrained_speculation="on", constrained_draft="auto", overlap_rounds="off", **spec,
 ):  # fmt: skip
     """An engine over the tiny models. ``graphs`` "off" by default: the eager constrained
     round (:func:`test_constrained_rounds_replay_graphs` runs the replayed phases). A batch
@@ -75,7 +75,7 @@ def _llm(
         target=tiny["target"], draft=draft, speculative=speculative, backend=backend_name,
         dtype=dtype, max_batch_size=64, max_context=160, page_size=default_page_size(backend),
         graphs=graphs, constrained_speculation=constrained_speculation,
-        constrained_draft=constrained_draft,
+        constrained_draft=constrained_draft, overlap_rounds=overlap_rounds,
     )  # fmt: skip
 
 
@@ -221,6 +221,61 @@ def test_constrained_rounds_replay_graphs(
         assert sum(llm.worker.drafted_levels[1:3]) > 0, llm.worker.drafted_levels
 
 
+LONG_REGEX = r"[a-e]{30}"
+"""A regex of free tokens only, whose outputs run for many rounds."""
+
+
+@pytest.mark.parametrize("algorithm", [None, "eagle3"])
+def test_constrained_plain_rounds_queue_their_forward(
+    backend, backend_name, tiny_models, plain, algorithm
+):
+    """``overlap_rounds``: a constrained plain round runs as its two phases, the forward of
+    the roots and the next tokens under the roots' masks, and the next round's forward is
+    queued behind it before the host reads the tokens (the host builds the next masks while
+    the device runs it). In a plain engine and in a speculative one whose constrained
+    batches run plain rounds (``constrained_speculation`` "off"): long constrained outputs
+    with unconstrained requests in their batch, one stopping at its token limit early on
+    (the forward queued for its batch is dropped), seeded sampled ones, then the mixed batch
+    of :func:`_batch`; the outputs equal eager plain decoding's and satisfy their
+    constraints, queued forwards are used, and no KV slot leaks."""
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(
+        not backend.capabilities.graph_needs_prepare,
+        "graphs without prepare (a queued forward's lengths are not on the host yet)",
+    )
+    spec = {} if algorithm is None else {"topk": 1, "num_steps": 3}
+    llm = _llm(
+        backend, backend_name, tiny_models, algorithm, graphs="on", overlap_rounds="on",
+        constrained_speculation="off", **spec,
+    )  # fmt: skip
+    free_before = llm.kv_slots_free
+    params = [SamplingParams(max_new_tokens=60, regex=LONG_REGEX) for _ in PROMPTS]
+    params += [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 50)]
+    prompts = PROMPTS + PROMPTS[:2]
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for o in got[: len(PROMPTS)]:
+        assert o.finish_reason == "stop" and re.fullmatch(LONG_REGEX, o.text), o.text
+    queued = llm.worker.queued_forwards
+    assert 0 < queued["used"] < queued["queued"], queued
+    names = {name for name, _, _ in llm.worker.graphs.captured}
+    for phase in (".forward", ".next"):
+        assert any("_constrained" in n and n.endswith(phase) for n in names), names
+    # seeded sampling draws each round's noise from the request's own stream, as eagerly
+    params = [
+        SamplingParams(max_new_tokens=60, regex=LONG_REGEX, temperature=1.0, seed=i)
+        for i in range(len(PROMPTS))
+    ]
+    used = queued["used"]
+    want = plain.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    got = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.worker.queued_forwards["used"] > used, llm.worker.queued_forwards
+    _mixed_batch_equals_plain(llm, plain)
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+
+
 FORCED = r"\{\"name\": \"(ab|cd)\", \"level\": \"[xy]\"\}"
 """A regex whose literal runs the grammar forces (a tiny random draft would not guess them)."""
 
@@ -348,26 +403,30 @@ def exact_law(plain):
 
 
 @pytest.mark.parametrize(
-    "algorithm,topk,num_steps,graphs,draft_masks",
-    [(None, 1, 0, "off", "auto"), ("self", 2, 3, "off", "auto"), ("eagle3", 2, 3, "off", "auto"),
-     ("eagle3", 2, 3, "on", "auto"), ("eagle3", 2, 3, "on", "root")],
+    "algorithm,topk,num_steps,graphs,draft_masks,overlap",
+    [(None, 1, 0, "off", "auto", "off"), ("self", 2, 3, "off", "auto", "off"),
+     ("eagle3", 2, 3, "off", "auto", "off"), ("eagle3", 2, 3, "on", "auto", "off"),
+     ("eagle3", 2, 3, "on", "root", "off"), (None, 1, 0, "on", "auto", "on")],
 )  # fmt: skip
 def test_constrained_sampling_follows_the_constrained_target(
     backend, backend_name, tiny_models, exact_law, algorithm, topk, num_steps, graphs,
-    draft_masks,
+    draft_masks, overlap,
 ):  # fmt: skip
     """Seeded sampling, plain and speculative, under a regex: the outputs' law is the
     target's masked distribution (chi-square against the exact enumeration); a negative
     control (the law at another temperature) is rejected at this sample size. With graphs
     on, the speculative rounds replay the constrained round's phases; with the draft masked
-    at its root only, its levels under the forced tokens' masks."""
+    at its root only, its levels under the forced tokens' masks; with ``overlap_rounds``,
+    plain rounds replay their two phases, each round's forward queued behind the last."""
     require(topk == 1 or backend.capabilities.tree_attention, "tree_attention (topk > 1)")
     if graphs == "on":
         require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    if overlap == "on":
+        require(not backend.capabilities.graph_needs_prepare, "graphs without prepare")
     spec = {} if algorithm is None else {"topk": topk, "num_steps": num_steps}
     llm = _llm(
         backend, backend_name, tiny_models, algorithm, graphs=graphs,
-        constrained_draft=draft_masks, **spec,
+        constrained_draft=draft_masks, overlap_rounds=overlap, **spec,
     )  # fmt: skip
     params = [
         SamplingParams(max_new_tokens=6, temperature=TEMPERATURE, seed=i, regex=SAMPLE_REGEX)
@@ -380,9 +439,13 @@ def test_constrained_sampling_follows_the_constrained_target(
         counts[tuple(o.token_ids)] += 1
     rejected, msg = chi_square_rejects(counts, exact_law, NUM_SAMPLES)
     assert not rejected, msg
-    if graphs == "on":
-        assert "round_sampled_constrained.accept" in {n for n, _, _ in llm.worker.graphs.captured}
-    if algorithm is None:  # negative control, once
+    names = {n for n, _, _ in llm.worker.graphs.captured} if graphs == "on" else set()
+    if graphs == "on" and algorithm is not None:
+        assert "round_sampled_constrained.accept" in names, names
+    if overlap == "on":
+        assert "decode_sampled_constrained.next" in names, names
+        assert llm.worker.queued_forwards["queued"] > 0, llm.worker.queued_forwards
+    if algorithm is None and overlap == "off":  # negative control, once
         flat = {k: v**0.3 for k, v in exact_law.items()}
         total = sum(flat.values())
         wrong = {k: v / total for k, v in flat.items()}

@@ -339,6 +339,28 @@ def test_bench_batch_trees_and_overlapped_rounds(tiny, tmp_path, capsys):
     assert "plain rounds queued behind another (overlap_rounds): " in printed
 
 
+def test_bench_sweep_reports_queued_constrained_forwards(tiny, tmp_path, capsys):
+    """A constrained sweep with ``--overlap-rounds``: each system's constrained plain rounds
+    queue their next forward (``constrained_speculation`` off: the speculative engine's too),
+    and the sweep reports how many were queued and used per batch size."""
+    pytest.importorskip("llguidance", reason="structured output needs polyspec[grammar]")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 4}))
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--draft", str(tiny["eagle3"]), "--algorithm", "eagle3", "--num-steps", "2",
+        "--batch-sizes", "1,2", "--graphs", "on", "--overlap-rounds", "--max-new-tokens", "16",
+        "--json-schema", str(schema), "--constrained-speculation", "off",
+    )  # fmt: skip
+    for r in rep["batch_sweep"]:
+        assert r["outputs_identical"] is True
+        for e in r["engine"].values():
+            assert 0 < e["queued_forwards_used"] <= e["queued_forwards"], e
+    printed = capsys.readouterr().out
+    for system in ("plain", "spec"):
+        assert f"{system} constrained plain rounds' forwards queued, used: 1: " in printed
+
+
 def test_bench_batch_sizes_sweep(tiny, tmp_path, capsys):
     """``--batch-sizes``: one engine per system timed at each size, one row per size (at
     least that many prompts, the set repeated), a table on stdout, and a tokens/s plot."""

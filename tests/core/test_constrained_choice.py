@@ -31,10 +31,11 @@ def test_on_and_off_do_not_measure():
 def test_auto_probes_both_then_runs_the_faster():
     choice = ConstrainedChoice("auto", probe=2, window=100)
     kinds = _run(choice, 4, 10, spec_rate=3000, plain_rate=1000)
-    assert kinds[:4] == [False, False, True, True]  # speculative rounds first, then plain
-    assert kinds[4:] == [False] * 6
+    # speculative rounds first, then plain ones (the first after the switch not measured)
+    assert kinds[:5] == [False, False, True, True, True]
+    assert kinds[5:] == [False] * 5
     choice = ConstrainedChoice("auto", probe=2, window=100)
-    assert _run(choice, 4, 10, spec_rate=1000, plain_rate=3000)[4:] == [True] * 6
+    assert _run(choice, 4, 10, spec_rate=1000, plain_rate=3000)[5:] == [True] * 5
     assert choice.rates() == {4: (1000.0, 3000.0)}
 
 
@@ -48,21 +49,22 @@ def test_auto_measures_each_range_of_batch_sizes_apart():
 
 def test_auto_measures_the_other_kind_again_and_follows_a_change():
     choice = ConstrainedChoice("auto", probe=2, window=8)
-    kinds = _run(choice, 1, 8, spec_rate=3000, plain_rate=1000)  # probes, then speculation
-    assert kinds == [False, False, True, True, False, False, False, False]
-    # (the speculative round after the plain ones is not measured: 7 rounds so far)
-    # the window is over after one more: plain rounds are measured again, now faster; they
-    # take over
-    kinds = _run(choice, 1, 7, spec_rate=2000, plain_rate=4000)
-    assert kinds == [False] + [True] * 6
+    kinds = _run(choice, 1, 9, spec_rate=3000, plain_rate=1000)  # probes, then speculation
+    assert kinds == [False, False, True, True, True, False, False, False, False]
+    # (the first round after each switch is not measured: 7 rounds so far)
+    # the window is over after one more: plain rounds are measured again (after the switch),
+    # now faster; they take over
+    kinds = _run(choice, 1, 8, spec_rate=2000, plain_rate=4000)
+    assert kinds == [False] + [True] * 7
+    assert choice.rates()[1][1] == 4000.0
 
 
 def test_a_speculative_round_after_plain_rounds_is_not_measured():
     """It catches the draft up over the plain rounds' tokens first: timed, that switch would
     count against every speculative round measured after plain ones."""
     choice = ConstrainedChoice("auto", probe=2, window=100)
-    for plain, seconds in ((False, 1e-3), (False, 1e-3), (True, 1e-3), (True, 1e-3)):
-        choice.record(1, plain, 2 if not plain else 1, seconds)
+    for plain in (False, False, True, True, True):  # (the first plain one is not measured)
+        choice.record(1, plain, 2 if not plain else 1, 1e-3)
     # speculation is back: its first round is slow (the catch-up), then steady
     choice.record(1, False, 2, 5e-3)
     choice.record(1, False, 2, 1e-3)
@@ -72,6 +74,16 @@ def test_a_speculative_round_after_plain_rounds_is_not_measured():
     choice.record(5, True, 1, 1e-3)
     choice.record(2, False, 2, 5e-3)
     assert 2 not in choice.rates()
+
+
+def test_a_plain_round_after_speculative_rounds_is_not_measured():
+    """With ``overlap_rounds`` each plain round's forward is queued behind the round before;
+    the first plain round after speculative ones has none queued."""
+    choice = ConstrainedChoice("auto", probe=2, window=100)
+    for plain, seconds in ((False, 1e-3), (False, 1e-3), (True, 4e-3), (True, 1e-3)):
+        choice.record(1, plain, 2 if not plain else 1, seconds)
+    assert choice.rates() == {1: (2000.0, 1000.0)}
+    assert choice.plain(1)  # one plain round measured of the two the probe needs
 
 
 def test_forced_overrides_and_is_not_measured():

@@ -3,7 +3,8 @@
 
 A constrained speculative round builds token masks on the host for the draft lanes and the
 tree's nodes of each constrained request (docs/structured-output.md), and cannot be queued
-behind the last round; a plain round builds one mask a request. Which of the two gives
+behind the last round; a plain round builds one mask a request, and its forward is queued
+behind the last round where rounds are overlapped. Which of the two gives
 more tokens a second depends on the grammar, the head's acceptance under it, the host's
 CPUs and how fast the device is (docs/benchmarks.md, "Structured output"). ``auto`` therefore
 measures: for each range of batch sizes (1, 2-3, 4-7, ...) the first ``probe`` rounds

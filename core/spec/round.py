@@ -53,8 +53,10 @@ elsewhere: the argmax) instead of masks; unless the device verifies asynchronous
 lanes are masked (then the tree's other nodes, leaves, are built while it verifies). Never
 queued: the grammar advances on the host between rounds. A constrained plain round needs
 only the root's mask, which it takes as an input (``root_mask`` [b, W] int32), so it
-replays a graph like any plain round (never queued either). An unconstrained round is the
-plain function, with none of this.
+replays a graph like any plain round; where rounds are overlapped it runs as two phases,
+``.forward`` (the roots' logits) and ``.next`` (the next tokens under ``root_mask``), and
+the next round's ``.forward``, which needs no mask, is queued behind it. An unconstrained
+round is the plain function, with none of this.
 
 Output: the packed host vector ``[b] accepted draft tokens + [b, S + 1] accepted path (global
 node ids) + [b * N] each node's predicted token + [1] draft levels drafted``, then an EAGLE

@@ -346,7 +346,7 @@ class WorkerBase:
                 rids, forward_phase.__name__, forward_phase, {"host": inputs["host"]},
                 max_prefix, host,
             )  # fmt: skip
-        step = {**inputs, "logits": forward.outputs[0][:bs], "root_mask": host.masks.root()}
+        step = {**inputs, "logits": forward.outputs[0][:bs]}  # and root_mask, the roots' masks
         out = self.executor.launch(
             rids, next_phase.__name__, next_phase, step, max_prefix, host, copy=True
         )

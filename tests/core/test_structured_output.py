@@ -444,6 +444,35 @@ def test_mask_cost_script_times_copies_and_masks(tiny):
     assert set(out["executor_us"]) == {1, 2} and all(v > 0 for v in out["executor_us"].values())
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_round_host_time_script_times_the_parts(tiny, plain):
+    """``benchmarks/round_host_time.py`` on the tiny model (its own standalone draft) with a
+    regex: per decode round, the worker's decode, the waits for the device and the grammar's
+    work (a speculative round's greedy walk, a plain step's next masks), each part within its
+    caller's time; the timers are taken off after."""
+    import importlib.util
+    from pathlib import Path
+
+    from polyspec.spec.base import WorkerBase
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "round_host_time.py"
+    spec = importlib.util.spec_from_file_location("round_host_time", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    decode = WorkerBase.decode
+    flags = ["--plain"] if plain else ["--draft", str(tiny), "--algorithm", "standalone"]
+    out = script.main(
+        ["--target", str(tiny), *flags, "--backend", "cpu", "--dtype", "float32",
+         "--regex", "[a-z]{12}", "--batch-size", "2", "--max-new-tokens", "12"]
+    )  # fmt: skip
+    ms = out["ms_per_round"]
+    assert out["rounds"] > 0 and out["tokens"] > 0
+    assert 0 < ms["worker decode"] <= ms["scheduler decode"] <= ms["scheduler step"]
+    grammar = "scheduler next masks" if plain else "greedy walk (its waits included)"
+    assert 0 < ms[grammar] < ms["scheduler step"]
+    assert WorkerBase.decode is decode
+
+
 @pytest.mark.parametrize("mode", ["root", "levels", "plain"])
 def test_constrained_host_script_counts_masks_and_host_time(tiny, mode):
     """``benchmarks/constrained_host.py`` on the tiny model (its own standalone draft) with a

@@ -168,9 +168,9 @@ class WorkerBase:
         self._queued: tuple[Tree, Launched] | None = None
         # A constrained plain round's forward, queued behind the round before it (its next
         # tokens need the host's masks, its forward does not), and how many were queued /
-        # used by the next call.
+        # used by the next call / used after requests had left.
         self._forward: Launched | None = None
-        self.queued_forwards = {"queued": 0, "used": 0}
+        self.queued_forwards = {"queued": 0, "used": 0, "used_by_fewer": 0}
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self._rounds: dict[tuple[Tree, bool], SpecRound] = {}
         self.rounds_by_tree: dict[str, int] = {}
@@ -196,7 +196,7 @@ class WorkerBase:
         self.rounds_by_tree = dict.fromkeys(self.rounds_by_tree, 0)
         self.drafted_levels = [0] * len(self.drafted_levels)
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
-        self.queued_forwards = {"queued": 0, "used": 0}
+        self.queued_forwards = {"queued": 0, "used": 0, "used_by_fewer": 0}
         self.timer.seconds.clear()
         self.mask_seconds = 0.0
         self.masks_computed = 0
@@ -334,13 +334,15 @@ class WorkerBase:
         masks (its result starting towards the host), then the next round's forward queued
         from those tokens on the device, before the host reads them: the device runs it
         while the host commits the tokens, schedules and builds the next masks. The queued
-        forward is used by the next call for the same requests in the same order, and
-        dropped otherwise (it writes each root's KV past the committed prefix, as a queued
-        round does). -> the round's result."""
+        forward is used by the next call for the same requests, or for those of them that
+        have not finished, in the same order (:meth:`_take_forward`), and dropped otherwise
+        (it writes each root's KV past the committed prefix, as a queued round does). -> the
+        round's result."""
         forward_phase, next_phase = fn.phases()
         bs, max_prefix = len(rids), max(s.seq_len for s in sts)
         if forward is not None and forward.name == forward_phase.__name__:
             self.queued_forwards["used"] += 1
+            self.queued_forwards["used_by_fewer"] += len(forward.key) > bs
         else:
             forward = self.executor.launch(
                 rids, forward_phase.__name__, forward_phase, {"host": inputs["host"]},
@@ -361,11 +363,21 @@ class WorkerBase:
         return out
 
     def _take_forward(self, rids: Sequence[int]) -> Launched | None:
-        """The constrained plain round's forward the last call queued, when this call is for
-        the same requests in the same order (the caller uses it if this round is a
-        constrained plain one of the same kind). Either way it is gone."""
+        """The constrained plain round's forward the last call queued, when it holds every
+        request of ``rids`` in the same order (the caller uses it if this round is a
+        constrained plain one of the same kind): as it is, or, where requests have left since
+        (finished), its logits rows of those that remain, each row its own request's (the
+        forward is row-invariant). Either way it is gone."""
         queued, self._forward = self._forward, None
-        return queued if queued is not None and queued.key == tuple(rids) else None
+        if queued is None or queued.key == tuple(rids):
+            return queued
+        at = {r: i for i, r in enumerate(queued.key)}
+        rows = [at.get(r, -1) for r in rids]
+        if min(rows) < 0 or rows != sorted(rows):  # a request joined, or the order changed
+            return None
+        logits = queued.outputs[0].index_select(0, self.builder.long(rows))  # [bs, V]
+        # (``key`` the requests it served before: the caller counts a use by fewer)
+        return dataclasses.replace(queued, outputs=(logits,), rows=len(rows))
 
     def _launch_phases(self, fn: SpecRound, rids, inputs, max_prefix: int, host) -> Launched:
         """A constrained speculative round where the batch replays graphs: its phases

@@ -235,9 +235,9 @@ def test_constrained_plain_rounds_queue_their_forward(
     the device runs it). In a plain engine and in a speculative one whose constrained
     batches run plain rounds (``constrained_speculation`` "off"): long constrained outputs
     with unconstrained requests in their batch, one stopping at its token limit early on
-    (the forward queued for its batch is dropped), seeded sampled ones, then the mixed batch
-    of :func:`_batch`; the outputs equal eager plain decoding's and satisfy their
-    constraints, queued forwards are used, and no KV slot leaks."""
+    (the forward queued for its batch serves the others), seeded sampled ones, then the
+    mixed batch of :func:`_batch`; the outputs equal eager plain decoding's and satisfy
+    their constraints, queued forwards are used, and no KV slot leaks."""
     require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
     require(
         not backend.capabilities.graph_needs_prepare,
@@ -259,6 +259,7 @@ def test_constrained_plain_rounds_queue_their_forward(
         assert o.finish_reason == "stop" and re.fullmatch(LONG_REGEX, o.text), o.text
     queued = llm.worker.queued_forwards
     assert 0 < queued["used"] < queued["queued"], queued
+    assert queued["used_by_fewer"] > 0, queued  # after a request's token limit, or its stop
     names = {name for name, _, _ in llm.worker.graphs.captured}
     for phase in (".forward", ".next"):
         assert any("_constrained" in n and n.endswith(phase) for n in names), names

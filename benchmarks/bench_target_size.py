@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
 import platform
 import shlex
@@ -401,6 +402,8 @@ def measure(
     rounds, decode_s, prefill_s = probe.rounds, probe.decode_s, probe.prefill_s
     graph_calls, eager_calls = Counter(probe.graph_calls), Counter(probe.eager_calls)
     tokens = sum(len(o.token_ids) for o in outs)
+    # The run's tokens, request by request, as one digest: equal digests, equal outputs.
+    digest = hashlib.sha256(json.dumps([list(o.token_ids) for o in outs]).encode()).hexdigest()
     request_rounds = sum(o.stats.num_rounds for o in outs)
     decode_tokens = sum(sum(o.stats.accepted_per_round) for o in outs)
 
@@ -468,6 +471,7 @@ def measure(
     fwd_ms = forward["ms_per_round"]
     return {
         "tokens": tokens,
+        "tokens_sha256": digest,
         "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "prefill_s": prefill_s,
@@ -500,6 +504,10 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _yes_no(x: bool | None) -> str:
+    return "-" if x is None else ("yes" if x else "**NO**")
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -528,8 +536,8 @@ def markdown(report: dict[str, Any]) -> str:
         "## Speculative (EAGLE-3) round",
         "",
         "| batch | plain tok/s | spec tok/s | rounds | tok/req-round | step ms | draft | verify "
-        "| accept | draft_extend | other | forward ms | forward method | overhead |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| accept | draft_extend | other | forward ms | forward method | overhead | spec = plain |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in report["results"]:
         p, sp = r["plain"], r["spec"]
@@ -542,7 +550,7 @@ def markdown(report: dict[str, Any]) -> str:
                 _f(ph.get(k), ".3f") for k in ("draft", "verify", "accept", "draft_extend", "other")
             )
             + f" | {_f(sp['forward']['ms_per_round'], '.3f')} | {sp['forward']['method']} | "
-            f"{_pct(sp['overhead_fraction'])} |"
+            f"{_pct(sp['overhead_fraction'])} | {_yes_no(r['spec_equals_plain'])} |"
         )
     plain = [r for r in report["results"] if r["plain"]["forward"]["method"] != "skipped"]
     if plain:
@@ -844,6 +852,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "overhead_fraction": None,
                 }
 
+    for r in results.values():  # greedy speculative output must equal plain output
+        digests = {r[k].get("tokens_sha256") for k in ("plain", "spec")}
+        r["spec_equals_plain"] = len(digests) == 1 if None not in digests else None
     report = {
         "command": command,
         "torch": torch.__version__,

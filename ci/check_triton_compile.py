@@ -11,7 +11,8 @@ on the first GPU run, which is rarer and costlier than a CI run. Here each recor
 compiled ahead of time for ``cuda`` at compute capability ``--arch`` through Triton's own
 pipeline, down to a cubin with the ptxas Triton ships. Launches the interpreter made with
 ``UPCAST`` (16-bit inputs widened for numpy, ``kernels/triton/_util.interpreted``) are also
-compiled as the GPU runs them: ``UPCAST`` off, ``IEEE`` on only for fp32 inputs.
+compiled as the GPU runs them: ``UPCAST`` off, ``IEEE`` on only for fp32 inputs; a kernel with a
+``PDL`` switch is compiled with it on as well (the cuda backend's launch on sm_90).
 
 Prints one line per kernel (specializations compiled, seconds) and every failure with its
 error; exits 1 if any failed, 2 if there was nothing to compile.
@@ -31,7 +32,9 @@ from pathlib import Path
 
 
 def device_variants(spec: dict) -> list[dict]:
-    """``spec`` and, for an interpreter-only ``UPCAST`` launch, the launch the GPU makes."""
+    """``spec`` and the launches the GPU makes of it: for an interpreter-only ``UPCAST``
+    launch, the same without it; for a kernel with a ``PDL`` switch, the cuda backend's launch
+    with programmatic dependent launch (``PDL`` on, ``launch_pdl``)."""
     out = [spec]
     if spec["constexprs"].get("UPCAST"):
         first_pointer = next(t for t in spec["signature"].values() if t.startswith("*"))
@@ -40,6 +43,12 @@ def device_variants(spec: dict) -> list[dict]:
         if "IEEE" in gpu["constexprs"]:
             gpu["constexprs"]["IEEE"] = first_pointer == "*fp32"
         out.append(gpu)
+    for variant in list(out):
+        if "PDL" in variant["constexprs"] and not variant["constexprs"].get("UPCAST"):
+            pdl = copy.deepcopy(variant)
+            pdl["constexprs"]["PDL"] = True
+            pdl["options"]["launch_pdl"] = True
+            out.append(pdl)
     return out
 
 

@@ -17,6 +17,7 @@ one launch); :class:`TritonAttention` with SDPA's two ``index_copy_``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -42,10 +43,18 @@ class RowInvariantAttention(SDPAAttention):
 
     write_kv = staticmethod(store_kv)  # K and V in one launch
 
+    def __init__(self, *args: object, pdl: bool = False) -> None:
+        """SDPAAttention's arguments; ``pdl``: launch the kernels with programmatic dependent
+        launch (``polyspec.kernels.triton.pdl``)."""
+        super().__init__(*args)
+        self.pdl = pdl
+        if pdl:
+            self.write_kv = functools.partial(store_kv, pdl=True)
+
     def build_static_metadata(self, batch: ForwardBatch, max_prefix_len: int) -> ListMetadata:
         """A captured forward's metadata: the key lists from :func:`static_key_lists` (one
         launch) instead of SDPA's layout, which this attention does not read."""
-        lists, lens = static_key_lists(batch, max_prefix_len)
+        lists, lens = static_key_lists(batch, max_prefix_len, pdl=self.pdl)
         empty = torch.empty(0, dtype=torch.int64, device=lists.device)
         return ListMetadata(
             batch.mode, batch.num_tokens, batch.batch_size, batch.num_tokens // batch.batch_size,
@@ -74,7 +83,9 @@ class RowInvariantAttention(SDPAAttention):
         """Store ``k``/``v`` at ``out_cache_loc`` of ``layer``, then :func:`list_attention`."""
         m = metadata
         k_cache, v_cache = self.store_kv(q, k, v, layer, m)
-        return list_attention(q, k_cache, v_cache, m.key_lists, m.key_lens, self.scale)
+        return list_attention(
+            q, k_cache, v_cache, m.key_lists, m.key_lens, self.scale, pdl=self.pdl
+        )
 
 
 def key_lists_from(m: SDPAMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, L], [T])

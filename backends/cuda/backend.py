@@ -13,6 +13,12 @@ Kernels (``POLYSPEC_CUDA_KERNELS``):
 * ``torch``: cuBLAS through ``F.linear`` and the SDPA attention below (the kernels before
   row-invariance; bf16 outputs may then part after a near-tie, docs/benchmarks.md).
 
+On compute capability 9.0 and later every Triton kernel (the KernelSet's, the linear, the
+attention's K/V store, key lists and attention) launches with programmatic dependent launch
+(:mod:`polyspec.kernels.triton.pdl`): each may start while the one before it ends, which hides
+the launch gap between a round's few hundred small kernels. ``POLYSPEC_CUDA_PDL=0`` turns it
+off (same results, a switch for timing it and for bisecting).
+
 In ``torch`` mode attention is :class:`polyspec.backends.common.SDPAAttention`, which is plain
 torch and device-agnostic: on CUDA, ``scaled_dot_product_attention`` dispatches to the flash / memory
 efficient kernels, and every mode (tree masks included) works over the paged KV cache. It reads
@@ -23,6 +29,7 @@ graphs (the engine builds it once per forward anyway).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -54,6 +61,18 @@ def _chosen_overrides() -> dict:
             f"known: {', '.join(KernelSet.names())} (or 'all')"
         )
     return {k: v for k, v in triton_kernel_overrides().items() if k not in names}
+
+
+def _pdl_enabled(device_index: int) -> bool:
+    """``POLYSPEC_CUDA_PDL``: unset or "1", programmatic dependent launch where the device has
+    it (compute capability 9.0 and later); "0", never (module doc)."""
+    value = os.environ.get("POLYSPEC_CUDA_PDL", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"POLYSPEC_CUDA_PDL={value!r}: use '1' (programmatic dependent launch where the "
+            f"device supports it, the default) or '0' (off)"
+        )
+    return value == "1" and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def _kernel_mode() -> str:
@@ -90,7 +109,11 @@ class CUDABackend(Backend):
                 f"{torch.cuda.device_count()} CUDA device(s) are visible"
             )
         self.capabilities = CUDA_CAPABILITIES
-        self.kernels = dataclasses.replace(reference_kernels(), **_chosen_overrides())
+        self.pdl = _pdl_enabled(self._index)
+        overrides = _chosen_overrides()
+        if self.pdl:  # every Triton KernelSet entry takes ``pdl``
+            overrides = {k: functools.partial(fn, pdl=True) for k, fn in overrides.items()}
+        self.kernels = dataclasses.replace(reference_kernels(), **overrides)
         self.kernel_mode = _kernel_mode()
         self._read_buffers: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
@@ -156,9 +179,10 @@ class CUDABackend(Backend):
         from polyspec.kernels.triton.linear import row_invariant_linear
 
         w = weight.contiguous()
+        pdl = self.pdl
 
         def linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            return row_invariant_linear(x, w, bias)
+            return row_invariant_linear(x, w, bias, pdl=pdl)
 
         return linear
 
@@ -190,7 +214,9 @@ class CUDABackend(Backend):
         if self.kernel_mode == "rowinv":
             from .attention import RowInvariantAttention
 
-            return RowInvariantAttention(kv_pool, num_heads, num_kv_heads, head_dim, scale)
+            return RowInvariantAttention(
+                kv_pool, num_heads, num_kv_heads, head_dim, scale, pdl=self.pdl
+            )
         if os.environ.get("POLYSPEC_CUDA_TRITON_ATTENTION", "") == "1":
             # Checked against the oracle under the Triton interpreter, not yet measured on a
             # GPU: opt-in until a benchmark says it beats SDPA (docs/backends/cuda.md).

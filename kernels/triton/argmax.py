@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from polyspec.kernels.triton._util import check, next_pow2
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 BLOCK = 2048
 """Logits per program of the first launch."""
@@ -25,7 +26,9 @@ def _block_max_kernel(
     B,
     x_stride,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     c = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -45,7 +48,9 @@ def _row_max_kernel(
     B,
     V,
     BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCKS)
     live = j < B
@@ -56,9 +61,9 @@ def _row_max_kernel(
     tl.store(out_ptr + r, tl.min(tl.where((v == best) & live, i, V), axis=0))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:  # [n, V] float -> [n] int64
+def argmax(logits: torch.Tensor, pdl: bool = False) -> torch.Tensor:  # [n, V] float -> [n] int64
     """Greedy tokens (the reference's semantics): the first index of each row's maximum, for
-    rows without NaN."""
+    rows without NaN. ``pdl``: launch with programmatic dependent launch (:mod:`.pdl`)."""
     check(logits.dim() == 2, f"argmax needs logits [n, V], got {tuple(logits.shape)}")
     n, vocab = logits.shape
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -69,6 +74,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [n, V] float -> [n] int64
     blocks = triton.cdiv(vocab, BLOCK)
     val = torch.empty(n, blocks, dtype=torch.float32, device=x.device)
     idx = torch.empty(n, blocks, dtype=torch.int64, device=x.device)
-    _block_max_kernel[(n, blocks)](x, val, idx, vocab, blocks, x.stride(0), BLOCK=BLOCK)
-    _row_max_kernel[(n,)](val, idx, out, blocks, vocab, BLOCKS=next_pow2(blocks))
+    pdl_kw = launch_options(pdl)
+    _block_max_kernel[(n, blocks)](
+        x, val, idx, vocab, blocks, x.stride(0), BLOCK=BLOCK, PDL=pdl, **pdl_kw
+    )
+    _row_max_kernel[(n,)](val, idx, out, blocks, vocab, BLOCKS=next_pow2(blocks), PDL=pdl, **pdl_kw)
     return out

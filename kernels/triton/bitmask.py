@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from polyspec.kernels.triton._util import check
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 BLOCK = 1024
 """Logits per program."""
@@ -24,7 +25,9 @@ def _apply_token_bitmask_kernel(
     x_stride,
     m_stride,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = c < V
@@ -38,9 +41,11 @@ def _apply_token_bitmask_kernel(
 def apply_token_bitmask(
     logits: torch.Tensor,  # [n, V] any float dtype, written in place
     bitmask: torch.Tensor,  # [n, W] int32
+    pdl: bool = False,
 ) -> None:
-    """``polyspec.kernels.reference.apply_token_bitmask``: ``-inf`` at every logit whose
-    token the row's bitmask does not allow (tokens past ``32 * W`` included), in place."""
+    """``polyspec.kernels.reference.apply_token_bitmask``: ``-inf`` at every logit whose token the
+    row's bitmask does not allow (tokens past ``32 * W`` included), in place. ``pdl``: launch with
+    programmatic dependent launch (:mod:`.pdl`)."""
     check(
         logits.dim() == 2 and bitmask.dim() == 2 and bitmask.shape[0] == logits.shape[0],
         f"apply_token_bitmask needs logits [n, V] and bitmask [n, W], got "
@@ -54,5 +59,13 @@ def apply_token_bitmask(
     mask = bitmask if bitmask.stride(1) == 1 else bitmask.contiguous()
     grid = (n, triton.cdiv(vocab, BLOCK))
     _apply_token_bitmask_kernel[grid](
-        logits, mask, vocab, mask.shape[1], logits.stride(0), mask.stride(0), BLOCK=BLOCK
+        logits,
+        mask,
+        vocab,
+        mask.shape[1],
+        logits.stride(0),
+        mask.stride(0),
+        BLOCK=BLOCK,
+        PDL=pdl,
+        **launch_options(pdl),
     )

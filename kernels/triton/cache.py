@@ -15,6 +15,7 @@ import triton.language as tl
 
 from polyspec.kernels.reference import check_accept_locs_args, check_draft_cache_locs_args
 from polyspec.kernels.triton._util import check, next_pow2, writable
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
@@ -35,7 +36,9 @@ def _assign_draft_cache_locs_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     lane_len = topk * width
     base = b.to(tl.int64) * lane_len
@@ -78,9 +81,11 @@ def assign_draft_cache_locs(
     tail_lens: torch.Tensor,  # out: [bs]
     copy_src: torch.Tensor,  # out: [bs*K*(page_size-1)]
     copy_dst: torch.Tensor,  # out: [bs*K*(page_size-1)]
+    pdl: bool = False,
 ) -> None:
     """Triton ``assign_draft_cache_locs``; see
-    :func:`polyspec.kernels.reference.assign_draft_cache_locs`."""
+    :func:`polyspec.kernels.reference.assign_draft_cache_locs`. ``pdl``: launch with programmatic
+    dependent launch (:mod:`.pdl`)."""
     bs, width = check_draft_cache_locs_args(
         seq_lens, alloc_slots, topk, num_steps, page_size, lane_locs, copy_src, copy_dst
     )
@@ -109,6 +114,8 @@ def assign_draft_cache_locs(
         BLOCK_K=next_pow2(topk),
         BLOCK_P=next_pow2(page_size - 1),
         num_warps=1,
+        PDL=pdl,
+        **launch_options(pdl),
     )
     for _, finish in outs:
         finish()
@@ -126,7 +133,9 @@ def _segment_kernel(
     TO_TABLE: tl.constexpr,  # True: table <- flat (assign_req_to_token); False: flat <- table
     BLOCK_BS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     reqs = tl.arange(0, BLOCK_BS)
     in_batch = reqs < num_requests
@@ -156,6 +165,7 @@ def _launch_segments(
     end: torch.Tensor,
     flat: torch.Tensor,
     to_table: bool,
+    pdl: bool = False,
 ) -> None:
     bs = req_pool_indices.shape[0]
     check(
@@ -177,6 +187,8 @@ def _launch_segments(
         BLOCK_BS=next_pow2(bs),
         BLOCK=128,
         num_warps=1,
+        PDL=pdl,
+        **launch_options(pdl),
     )
 
 
@@ -186,14 +198,15 @@ def assign_req_to_token(
     start: torch.Tensor,  # [bs]
     end: torch.Tensor,  # [bs]
     slots: torch.Tensor,  # [sum(end - start)]
+    pdl: bool = False,
 ) -> None:
-    """Triton ``assign_req_to_token``; see
-    :func:`polyspec.kernels.reference.assign_req_to_token`. ``slots`` must hold exactly
-    sum(end - start) entries (not checked: that would need a host sync)."""
+    """Triton ``assign_req_to_token``; see :func:`polyspec.kernels.reference.assign_req_to_token`.
+    ``slots`` must hold exactly sum(end - start) entries (not checked: that would need a host
+    sync). ``pdl``: launch with programmatic dependent launch (:mod:`.pdl`)."""
     flat = slots.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    _launch_segments(req_pool_indices, req_to_token, start, end, flat, True)
+    _launch_segments(req_pool_indices, req_to_token, start, end, flat, True, pdl)
 
 
 def assign_extend_cache_locs(
@@ -202,11 +215,13 @@ def assign_extend_cache_locs(
     start: torch.Tensor,  # [bs]
     end: torch.Tensor,  # [bs]
     out: torch.Tensor,  # out: [sum(end - start)]
+    pdl: bool = False,
 ) -> None:
     """Triton ``assign_extend_cache_locs``; see
-    :func:`polyspec.kernels.reference.assign_extend_cache_locs`."""
+    :func:`polyspec.kernels.reference.assign_extend_cache_locs`. ``pdl``: launch with programmatic
+    dependent launch (:mod:`.pdl`)."""
     buf, finish = writable(out)
-    _launch_segments(req_pool_indices, req_to_token, start, end, buf, False)
+    _launch_segments(req_pool_indices, req_to_token, start, end, buf, False, pdl)
     finish()
 
 
@@ -234,7 +249,9 @@ def _assign_accept_locs_kernel(
     stride_w,
     stride_len,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     in_path = d < depth
@@ -275,9 +292,11 @@ def assign_accept_locs(
     path_node: torch.Tensor,  # out: [bs*(S+1)]
     extend_lens: torch.Tensor,  # out: [bs]
     last_index: torch.Tensor,  # out: [bs]
+    pdl: bool = False,
 ) -> None:
     """Triton ``assign_accept_locs`` (one program per request); see
-    :func:`polyspec.kernels.reference.assign_accept_locs`."""
+    :func:`polyspec.kernels.reference.assign_accept_locs`. ``pdl``: launch with programmatic
+    dependent launch (:mod:`.pdl`)."""
     outs = (src_loc, dst_loc, positions, path_node, extend_lens, last_index)
     bs, depth = check_accept_locs_args(req_pool_indices, accept_index, outs)
     check(req_to_token.stride(-1) == 1, "req_to_token must be contiguous in its last dimension")
@@ -304,6 +323,8 @@ def assign_accept_locs(
         accept_length.stride(0),
         BLOCK_D=next_pow2(depth),
         num_warps=1,
+        PDL=pdl,
+        **launch_options(pdl),
     )
     for _, finish in bufs:
         finish()
@@ -339,8 +360,10 @@ def _store_kv_kernel(
     stride_vd,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # K and V of one token per program: one launch per layer instead of two.
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -359,9 +382,11 @@ def store_kv(
     loc: torch.Tensor,  # [T]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
+    pdl: bool = False,
 ) -> None:
     """Triton ``store_kv``: ``k_cache[loc] = k``, ``v_cache[loc] = v`` (cast to the cache
-    dtype); ``k`` / ``v`` may be strided views (e.g. slices of a fused QKV projection)."""
+    dtype); ``k`` / ``v`` may be strided views (e.g. slices of a fused QKV projection).
+    ``pdl``: launch with programmatic dependent launch (:mod:`.pdl`)."""
     tokens = loc.numel()
     if tokens == 0:
         return
@@ -381,5 +406,6 @@ def store_kv(
     _store_kv_kernel[(tokens,)](
         k_cache, v_cache, loc_flat, k, v, k_cache.shape[1], k_cache.shape[2],
         k_cache.stride(0), v_cache.stride(0), *k.stride(), *v.stride(),
-        BLOCK_H=next_pow2(k_cache.shape[1]), BLOCK_D=next_pow2(k_cache.shape[2]),
+        BLOCK_H=next_pow2(k_cache.shape[1]), BLOCK_D=next_pow2(k_cache.shape[2]), PDL=pdl,
+        **launch_options(pdl),
     )  # fmt: skip

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from polyspec.kernels._tree import check_select_inputs, draft_levels
 from polyspec.kernels.triton._util import next_pow2
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 F_BLOCK = 1024
 """Hidden-state elements copied per step of a lane's row."""
@@ -38,7 +39,9 @@ def _root_level_kernel(
     K: tl.constexpr,
     K1_PAD: tl.constexpr,
     F_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, K1_PAD)
     tl.store(parents_ptr + b * (K + 1) + j, j - 1, mask=j < K + 1)
@@ -63,7 +66,9 @@ def _select_kernel(
     K: tl.constexpr,
     KK_PAD: tl.constexpr,
     F_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     f = tl.arange(0, KK_PAD)
     ok = f < K * K
@@ -96,7 +101,9 @@ def _organize_kernel(
     C,
     M: tl.constexpr,
     C_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, C_PAD)
     ok = c < C
@@ -121,8 +128,10 @@ def select_top_k(
     hidden: torch.Tensor,  # [bs, F] at step 0, [bs*K, F] after
     scores: torch.Tensor | None,  # [bs, K] after step 0; None at step 0
     topk: int,
+    pdl: bool = False,
 ):
-    """``polyspec.kernels.reference.select_top_k`` in one launch (module doc)."""
+    """``polyspec.kernels.reference.select_top_k`` in one launch (module doc). ``pdl``: launch with
+    programmatic dependent launch (:mod:`.pdl`)."""
     k = topk
     bs = check_select_inputs(step, topk_p, topk_index, hidden, scores, k)
     dev, idx = topk_index.device, topk_index.dtype
@@ -135,7 +144,7 @@ def select_top_k(
         if bs:
             _root_level_kernel[(bs,)](
                 hidden, out_hidden, parents, feat, hidden.stride(0),
-                K=k, K1_PAD=next_pow2(k + 1), F_BLOCK=F_BLOCK,
+                K=k, K1_PAD=next_pow2(k + 1), F_BLOCK=F_BLOCK, PDL=pdl, **launch_options(pdl),
             )  # fmt: skip
         return topk_index.flatten(), out_hidden, topk_p, (topk_p, topk_index, parents)
     assert scores is not None
@@ -150,7 +159,7 @@ def select_top_k(
         _select_kernel[(bs,)](
             scores, topk_p, topk_index, hidden, flat, ids, out_hidden, cs_p, parents,
             feat, hidden.stride(0), k * k * (step - 1) + k,
-            K=k, KK_PAD=next_pow2(k * k), F_BLOCK=F_BLOCK,
+            K=k, KK_PAD=next_pow2(k * k), F_BLOCK=F_BLOCK, PDL=pdl, **launch_options(pdl),
         )  # fmt: skip
     return ids, out_hidden, cs_p, (flat, topk_index.view(bs, k * k), parents)
 
@@ -160,9 +169,11 @@ def organize_draft_results(
     tree_tokens_list: list[torch.Tensor],  # S tensors, same shapes as the scores
     tree_parents_list: list[torch.Tensor],  # S tensors: [bs, K+1] then [bs, K] ...
     num_draft_tokens: int,
+    pdl: bool = False,
 ):
     """``polyspec.kernels.reference.organize_draft_results``: the concatenations in torch, the
-    choice of the best ``N - 1`` (ascending ids) and their tokens in one launch."""
+    choice of the best ``N - 1`` (ascending ids) and their tokens in one launch. ``pdl``: launch
+    with programmatic dependent launch (:mod:`.pdl`)."""
     scores, tokens, parent_list = draft_levels(
         tree_scores_list, tree_tokens_list, tree_parents_list, num_draft_tokens
     )
@@ -173,6 +184,6 @@ def organize_draft_results(
     if bs:
         _organize_kernel[(bs,)](
             scores, tokens, index, draft_tokens, num_candidates, M=m,
-            C_PAD=next_pow2(num_candidates),
+            C_PAD=next_pow2(num_candidates), PDL=pdl, **launch_options(pdl),
         )  # fmt: skip
     return parent_list, index, draft_tokens

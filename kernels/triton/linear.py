@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from polyspec.kernels.triton._util import check, interpreted
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 BLOCK_M = 16
 
@@ -73,7 +74,9 @@ def _row_invariant_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -110,10 +113,12 @@ def row_invariant_linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     config: tuple[int, int, int, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [..., N] in x's dtype
     """``F.linear(x, weight, bias)`` with fp32 accumulation in a fixed order (module doc), for
     fp32 (exact fp32 products, no TF32), bf16 and fp16 inputs of the weight's dtype.
-    ``config`` overrides :func:`tile_config` (benchmarks only: a weight must keep one)."""
+    ``config`` overrides :func:`tile_config` (benchmarks only: a weight must keep one);
+    ``pdl``: launch with programmatic dependent launch (:mod:`.pdl`)."""
     check(weight.dim() == 2, f"linear: weight must be [N, K], got {list(weight.shape)}")
     n, k = weight.shape
     check(
@@ -147,6 +152,6 @@ def row_invariant_linear(
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or upcast,
         UPCAST=upcast,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return y.reshape(*lead, n)

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from polyspec.backend import ForwardBatch, ForwardMode
 from polyspec.kernels.triton._util import check, interpreted, next_pow2
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 BLOCK_N = 128
 """Keys per online-softmax step. Chosen on the H200 for this kernel's first, one-program-per-
@@ -61,7 +62,9 @@ def _list_attention_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # One program per (token, kv head): the GROUP query heads that share a kv head read each key
     # block once, as the rows of one matrix product (padded to GROUP_PAD >= 16 rows for the MMA;
     # the padding rows are zeros and never mix into the real ones).
@@ -120,11 +123,12 @@ def list_attention(
     scale: float,
     block_n: int = BLOCK_N,
     num_warps: int = 4,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
     """Attention of each query token over ``key_lists[t, :key_lens[t]]`` (module doc); query
     head ``h`` reads kv head ``h // (Hq // Hkv)``. ``block_n`` and ``num_warps`` are for
     benchmarks: one process must keep one ``block_n``, or equal lists stop giving equal
-    results."""
+    results. ``pdl``: launch with programmatic dependent launch (:mod:`.pdl`)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     if hq % hkv or d & (d - 1) or d < 16 or k_cache.shape[2] != d:
@@ -146,7 +150,8 @@ def list_attention(
         q, k_cache, v_cache, out, key_lists, key_lens, key_lists.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), float(scale),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, num_warps=num_warps, PDL=pdl,
+        **launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -177,7 +182,9 @@ def _static_key_lists_kernel(
     W_PAD: tl.constexpr,
     MODE: tl.constexpr,  # 0 causal, 1 tree mask, 2 lanes
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # One program per token t = b * Q + j: its visible prefix columns, then its visible block.
     t = tl.program_id(0).to(tl.int64)
     b = t // Q
@@ -218,14 +225,15 @@ def _static_key_lists_kernel(
 
 
 def static_key_lists(
-    batch: ForwardBatch, max_prefix_len: int
+    batch: ForwardBatch, max_prefix_len: int, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, L] int64, [T] int32)
     """The key lists of a captured forward (``T = bs * Q`` tokens, ``Q`` per request) in one
     launch, equal token by token to ``key_lists_from`` over SDPA's static layout: prefix
     columns below ``min(prefix_lens[b], max_prefix_len)``, then the block (EXTEND, DECODE,
     DRAFT_EXTEND: causal among the first ``extend_lens[b]``; TARGET_VERIFY: the tree mask;
     DRAFT_DECODE: lane ``j``'s first ``lane_lens[b]`` slots). A token that sees nothing (a
-    graph's padding request) gets slot 0 alone. Device tensors only: no host sync."""
+    graph's padding request) gets slot 0 alone. Device tensors only: no host sync. ``pdl``:
+    launch with programmatic dependent launch (:mod:`.pdl`)."""
     bs, num_tokens = batch.batch_size, batch.num_tokens
     check(
         bs >= 1 and num_tokens % bs == 0,
@@ -272,5 +280,6 @@ def static_key_lists(
         lane_lens, lists, lens, *(x.stride(0) for x in per_request), lane_lens.stride(0),
         table.stride(0), table.shape[1], width, lists.stride(0),
         *lane_strides, Q=q, Q_PAD=next_pow2(q), W_PAD=w_pad, MODE=mode, BLOCK=256,
+        PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return lists, lens

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from polyspec.kernels.triton._util import check, next_pow2, rows_2d
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
@@ -26,7 +27,9 @@ def _rms_norm_kernel(
     stride_res,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < hidden
@@ -49,6 +52,7 @@ def _launch(
     residual: torch.Tensor | None,  # [..., H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
     check(
@@ -86,7 +90,9 @@ def _launch(
             res_rows.stride(0),
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            PDL=pdl,
             num_warps=min(max(block // 256, 1), 16),
+            **launch_options(pdl),
         )
     out = out.view(x.shape)
     return out, (total.view(x.shape) if residual is not None else None)
@@ -96,9 +102,11 @@ def rms_norm(
     x: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [T, H]
-    """Triton ``rms_norm``; see :func:`polyspec.kernels.reference.rms_norm`."""
-    return _launch(x, None, weight, eps)[0]
+    """Triton ``rms_norm``; see :func:`polyspec.kernels.reference.rms_norm`. ``pdl``:
+    launch with programmatic dependent launch (:mod:`.pdl`)."""
+    return _launch(x, None, weight, eps, pdl)[0]
 
 
 def fused_add_rms_norm(
@@ -106,9 +114,11 @@ def fused_add_rms_norm(
     residual: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H], [T, H])
     """Triton ``fused_add_rms_norm``: ``(rms_norm(x + residual), x + residual)`` in one pass;
-    inputs untouched. See :func:`polyspec.kernels.reference.fused_add_rms_norm`."""
-    normed, total = _launch(x, residual, weight, eps)
+    inputs untouched. See :func:`polyspec.kernels.reference.fused_add_rms_norm`; ``pdl`` as
+    :func:`rms_norm`'s."""
+    normed, total = _launch(x, residual, weight, eps, pdl)
     assert total is not None
     return normed, total

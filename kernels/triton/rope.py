@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from polyspec.kernels.triton._util import check, next_pow2
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 
 @triton.jit
@@ -69,7 +70,9 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -92,9 +95,11 @@ def rotary_embedding(
     k: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # [max_pos, D] fp32: D/2 cos columns then D/2 sin columns
     is_neox: bool = True,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hq, D], [T, Hkv, D])
     """Triton ``rotary_embedding``; see :func:`polyspec.kernels.reference.rotary_embedding`.
-    ``q`` / ``k`` may be strided views; new contiguous tensors are returned."""
+    ``q`` / ``k`` may be strided views; new contiguous tensors are returned. ``pdl``: launch
+    with programmatic dependent launch (:mod:`.pdl`)."""
     head_dim = q.shape[-1]
     check(
         cos_sin_cache.shape[-1] == head_dim and k.shape[-1] == head_dim and head_dim % 2 == 0,
@@ -133,5 +138,7 @@ def rotary_embedding(
             BLOCK_HQ=next_pow2(q.shape[1]),
             BLOCK_HKV=next_pow2(k.shape[1]),
             BLOCK_HALF=next_pow2(half),
+            PDL=pdl,
+            **launch_options(pdl),
         )
     return q_out, k_out

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from polyspec.kernels.triton._util import check, next_pow2
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 BLOCK = 2048
 """Logits per step of a row's loop (the ``loop`` form)."""
@@ -44,7 +45,9 @@ def _softmax_topk_kernel(
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, K_PAD)
     # The k best so far; padding slots hold +inf so they are never the one replaced.
@@ -92,7 +95,9 @@ def _softmax_topk_whole_kernel(
     x_stride,
     K: tl.constexpr,
     BLOCK: tl.constexpr,  # >= V
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     live = c < V
@@ -114,10 +119,12 @@ def _softmax_topk_whole_kernel(
 def softmax_topk(
     logits: torch.Tensor,  # [n, V] any float dtype
     k: int,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """``polyspec.kernels.reference.softmax_topk``: per row the ``k`` largest softmax
-    probabilities, best first, with their ids (equal logits: the lower id first)."""
-    return softmax_topk_form(logits, k)
+    probabilities, best first, with their ids (equal logits: the lower id first). ``pdl``: launch
+    with programmatic dependent launch (:mod:`.pdl`)."""
+    return softmax_topk_form(logits, k, pdl=pdl)
 
 
 def whole_warps(vocab: int) -> int:
@@ -130,10 +137,12 @@ def softmax_topk_form(
     k: int,
     form: str = "auto",
     num_warps: int | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """:func:`softmax_topk` in a given form (``"loop"``, ``"whole"``, or ``"auto"``: whole up to
     ``WHOLE_MAX``); ``num_warps`` overrides the whole form's :func:`whole_warps`. For
-    benchmarks/bench_kernels.py, which times the forms against each other."""
+    benchmarks/bench_kernels.py, which times the forms against each other. ``pdl``: launch with
+    programmatic dependent launch (:mod:`.pdl`)."""
     check(logits.dim() == 2, f"softmax_topk needs logits [n, V], got {tuple(logits.shape)}")
     n, vocab = logits.shape
     check(1 <= k <= vocab, f"softmax_topk needs 1 <= k <= V, got k={k}")
@@ -154,10 +163,19 @@ def softmax_topk_form(
     if form == "whole":
         _softmax_topk_whole_kernel[(n,)](
             logits, p, idx, vocab, logits.stride(0), K=k, BLOCK=next_pow2(vocab),
-            num_warps=num_warps or whole_warps(vocab),
+            num_warps=num_warps or whole_warps(vocab), PDL=pdl, **launch_options(pdl),
         )  # fmt: skip
     else:
         _softmax_topk_kernel[(n,)](
-            logits, p, idx, vocab, logits.stride(0), K=k, K_PAD=next_pow2(k), BLOCK=BLOCK
+            logits,
+            p,
+            idx,
+            vocab,
+            logits.stride(0),
+            K=k,
+            K_PAD=next_pow2(k),
+            BLOCK=BLOCK,
+            PDL=pdl,
+            **launch_options(pdl),
         )
     return p, idx

@@ -19,6 +19,7 @@ import triton.language as tl
 from polyspec.backend import TreeMaskMode
 from polyspec.kernels._tree import check_build_tree_args, check_sampling_probs, check_verify_args
 from polyspec.kernels.triton._util import check, next_pow2, writable
+from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
 # ------------------------------------------------------------------------------ build_tree
 
@@ -40,7 +41,9 @@ def _build_tree_kernel(
     stride_parent,
     stride_selected,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     node = tl.arange(0, BLOCK_N)  # [BLOCK_N] int32
     valid = node < n
@@ -106,8 +109,10 @@ def build_tree(
     retrive_index: torch.Tensor,  # out: [bs, N]
     retrive_next_token: torch.Tensor,  # out: [bs, N]
     retrive_next_sibling: torch.Tensor,  # out: [bs, N]
+    pdl: bool = False,
 ) -> None:
-    """Triton ``build_tree``; see :func:`polyspec.kernels.reference.build_tree`."""
+    """Triton ``build_tree``; see :func:`polyspec.kernels.reference.build_tree`. ``pdl``: launch
+    with programmatic dependent launch (:mod:`.pdl`)."""
     check_build_tree_args(
         parent_list, top_scores_index, seq_lens, topk, num_steps, num_draft_tokens,
         tree_mask_mode, tree_mask, positions, retrive_index, retrive_next_token,
@@ -137,6 +142,8 @@ def build_tree(
         selected.stride(0),
         BLOCK_N=next_pow2(n),
         num_warps=1 if n <= 32 else 4,
+        PDL=pdl,
+        **launch_options(pdl),
     )
     for _, finish in outs:
         finish()
@@ -171,7 +178,9 @@ def _verify_greedy_kernel(
     stride_target,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     cand_row = cand_ptr + b * stride_cand
     ridx_row = ridx_ptr + b * stride_ridx
@@ -230,8 +239,10 @@ def verify_tree_greedy(
     predicts: torch.Tensor,  # out: [bs*N]
     accept_index: torch.Tensor,  # out: [bs, S+1]
     accept_length: torch.Tensor,  # out: [bs]
+    pdl: bool = False,
 ) -> None:
-    """Triton ``verify_tree_greedy``; see :func:`polyspec.kernels.reference.verify_tree_greedy`."""
+    """Triton ``verify_tree_greedy``; see :func:`polyspec.kernels.reference.verify_tree_greedy`.
+    ``pdl``: launch with programmatic dependent launch (:mod:`.pdl`)."""
     bs, n, steps = _check_verify(
         candidates,
         {
@@ -266,6 +277,8 @@ def verify_tree_greedy(
         BLOCK_N=next_pow2(n),
         BLOCK_S=next_pow2(steps + 1),
         num_warps=1,
+        PDL=pdl,
+        **launch_options(pdl),
     )
     for _, finish in outs:
         finish()
@@ -336,7 +349,9 @@ def _verify_sampling_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     cand_row = cand_ptr + b * stride_cand
     ridx_row = ridx_ptr + b * stride_ridx
@@ -442,10 +457,12 @@ def verify_tree_sampling(
     predicts: torch.Tensor,  # out: [bs*N]
     accept_index: torch.Tensor,  # out: [bs, S+1]
     accept_length: torch.Tensor,  # out: [bs]
+    pdl: bool = False,
 ) -> None:
     """Triton ``verify_tree_sampling``; see
-    :func:`polyspec.kernels.reference.verify_tree_sampling`. The running residual of each
-    request lives in a ``[bs, V]`` fp32 scratch tensor, so any vocabulary size works."""
+    :func:`polyspec.kernels.reference.verify_tree_sampling`. The running residual of each request
+    lives in a ``[bs, V]`` fp32 scratch tensor, so any vocabulary size works. ``pdl``: launch with
+    programmatic dependent launch (:mod:`.pdl`)."""
     bs, n, steps = _check_verify(
         candidates,
         {
@@ -501,6 +518,8 @@ def verify_tree_sampling(
         BLOCK_S=next_pow2(steps + 1),
         BLOCK_V=min(next_pow2(vocab), 1024),
         num_warps=4,
+        PDL=pdl,
+        **launch_options(pdl),
     )
     for _, finish in outs:
         finish()

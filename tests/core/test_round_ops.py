@@ -199,8 +199,8 @@ def test_overlapped_rounds_across_chunked_prefills_and_joins(reference_backend):
 
 def test_target_size_script_times_both_engines_and_a_linear_tile_override(tmp_path, monkeypatch):
     """``benchmarks/bench_target_size.py`` on the tiny preset with captured graphs: both engines
-    generate every token (a failed request is an error, not a timing of nothing), the rounds
-    replay graphs, and ``--linear-configs`` reaches the row-invariant linear's tile choice."""
+    generate every token (a failed request is an error, not a timing of nothing), the same
+    tokens (greedy), the rounds replay graphs, and ``--linear-configs`` reaches the row-invariant linear's tile choice."""
     import importlib.util
     import json
     import sys
@@ -232,6 +232,8 @@ def test_target_size_script_times_both_engines_and_a_linear_tile_override(tmp_pa
     for kind in ("plain", "spec"):
         assert row[kind]["tokens"] == 4, row[kind]
         assert row[kind]["forward"]["method"] == "graph_replay", row[kind]["forward"]
+    assert row["spec_equals_plain"] is True  # fp32 cpu: greedy speculative = plain
+    assert "| yes |" in (tmp_path / "target_size.md").read_text()
 
 
 def test_gc_pause_script_reports_and_leaves_the_heap_unfrozen(tmp_path):

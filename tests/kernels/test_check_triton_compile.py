@@ -19,9 +19,9 @@ SILU = {
     "kernel": "_silu_and_mul_kernel",
     "signature": {
         "x_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32", "stride_x": "i32",
-        "BLOCK": "constexpr",
+        "BLOCK": "constexpr", "PDL": "constexpr",
     },
-    "constexprs": {"BLOCK": 64},
+    "constexprs": {"BLOCK": 64, "PDL": False},
     "options": {"num_warps": 2},
 }  # fmt: skip
 
@@ -37,13 +37,14 @@ def _check(tmp_path: Path, specs: list[dict]) -> subprocess.CompletedProcess:
 
 
 def test_a_launch_the_gpu_compiler_rejects_fails_the_check(tmp_path):
-    """A block of 48 (tl.arange needs a power of two) does not lower; 64 does."""
+    """A block of 48 (tl.arange needs a power of two) does not lower; 64 does (each also
+    compiled with programmatic dependent launch)."""
     bad = json.loads(json.dumps(SILU))
     bad["constexprs"]["BLOCK"] = 48
     run = _check(tmp_path, [SILU, bad])
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "2 launches of 1 kernels compiled for cuda sm_90" in run.stdout
-    assert "1 failed" in run.stdout
+    assert "4 launches of 1 kernels compiled for cuda sm_90" in run.stdout
+    assert "2 failed" in run.stdout
     assert "FAILED polyspec.kernels.triton.activation._silu_and_mul_kernel" in run.stdout
     assert "'BLOCK': 48" in run.stdout
 
@@ -78,3 +79,20 @@ def test_interpreter_upcasts_are_also_compiled_as_the_gpu_runs_them():
     assert device_variants(spec)[1]["constexprs"] == {"UPCAST": False, "IEEE": True}
     spec["constexprs"]["UPCAST"] = False
     assert device_variants(spec) == [spec]
+
+
+def test_kernels_with_a_pdl_switch_are_also_compiled_with_it_on():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from check_triton_compile import device_variants
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    off, on = device_variants(SILU)
+    assert off == SILU
+    assert on["constexprs"] == {"BLOCK": 64, "PDL": True}
+    assert on["options"] == {"num_warps": 2, "launch_pdl": True}
+    upcast = json.loads(json.dumps(SILU))
+    upcast["constexprs"]["UPCAST"] = True
+    variants = device_variants(upcast)  # the interpreter's, the GPU's, the GPU's with PDL
+    pairs = [(v["constexprs"]["UPCAST"], v["constexprs"]["PDL"]) for v in variants]
+    assert pairs == [(True, False), (False, False), (False, True)]

@@ -76,6 +76,16 @@ class _TritonBackend:
         return self._device
 
 
+def test_every_kernel_takes_pdl_off_by_default(kernels):
+    """The cuda backend binds ``pdl=True`` into every entry on sm_90 (backends/cuda/backend.py);
+    an entry without the keyword would fail there at its first call."""
+    import inspect
+
+    for name, fn in kernels.items():
+        param = inspect.signature(fn).parameters.get("pdl")
+        assert param is not None and param.default is False, name
+
+
 @pytest.fixture(scope="module", params=[torch.int64, torch.int32], ids=["int64", "int32"])
 def backend(request, triton_device):
     """A backend whose kernels are the Triton ones (overrides the pytest plugin's fixture)."""

@@ -26,6 +26,9 @@
 #   size-smollm2  the same at SmolLM2-135M's shape with the recommended tree ($SIZE_TREE, default
 #              3-6-16), with --profile: the kernels inside each captured graph (launches, us);
 #              $SIZE_ARGS adds flags (e.g. --overlap-rounds)
+#   pdl        programmatic dependent launch off and on (POLYSPEC_CUDA_PDL=0, 1), interleaved
+#              twice: the plain step at Llama-3-8B's shape and the S=3 K=6 N=16 round at
+#              SmolLM2-135M's, overlap on, 128 new tokens ($OUT/pdl-*/target_size.md)
 #   e2e        polyspec bench on SmolLM2 with the shipped head, MT-bench, at each batch size of
 #              $E2E_BATCH_SIZES (default "1 16"), for each setting in $E2E_SETTINGS (default
 #              "3-6-16"): S-K-N, S-K-N,MIN:S-K-N[,...] (batch trees), or "head" (the head's own
@@ -153,6 +156,21 @@ IFS=- read -r SIZE_S SIZE_K SIZE_N <<< "${SIZE_TREE:-3-6-16}"
 run_step 06-size-smollm2 "${SIZE_TIMEOUT:-420}" "$PY" benchmarks/bench_target_size.py --backend cuda \
   --preset smollm2-135m --num-steps "$SIZE_S" --topk "$SIZE_K" --num-draft-tokens "$SIZE_N" --profile \
   --max-new-tokens "${SIZE_TOKENS:-64}" --out "$OUT/size-smollm2" ${SIZE_ARGS:-}
+
+pdl_ab() {  # the pdl step: each shape with PDL off, on, off, on
+  local i p
+  for i in 1 2; do
+    for p in 0 1; do
+      POLYSPEC_CUDA_PDL=$p "$PY" benchmarks/bench_target_size.py --backend cuda --preset llama3-8b \
+        --batch-sizes 1 --skip-spec --overlap-rounds --max-new-tokens 128 --replays 10 \
+        --out "$OUT/pdl-8b-$p-$i" || return 1
+      POLYSPEC_CUDA_PDL=$p "$PY" benchmarks/bench_target_size.py --backend cuda --preset smollm2-135m \
+        --batch-sizes 1 --topk 6 --num-draft-tokens 16 --overlap-rounds --max-new-tokens 128 \
+        --replays 10 --out "$OUT/pdl-smollm2-$p-$i" || return 1
+    done
+  done
+}
+run_step 06-pdl 420 pdl_ab
 
 e2e() {  # each batch size of $E2E_BATCH_SIZES (default "1 16") for each setting of $E2E_SETTINGS
   # A setting: S-K-N (default: the recommended 3-6-16), S-K-N,MIN:S-K-N[,...] (with batch trees),

@@ -13,14 +13,28 @@ per captured computation, its replays and the mean operations per replay; ``--sh
 also writes the first round replay's operations with their argument shapes (JSON), for
 comparing two checkouts (run this script with ``PYTHONPATH`` pointing at the other one's
 package).
+
+``--sites N`` instead answers what a round on a Triton backend launches besides its Triton
+kernels: the KernelSet is swapped for the Triton kernels (run in Triton's interpreter), and
+each operation that would launch a device kernel (not a view, an allocation or a no-op
+conversion) is charged to its innermost call site in polyspec's ``core/`` or ``kernels/`` (a
+Triton wrapper's own torch operations included), where every backend runs it as a torch
+launch; the N busiest sites of the first round replay are printed. Operations charged to
+``backends/`` (the cpu backend's own linear, attention and KV store, which the cuda backend
+runs as Triton kernels) and the interpreter's own are left out. The models are fp32, so a
+bf16 model's conversions (its logits to fp32) are not among them. With programmatic dependent launch hiding the
+Triton kernels' launch gaps (docs/backends/cuda.md), these are the launches that keep theirs.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 import torch
@@ -47,16 +61,72 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "set_"}
+
+
+class _Sites(TorchDispatchMode):
+    """Counts the operations that launch a device kernel, by their innermost call site in
+    ``core/`` or ``kernels/`` (module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in ALLOCATIONS or _aliases_an_input(name, out, args):
+            return out
+        for frame in reversed(traceback.extract_stack()[:-1]):
+            path = frame.filename.replace(os.sep, "/")
+            if "/triton/runtime/" in path or "/backends/" in path:
+                return out  # the interpreter running a kernel, or the backend's own kernels
+            for root in ("/core/", "/kernels/"):
+                if root in path and "/core/testing/" not in path:
+                    where = root.strip("/") + "/" + path.rsplit(root, 1)[1]
+                    self.sites[f"{where}:{frame.lineno} {frame.name}: {name}"] += 1
+                    return out
+        return out
+
+
+def _aliases_an_input(name: str, out, args) -> bool:
+    """No kernel: a result that is no tensor, or a view or a no-op conversion, sharing the
+    storage of an input (in-place operations, whose names end in ``_``, launch a kernel and
+    return their input)."""
+    if isinstance(out, (tuple, list)):
+        out = next((o for o in out if isinstance(o, torch.Tensor)), None)
+    if out is None or not isinstance(out, torch.Tensor):
+        return True  # no tensor comes out (a dtype, a shape): no kernel
+    if name.endswith("_") or out.is_mkldnn:
+        return False
+    ptr = out.untyped_storage().data_ptr()
+    inputs = (a for a in args if isinstance(a, torch.Tensor) and not a.is_mkldnn)
+    return any(a.untyped_storage().data_ptr() == ptr for a in inputs)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--tree", default="3-3-8", help="S-K-N (default 3-3-8)")
     ap.add_argument("--shapes", help="write the first round's operations and shapes here")
+    ap.add_argument(
+        "--sites",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with the Triton kernels (interpreted): the N call sites in core/ and kernels/ that "
+        "launch the most torch kernels in the first round replay (module doc)",
+    )
     args = ap.parse_args(argv)
     bs = args.batch_size
     num_steps, topk, num_draft_tokens = map(int, args.tree.split("-"))
     torch.set_num_threads(1)
     backend = create_backend("cpu")
+    if args.sites:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' modules are imported
+        from polyspec.kernels.triton import triton_kernel_overrides
+
+        backend.kernels = dataclasses.replace(backend.kernels, **triton_kernel_overrides())
     target, head = build_bigram_models(backend, layer_scale=0.1)
     spec = SpeculativeConfig("eagle", num_steps=num_steps, topk=topk,
                              num_draft_tokens=num_draft_tokens)  # fmt: skip
@@ -65,19 +135,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_graph_batch_size=bs, max_context=256, overlap_rounds="off",
     )  # fmt: skip
     prompts = [[3 + (7 * i + j) % 60 for j in range(32)] for i in range(bs)]
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    # The interpreter runs each Triton program in Python: fewer tokens with --sites.
+    params = SamplingParams(max_new_tokens=8 if args.sites else 40, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts, sampling_params=params)  # captures the graphs
     ops, replays = collections.Counter(), collections.Counter()
     shapes = collections.Counter() if args.shapes else None
     runner = llm.worker.graphs.runner
     replay = runner.replay
+    sites: dict[str, collections.Counter] = {}
 
     def counted(key, inputs):
         name = key[0]
-        first_round = shapes is not None and name.startswith("round") and not replays[name]
+        first_round = name.startswith("round") and not replays[name]
         replays[name] += 1
-        with _Count(shapes if first_round else None) as count:
-            out = replay(key, inputs)
+        with _Count(shapes if first_round and shapes is not None else None) as count:
+            if first_round and args.sites:
+                with _Sites() as where:
+                    out = replay(key, inputs)
+                sites[name] = where.sites
+            else:
+                out = replay(key, inputs)
         ops[name] += count.n
         return out
 
@@ -87,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"{name:32s} replays {replays[name]:4d}  ops per replay {ops[name] / replays[name]:8.1f}"
         )
+    for name, counter in sites.items():
+        print(f"\n{name}: {sum(counter.values())} torch launches in one replay")
+        for site, n in counter.most_common(args.sites):
+            print(f"{n:4d}  {site}")
     if args.shapes:
         with open(args.shapes, "w") as f:
             json.dump(dict(sorted(shapes.items())), f, indent=0)

@@ -256,3 +256,31 @@ def test_gc_pause_script_reports_and_leaves_the_heap_unfrozen(tmp_path):
     out = script.main(["--target", str(target), "--draft", str(head), "--repeats", "2"])
     assert gc.get_freeze_count() == frozen_before
     assert out["tracked"] > 0 and len(out["collect_ms"]) == 2 and out["frozen_ms"] >= 0
+
+
+def test_ops_in_replays_script_charges_torch_launches_to_their_sites():
+    """``benchmarks/count_ops_in_replays.py --sites``: with the Triton kernels in place, the
+    torch launches of a round replay by call site: the core's (the embedding lookup of every
+    forward), never a backend's or a dtype query. Its own process: the interpreter must be
+    on before Triton is imported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "count_ops_in_replays.py"
+    run = subprocess.run(
+        [sys.executable, str(path), "--batch-size", "1", "--tree", "2-2-4", "--sites", "100"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    _, _, listing = run.stdout.partition("round_greedy: ")
+    total = int(listing.split(" torch launches")[0])
+    rows = [line.split(None, 1) for line in listing.splitlines()[1:] if line.strip()]
+    counts = {site: int(n) for n, site in rows}
+    assert total == sum(counts.values()) > 0
+    # a round of S=2 runs three forwards: the verify, one draft level, the draft extend
+    (embed,) = [site for site in counts if site.endswith("embed: embedding")]
+    assert embed.startswith("core/model/llama.py") and counts[embed] == 3
+    assert not any("backends/" in s or "promote_types" in s for s in counts), counts

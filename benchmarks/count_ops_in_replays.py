@@ -7,7 +7,9 @@ On an accelerator a captured round's cost is its kernels; on the cpu backend the
 replays by rerunning the captured function, so counting the torch operations dispatched
 inside a replay counts what the graph holds. ``benchmarks/count_round_ops.py`` counts the
 operations *outside* the replays. Tiny bigram models (fp32, an EAGLE-1 head,
-:func:`polyspec.testing.builders.build_bigram_models`), ``graphs = "on"``, overlap off: one
+:func:`polyspec.testing.builders.build_bigram_models`), or with ``--algorithm eagle3`` the
+shipped head's kind of round (bench_target_size.py's tiny preset, random weights, an EAGLE-3
+head reading the target's aux features), ``graphs = "on"``, overlap off: one
 warm-up generate captures the graphs, then the replays of a second one are counted. Prints,
 per captured computation, its replays and the mean operations per replay; ``--shapes FILE``
 also writes the first round replay's operations with their argument shapes (JSON), for
@@ -108,6 +110,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--tree", default="3-3-8", help="S-K-N (default 3-3-8)")
+    ap.add_argument(
+        "--algorithm",
+        choices=("eagle", "eagle3"),
+        default="eagle",
+        help="eagle: the bigram models (default); eagle3: bench_target_size.py's tiny preset "
+        "(random weights, an EAGLE-3 head with aux features: the shipped head's round)",
+    )
     ap.add_argument("--shapes", help="write the first round's operations and shapes here")
     ap.add_argument(
         "--sites",
@@ -127,8 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from polyspec.kernels.triton import triton_kernel_overrides
 
         backend.kernels = dataclasses.replace(backend.kernels, **triton_kernel_overrides())
-    target, head = build_bigram_models(backend, layer_scale=0.1)
-    spec = SpeculativeConfig("eagle", num_steps=num_steps, topk=topk,
+    if args.algorithm == "eagle":
+        target, head = build_bigram_models(backend, layer_scale=0.1)
+    else:
+        from bench_target_size import PRESETS, build_models  # this script's directory
+
+        target, head = build_models(PRESETS["tiny"], backend, torch.float32)
+    spec = SpeculativeConfig(args.algorithm, num_steps=num_steps, topk=topk,
                              num_draft_tokens=num_draft_tokens)  # fmt: skip
     llm = LLM.from_modules(
         target, head, spec, backend=backend, graphs="on", max_batch_size=bs,

@@ -321,9 +321,10 @@ def block_slots(
     ``lens[b]`` get the padding slot 0 (and a position clamped into the table)."""
     if j is None:
         j = torch.arange(width, device=rows.device)
-    pos = (starts.to(torch.int64)[:, None] + j[None, :]).clamp(max=req_to_token.shape[1] - 1)
-    table_rows = req_to_token.index_select(0, rows.to(torch.int64))
-    slots = torch.where(j[None, :] < lens[:, None], table_rows.gather(1, pos), 0)
+    # five launches (inside a captured round each costs its latency, whatever its size)
+    pos = (starts.to(torch.int64)[:, None] + j[None, :]).clamp_(max=req_to_token.shape[1] - 1)
+    slots = req_to_token[rows.to(torch.int64)[:, None], pos]  # [bs, width]
+    slots.masked_fill_(j[None, :] >= lens[:, None], 0)
     return slots.reshape(-1), pos.reshape(-1)
 
 

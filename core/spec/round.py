@@ -190,6 +190,9 @@ class SpecRound:
         mode = ("greedy" if greedy else "sampled") + ("_constrained" if constrained else "")
         self.__name__ = f"{kind}_{mode}{tree.suffix}"
         self._phases: tuple[RoundPhase, ...] | None = None
+        # the widest forward of a round, and the last round's extend lengths (_extend_lens)
+        self._widest = max(tree.num_draft_tokens, tree.num_steps + 1, tree.topk)
+        self._extends: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(
         self, inputs: Mapping[str, torch.Tensor], b: int, max_prefix: int | None, host: Any
@@ -218,7 +221,7 @@ class SpecRound:
         hidden, feats = self.verify_hidden(
             rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
         )
-        logits = p.target.compute_logits(hidden)
+        logits = self.logits(hidden)
         choice = None
         if self.walk_tree:  # greedy acceptance under the grammar, walked on the host
             choice = masks.greedy_walk(top_logits(logits), logits).long()
@@ -360,7 +363,7 @@ class SpecRound:
         level = self.level(i, state, rows, live, lanes, max_prefix, host)
         if i < S - 1:
             return level_outputs(level, b)
-        drafted = self.levels_drafted(level, rows.device)
+        drafted = self.levels_drafted(level)
         return self._tree_outputs(level.levels, roots, seq_lens, drafted, b)
 
     def _tree_outputs(self, levels, roots, seq_lens, drafted, b: int):
@@ -471,7 +474,7 @@ class SpecRound:
         for a live / padding request (index dtype)."""
         cols = per_request.t().contiguous()
         lens = cols.to(self.p.index_dtype)
-        return lens[0], lens[1], cols[2], (lens[3] > 0).to(self.p.index_dtype)
+        return lens[0], lens[1], cols[2], lens[3].clamp(max=1)  # widths: N live, 0 padding
 
     def _forward(
         self, runner: ModelRunner, mode: ForwardMode, rows, prefix, extend: int, live,
@@ -484,8 +487,8 @@ class SpecRound:
         ``host_lengths`` (applied to the lengths the engine passes to ``GraphRunner.prepare``
         before each replay, padding requests holding 0 as on the device)."""
         batch = static_batch(
-            mode, self.p.req_to_token, rows, prefix, live * extend, input_ids, positions,
-            out_loc, **extra,
+            mode, self.p.req_to_token, rows, prefix, self._extend_lens(live, extend), input_ids,
+            positions, out_loc, **extra,
         )  # fmt: skip
         if host is not None:
             host_prefix, host_lanes = rule(list(host.seq_lens))
@@ -497,6 +500,17 @@ class SpecRound:
         if runner is self.p.target_runner:
             return runner.forward_target(batch, static_prefix=max_prefix)
         return runner.forward_draft(batch, features, static_prefix=max_prefix)
+
+    def _extend_lens(self, live: torch.Tensor, extend: int) -> torch.Tensor:  # [b] -> [b]
+        """``live * extend``: the round's forwards (widths 1, K, N, S + 1) read rows of one
+        ``[w, b]`` table, made at its first forward by one launch, not a launch each (inside a
+        captured round every launch costs its latency). Kept for the ``live`` it was made
+        from, so each round, capture and phase makes its own."""
+        if self._extends is None or self._extends[0] is not live:
+            table = live.new_empty(self._widest + 1, live.shape[0])
+            torch.mul(self.p.arange(self._widest + 1)[:, None], live[None, :], out=table)
+            self._extends = (live, table)
+        return self._extends[1][extend]
 
     def root_forward(self, rows, seq_lens, roots, live, max_prefix, host, bitmask=None):
         """A standalone draft's forward over each root (position seq_len) -> its draft state
@@ -538,7 +552,7 @@ class SpecRound:
                 lane_masks = level_masks[:, i - 1, None].expand(-1, K, -1).reshape(b * K, -1)
             state = self.lane_topk(level, lane_masks)
             level = self.level(i, state, rows, live, lanes, max_prefix, host)
-        return level.levels, self.levels_drafted(level, rows.device)
+        return level.levels, self.levels_drafted(level)
 
     def first_level(self, topk_p, topk_index, hidden) -> DraftLevel:
         """The loop's state before level 0: the root's top-K (this tree's K of the K' kept)."""
@@ -595,10 +609,10 @@ class SpecRound:
             topk_p=topk_p, topk_index=topk_index, stopped=stopped, drafted=drafted
         )
 
-    def levels_drafted(self, level: DraftLevel, device) -> torch.Tensor:  # [1] int64
+    def levels_drafted(self, level: DraftLevel) -> torch.Tensor:  # [1] int64
         """The levels drafted: S, or fewer where dynamic depth stopped."""
-        if level.drafted is None:
-            return torch.full((1,), self.tree.num_steps, dtype=torch.int64, device=device)
+        if level.drafted is None:  # S: the last entry of a cached [0, S], no launch
+            return self.p.arange(2, self.tree.num_steps)[1:]
         return (level.drafted + 1).view(1)
 
     def lane_slots(self, rows, draft_lens, b: int, copy_prefix: bool = True):
@@ -609,10 +623,11 @@ class SpecRound:
         p, S, K = self.p, self.tree.num_steps, self.tree.topk
         lane_locs, tails = self._assign_lanes(rows, draft_lens, b, copy_prefix)
         start = draft_lens.to(torch.int64) - tails  # the lane's page-aligned prefix
-        col = p.arange(S - 1)[:, None] + tails[None, :]  # [S-1, b]
-        out_locs = lane_locs.gather(2, col.t()[:, None, :].expand(b, K, -1))  # [b, K, S-1]
-        out_locs = out_locs.permute(2, 0, 1).contiguous()  # [S-1, b, K]
-        positions = (col + start[None, :])[:, :, None].expand(-1, -1, K).contiguous()
+        steps = p.arange(S - 1)
+        col = steps[:, None] + tails[None, :]  # [S-1, b]
+        # [S-1, b, K], each made by one launch
+        out_locs = lane_locs.permute(2, 0, 1).gather(0, col[:, :, None].expand(-1, -1, K))
+        positions = draft_lens.to(torch.int64).view(1, b, 1) + steps.view(-1, 1, 1).expand(-1, b, K)
         return lane_locs, start.to(rows.dtype), out_locs, positions, (col + 1).to(rows.dtype)
 
     def _lanes_rule(self, i: int):
@@ -669,7 +684,16 @@ class SpecRound:
         hidden, feats = self.verify_hidden(
             rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
         )
-        return self.p.target.compute_logits(hidden), feats
+        return self.logits(hidden), feats
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
+        """The target's logits over ``hidden``: fp32, except in an unconstrained greedy round,
+        where all that reads them is the argmax and they stay in the model's dtype (the first
+        maximal index of bf16 logits is that of their exact fp32 copy, which would cost a
+        launch and an [n, V] fp32 write a forward)."""
+        if self.greedy and not self.constrained:
+            return self.p.target.lm_logits(hidden)
+        return self.p.target.compute_logits(hidden)
 
     def verify_hidden(
         self, rows, seq_lens, candidates, live, positions, tree_mask, max_prefix, host
@@ -678,7 +702,8 @@ class SpecRound:
         features [b * N, F])."""
         p = self.p
         n = candidates.shape[1]
-        slots, pos = block_slots(p.req_to_token, rows, seq_lens, live * n, n, p.arange(n))
+        lens = self._extend_lens(live, n)
+        slots, pos = block_slots(p.req_to_token, rows, seq_lens, lens, n, p.arange(n))
         mode, extra = ForwardMode.DECODE, {}
         if tree_mask is not None:
             mode, pos = ForwardMode.TARGET_VERIFY, positions
@@ -773,7 +798,8 @@ class SpecRound:
         # the token at position seq_len + 1 + d is the one node d of the path predicted
         path_node = locs[3].view(-1, S + 1)[:, :S].reshape(-1)  # depths 0..S-1
         start = seq_lens + 1
-        slots, positions = block_slots(p.req_to_token, rows, start, live * S, S, p.arange(S))
+        lens = self._extend_lens(live, S)
+        slots, positions = block_slots(p.req_to_token, rows, start, lens, S, p.arange(S))
         self._forward(
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, start, S, live,
             predicts[path_node], positions, slots, max_prefix, host, _after_root,

@@ -258,11 +258,13 @@ def test_gc_pause_script_reports_and_leaves_the_heap_unfrozen(tmp_path):
     assert out["tracked"] > 0 and len(out["collect_ms"]) == 2 and out["frozen_ms"] >= 0
 
 
-def test_ops_in_replays_script_charges_torch_launches_to_their_sites():
+@pytest.mark.parametrize("algorithm", ["eagle", "eagle3"])
+def test_ops_in_replays_script_charges_torch_launches_to_their_sites(algorithm):
     """``benchmarks/count_ops_in_replays.py --sites``: with the Triton kernels in place, the
     torch launches of a round replay by call site: the core's (the embedding lookup of every
-    forward), never a backend's or a dtype query. Its own process: the interpreter must be
-    on before Triton is imported."""
+    forward), never a backend's or a dtype query; the forwards' extend lengths all come from
+    one launch a round. Its own process: the interpreter must be on before Triton is
+    imported."""
     import os
     import subprocess
     import sys
@@ -271,7 +273,8 @@ def test_ops_in_replays_script_charges_torch_launches_to_their_sites():
     pytest.importorskip("triton")
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "count_ops_in_replays.py"
     run = subprocess.run(
-        [sys.executable, str(path), "--batch-size", "1", "--tree", "2-2-4", "--sites", "100"],
+        [sys.executable, str(path), "--batch-size", "1", "--tree", "2-2-4", "--sites", "100",
+         "--algorithm", algorithm],
         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
@@ -284,3 +287,5 @@ def test_ops_in_replays_script_charges_torch_launches_to_their_sites():
     (embed,) = [site for site in counts if site.endswith("embed: embedding")]
     assert embed.startswith("core/model/llama.py") and counts[embed] == 3
     assert not any("backends/" in s or "promote_types" in s for s in counts), counts
+    lens = {site: n for site, n in counts.items() if "round.py" in site and site.endswith("mul")}
+    assert list(lens.values()) == [1] and "_extend_lens" in next(iter(lens)), lens

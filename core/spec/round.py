@@ -430,8 +430,9 @@ class SpecRound:
         return (packed,)
 
     def plain_forward(self, rows, seq_lens, roots, live, max_prefix, host) -> torch.Tensor:
-        """A plain round's forward: the target's DECODE of each root -> logits [b, V] fp32
-        (an EAGLE head's input feature at the root kept, :meth:`keep_feature`)."""
+        """A plain round's forward: the target's DECODE of each root -> logits [b, V]
+        (:meth:`logits`; an EAGLE head's input feature at the root kept,
+        :meth:`keep_feature`)."""
         logits, feats = self.verify(
             rows, seq_lens, roots[:, None], live, None, None, max_prefix, host
         )

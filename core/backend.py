@@ -37,7 +37,7 @@ import abc
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -193,12 +193,27 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
+class Rotary(NamedTuple):
+    """The rotary position embedding an attention applies in its forward
+    (:attr:`AttentionBackend.rotary_in_forward`), as ``KernelSet.rotary_embedding`` takes it."""
+
+    positions: torch.Tensor  # [T]
+    cos_sin_cache: torch.Tensor  # [max_pos, D] fp32: D/2 cos columns then D/2 sin columns
+    is_neox: bool
+
+
 class AttentionMetadata:
     """Backend-specific, precomputed per forward and reused by every layer. Opaque to the core."""
 
 
 class AttentionBackend(abc.ABC):
     """Attention of one model over its KV pool, for all five :class:`ForwardMode` s."""
+
+    rotary_in_forward: bool = False
+    """True: the model hands :meth:`forward` ``q`` and ``k`` before rotary position embedding,
+    with ``rotary``, and the backend applies it (bitwise as its KernelSet's
+    ``rotary_embedding`` would) on its way to storing ``k`` and attending: one pass over q and
+    k instead of two."""
 
     @abc.abstractmethod
     def build_metadata(self, batch: ForwardBatch) -> AttentionMetadata:
@@ -242,10 +257,13 @@ class AttentionBackend(abc.ABC):
         v: torch.Tensor,  # [T, Hkv, D]
         layer: int,
         metadata: AttentionMetadata,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store ``k``/``v`` at the batch's ``out_cache_loc`` in layer ``layer`` of the pool,
         then attend each query to the keys its mode makes visible (softmax scale given at
-        construction; GQA: query head h reads kv head ``h // (Hq // Hkv)``)."""
+        construction; GQA: query head h reads kv head ``h // (Hq // Hkv)``). ``rotary`` is
+        passed only where :attr:`rotary_in_forward` is True: ``q`` and ``k`` are then
+        unrotated."""
 
 
 class KVPool(abc.ABC):

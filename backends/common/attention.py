@@ -450,11 +450,16 @@ class SDPAAttention(AttentionBackend):
         """Check that ``q`` matches the metadata, write ``k``/``v`` at ``out_cache_loc`` of
         ``layer``, and return that layer's K and V caches: the first step of every forward
         built on this layout (this class and the Triton attentions)."""
-        _check_tokens(q, metadata)
-        k_cache = self.kv_pool.k_cache(layer)
-        v_cache = self.kv_pool.v_cache(layer)
+        k_cache, v_cache = self.kv_caches(q, layer, metadata)
         self.write_kv(k_cache, v_cache, metadata.out_cache_loc, k, v)
         return k_cache, v_cache
+
+    def kv_caches(
+        self, q: torch.Tensor, layer: int, metadata: SDPAMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, Hq, D] -> ([slots, Hkv, D], [slots, Hkv, D])
+        """Check that ``q`` matches the metadata and return ``layer``'s K and V caches."""
+        _check_tokens(q, metadata)
+        return self.kv_pool.k_cache(layer), self.kv_pool.v_cache(layer)
 
     def forward(
         self,

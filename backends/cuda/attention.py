@@ -21,11 +21,12 @@ import functools
 
 import torch
 
-from polyspec.backend import ForwardBatch, ForwardMode
+from polyspec.backend import ForwardBatch, ForwardMode, Rotary
 from polyspec.backends.common import SDPAAttention, SDPAMetadata
 from polyspec.kernels.triton.attention import paged_attention
 from polyspec.kernels.triton.cache import store_kv
 from polyspec.kernels.triton.list_attention import list_attention, static_key_lists
+from polyspec.kernels.triton.rope import rotary_store_kv
 
 
 @dataclasses.dataclass
@@ -43,11 +44,14 @@ class RowInvariantAttention(SDPAAttention):
 
     write_kv = staticmethod(store_kv)  # K and V in one launch
 
-    def __init__(self, *args: object, pdl: bool = False) -> None:
+    def __init__(self, *args: object, pdl: bool = False, rotary_in_forward: bool = False) -> None:
         """SDPAAttention's arguments; ``pdl``: launch the kernels with programmatic dependent
-        launch (``polyspec.kernels.triton.pdl``)."""
+        launch (``polyspec.kernels.triton.pdl``); ``rotary_in_forward``: take q and k before
+        rotary embedding and rotate them in the K/V store's launch (``rotary_store_kv``, the
+        Triton ``rotary_embedding``'s arithmetic: only where that is the backend's)."""
         super().__init__(*args)
         self.pdl = pdl
+        self.rotary_in_forward = rotary_in_forward
         if pdl:
             self.write_kv = functools.partial(store_kv, pdl=True)
 
@@ -79,10 +83,19 @@ class RowInvariantAttention(SDPAAttention):
         v: torch.Tensor,  # [T, Hkv, D]
         layer: int,
         metadata: ListMetadata,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Store ``k``/``v`` at ``out_cache_loc`` of ``layer``, then :func:`list_attention`."""
+        """Store ``k``/``v`` at ``out_cache_loc`` of ``layer`` (``rotary`` given: q and k
+        rotated on the way, by one launch), then :func:`list_attention`."""
         m = metadata
-        k_cache, v_cache = self.store_kv(q, k, v, layer, m)
+        if rotary is None:
+            k_cache, v_cache = self.store_kv(q, k, v, layer, m)
+        else:
+            k_cache, v_cache = self.kv_caches(q, layer, m)
+            q = rotary_store_kv(
+                rotary.positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, k_cache,
+                v_cache, m.out_cache_loc, pdl=self.pdl,
+            )  # fmt: skip
         return list_attention(
             q, k_cache, v_cache, m.key_lists, m.key_lens, self.scale, pdl=self.pdl
         )

@@ -111,6 +111,7 @@ class CUDABackend(Backend):
         self.capabilities = CUDA_CAPABILITIES
         self.pdl = _pdl_enabled(self._index)
         overrides = _chosen_overrides()
+        self._triton_kernels = frozenset(overrides)
         if self.pdl:  # every Triton KernelSet entry takes ``pdl``
             overrides = {k: functools.partial(fn, pdl=True) for k, fn in overrides.items()}
         self.kernels = dataclasses.replace(reference_kernels(), **overrides)
@@ -214,9 +215,12 @@ class CUDABackend(Backend):
         if self.kernel_mode == "rowinv":
             from .attention import RowInvariantAttention
 
+            # the Triton rotary_embedding's arithmetic, so only where it is this KernelSet's
+            fused = "rotary_embedding" in self._triton_kernels
             return RowInvariantAttention(
-                kv_pool, num_heads, num_kv_heads, head_dim, scale, pdl=self.pdl
-            )
+                kv_pool, num_heads, num_kv_heads, head_dim, scale, pdl=self.pdl,
+                rotary_in_forward=fused,
+            )  # fmt: skip
         if os.environ.get("POLYSPEC_CUDA_TRITON_ATTENTION", "") == "1":
             # Checked against the oracle under the Triton interpreter, not yet measured on a
             # GPU: opt-in until a benchmark says it beats SDPA (docs/backends/cuda.md).

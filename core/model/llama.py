@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from polyspec.backend import AttentionBackend, AttentionMetadata, KernelSet
+from polyspec.backend import AttentionBackend, AttentionMetadata, KernelSet, Rotary
 from polyspec.errors import ModelLoadError
 from polyspec.model.config import ModelConfig
 from polyspec.model.linear import linear
@@ -109,8 +109,12 @@ class DecoderLayer(nn.Module):
             rms = self.kernels.rms_norm
             q = rms(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view(q.shape)
             k = rms(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view(k.shape)
-        q, k = self.kernels.rotary_embedding(positions, q, k, self.cos_sin, True)
-        o = attn.forward(q, k, v, self.layer_id, metadata)
+        if attn.rotary_in_forward:  # the backend rotates q and k on their way in
+            rotary = Rotary(positions, self.cos_sin, True)
+            o = attn.forward(q, k, v, self.layer_id, metadata, rotary=rotary)
+        else:
+            q, k = self.kernels.rotary_embedding(positions, q, k, self.cos_sin, True)
+            o = attn.forward(q, k, v, self.layer_id, metadata)
         if self.tp is None:
             return linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
         # Row parallel: this rank's heads' share of o_proj, summed over the ranks; the bias

@@ -390,7 +390,24 @@ def store_kv(
     tokens = loc.numel()
     if tokens == 0:
         return
-    loc_flat = loc.reshape(-1).contiguous()
+    check_kv_store(k_cache, v_cache, loc, k, v)
+    _store_kv_kernel[(tokens,)](
+        k_cache, v_cache, loc.reshape(-1).contiguous(), k, v, k_cache.shape[1], k_cache.shape[2],
+        k_cache.stride(0), v_cache.stride(0), *k.stride(), *v.stride(),
+        BLOCK_H=next_pow2(k_cache.shape[1]), BLOCK_D=next_pow2(k_cache.shape[2]), PDL=pdl,
+        **launch_options(pdl),
+    )  # fmt: skip
+
+
+def check_kv_store(
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    loc: torch.Tensor,  # [T]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+) -> None:
+    """The shape checks of a K/V store (``store_kv``, ``rotary_store_kv``)."""
+    tokens = loc.numel()
     for cache, x, what in ((k_cache, k, "k"), (v_cache, v, "v")):
         _cache_rows(cache, f"{what}_cache")
         check(
@@ -403,9 +420,3 @@ def store_kv(
         f"k_cache and v_cache must share [Hkv, D], got {tuple(k_cache.shape)} and "
         f"{tuple(v_cache.shape)}",
     )
-    _store_kv_kernel[(tokens,)](
-        k_cache, v_cache, loc_flat, k, v, k_cache.shape[1], k_cache.shape[2],
-        k_cache.stride(0), v_cache.stride(0), *k.stride(), *v.stride(),
-        BLOCK_H=next_pow2(k_cache.shape[1]), BLOCK_D=next_pow2(k_cache.shape[2]), PDL=pdl,
-        **launch_options(pdl),
-    )  # fmt: skip

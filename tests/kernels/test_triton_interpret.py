@@ -582,6 +582,36 @@ def test_rotary_embedding_strided_positions(kernels, triton_device):
     torch.testing.assert_close(gk.cpu(), ek)
 
 
+@pytest.mark.parametrize("cache_dtype", FLOATS)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rotary_store_kv_is_rotary_then_store_kv(triton_device, dtype, is_neox, cache_dtype):
+    """The row-invariant attention's fused rotary + K/V store writes bitwise what the Triton
+    ``rotary_embedding`` then ``store_kv`` write (q returned, k and v in the cache, nothing
+    else touched), from strided views of a fused projection and broadcast positions."""
+    from polyspec.kernels.triton.cache import store_kv
+    from polyspec.kernels.triton.rope import rotary_embedding, rotary_store_kv
+
+    g = _gen(SEED + 35)
+    dim, slots = 16, 40
+    cache = _on(_cos_sin_cache(64, dim), triton_device)
+    qkv = _on(torch.randn(6, 4 + 2 + 2, dim, generator=g).to(dtype), triton_device)
+    q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+    positions = _on(torch.tensor([5, 37, 37]), triton_device)[:, None].expand(3, 2).reshape(-1)
+    loc = _on(torch.tensor([3, 39, 1, 17, 9, 22]), triton_device)
+    k_cache = _on(torch.randn(slots, 2, dim, generator=g).to(cache_dtype), triton_device)
+    v_cache = _on(torch.randn(slots, 2, dim, generator=g).to(cache_dtype), triton_device)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_q, rotated_k = rotary_embedding(positions, q, k, cache, is_neox)
+    store_kv(want_k, want_v, loc, rotated_k, v)
+    got_q = rotary_store_kv(positions, q, k, v, cache, is_neox, k_cache, v_cache, loc)
+    assert got_q.dtype == dtype and torch.equal(got_q.cpu(), want_q.cpu()), "q"
+    assert torch.equal(k_cache.cpu(), want_k.cpu()), "k cache"
+    assert torch.equal(v_cache.cpu(), want_v.cpu()), "v cache"
+    with pytest.raises(ValueError, match="v must be"):
+        rotary_store_kv(positions, q, k, v[:, :1], cache, is_neox, k_cache, v_cache, loc)
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_silu_and_mul_matches_reference(kernels, triton_device, dtype):
     g = _gen(SEED + 33)

@@ -24,6 +24,7 @@ from polyspec.kernels.triton.list_attention import (
 )
 from polyspec.testing.test_attention import (
     MAX_CONTEXT,
+    NUM_SLOTS,
     SCENARIOS,
     SlotSource,
     build_batch,
@@ -258,3 +259,40 @@ def test_static_key_lists_errors(triton_device):
         static_key_lists(
             _to(dataclasses.replace(dd, input_ids=dd.input_ids[:-1]), triton_device), 64
         )
+
+
+@pytest.mark.parametrize("scenario", ["decode", "target_verify_tree", "extend"])
+def test_rotary_in_forward_equals_rotary_then_forward(triton_device, scenario):
+    """``RowInvariantAttention(rotary_in_forward=True)``, handed q and k before rotary
+    embedding, attends and fills the cache bitwise as the Triton ``rotary_embedding`` followed
+    by the attention's plain forward (the model takes this path on the cuda backend)."""
+    from polyspec.backend import Rotary
+    from polyspec.kernels.triton.rope import rotary_embedding
+
+    gen = _gen(f"rotary/{scenario}")
+    mode, prefix, extend = SCENARIOS[scenario]
+    reqs = make_requests([p + e for p, e in zip(prefix, extend)], SlotSource(16, gen), gen)
+    batch = build_batch(mode, prefix, extend, reqs, gen, chain=False)
+    pools, outs = [], []
+    for fused in (True, False):
+        pool = TensorKVPool(NUM_SLOTS, 1, 2, 16, torch.float32, triton_device)
+        attn = RowInvariantAttention(pool, 4, 2, 16, 0.25, rotary_in_forward=fused)
+        meta = attn.build_metadata(_to(on_device(batch, CPUBackend()), triton_device))
+        g = _gen(f"rotary/{scenario}/qkv")
+        for layer_cache in (pool.k_cache(0), pool.v_cache(0)):  # the prefix's keys and values
+            layer_cache.copy_(torch.randn(layer_cache.shape, generator=g))
+        qkv = torch.randn(batch.num_tokens, 8, 16, generator=g).to(triton_device)
+        q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+        cache = torch.randn(MAX_CONTEXT, 16, generator=g).to(triton_device)
+        positions = batch.positions.to(triton_device)
+        if fused:
+            out = attn.forward(q, k, v, 0, meta, rotary=Rotary(positions, cache, True))
+        else:
+            q, k = rotary_embedding(positions, q, k, cache, True)
+            out = attn.forward(q, k, v, 0, meta)
+        pools.append(pool)
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    for cache_of in ("k_cache", "v_cache"):
+        a, b = (getattr(p, cache_of)(0).cpu() for p in pools)
+        assert torch.equal(a, b), cache_of

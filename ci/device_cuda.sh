@@ -29,6 +29,11 @@
 #   pdl        programmatic dependent launch off and on (POLYSPEC_CUDA_PDL=0, 1), interleaved
 #              twice: the plain step at Llama-3-8B's shape and the S=3 K=6 N=16 round at
 #              SmolLM2-135M's, overlap on, 128 new tokens ($OUT/pdl-*/target_size.md)
+#   rotary     rotary embedding in the K/V store's launch (POLYSPEC_CUDA_ROTARY_IN_STORE=1): its
+#              kernel tests compiled on the GPU, the cuda conformance modules test_lossless and
+#              test_graph with it on, then the plain step at Llama-3-8B's shape and the S=3 K=6
+#              N=16 round at SmolLM2-135M's with it off and on, interleaved twice
+#              ($OUT/rotary-*/target_size.md)
 #   e2e        polyspec bench on SmolLM2 with the shipped head, MT-bench, at each batch size of
 #              $E2E_BATCH_SIZES (default "1 16"), for each setting in $E2E_SETTINGS (default
 #              "3-6-16"): S-K-N, S-K-N,MIN:S-K-N[,...] (batch trees), or "head" (the head's own
@@ -171,6 +176,26 @@ pdl_ab() {  # the pdl step: each shape with PDL off, on, off, on
   done
 }
 run_step 06-pdl 420 pdl_ab
+
+rotary_ab() {  # the rotary step: correctness with the fused store on, then off / on, twice
+  local i r
+  POLYSPEC_TRITON_DEVICE=cuda POLYSPEC_CUDA_ROTARY_IN_STORE=1 "$PY" -m pytest -q \
+    -p no:cacheprovider tests/kernels/test_triton_interpret.py tests/kernels/test_triton_rowinv.py \
+    -k "rotary or store_kv" || return 1
+  POLYSPEC_CUDA_ROTARY_IN_STORE=1 "$PY" -m pytest -q -p no:cacheprovider --pyargs \
+    polyspec.testing.test_lossless polyspec.testing.test_graph --polyspec-backend cuda || return 1
+  for i in 1 2; do
+    for r in 0 1; do
+      POLYSPEC_CUDA_ROTARY_IN_STORE=$r "$PY" benchmarks/bench_target_size.py --backend cuda \
+        --preset llama3-8b --batch-sizes 1 --skip-spec --overlap-rounds --max-new-tokens 128 \
+        --replays 10 --out "$OUT/rotary-8b-$r-$i" || return 1
+      POLYSPEC_CUDA_ROTARY_IN_STORE=$r "$PY" benchmarks/bench_target_size.py --backend cuda \
+        --preset smollm2-135m --batch-sizes 1 --topk 6 --num-draft-tokens 16 --overlap-rounds \
+        --max-new-tokens 128 --replays 10 --out "$OUT/rotary-smollm2-$r-$i" || return 1
+    done
+  done
+}
+run_step 06-rotary 600 rotary_ab
 
 e2e() {  # each batch size of $E2E_BATCH_SIZES (default "1 16") for each setting of $E2E_SETTINGS
   # A setting: S-K-N (default: the recommended 3-6-16), S-K-N,MIN:S-K-N[,...] (with batch trees),

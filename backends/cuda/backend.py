@@ -75,6 +75,21 @@ def _pdl_enabled(device_index: int) -> bool:
     return value == "1" and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def _rotary_in_store() -> bool:
+    """``POLYSPEC_CUDA_ROTARY_IN_STORE``: "1", the row-invariant attention rotates q and k in
+    the launch that stores K/V (``rotary_store_kv``); unset or "0", the KernelSet's
+    ``rotary_embedding`` then ``store_kv``. Off by default until the fused kernel has run the
+    cuda conformance suite on a GPU (it is checked against the two kernels under Triton's
+    interpreter and compiled for sm_90 in CI)."""
+    value = os.environ.get("POLYSPEC_CUDA_ROTARY_IN_STORE", "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"POLYSPEC_CUDA_ROTARY_IN_STORE={value!r}: use '1' (rotary embedding in the K/V "
+            f"store's launch) or '0' (two launches, the default)"
+        )
+    return value == "1"
+
+
 def _kernel_mode() -> str:
     """``POLYSPEC_CUDA_KERNELS``: "rowinv" (default) or "torch" (module doc)."""
     mode = os.environ.get("POLYSPEC_CUDA_KERNELS", "rowinv").strip() or "rowinv"
@@ -216,7 +231,7 @@ class CUDABackend(Backend):
             from .attention import RowInvariantAttention
 
             # the Triton rotary_embedding's arithmetic, so only where it is this KernelSet's
-            fused = "rotary_embedding" in self._triton_kernels
+            fused = _rotary_in_store() and "rotary_embedding" in self._triton_kernels
             return RowInvariantAttention(
                 kv_pool, num_heads, num_kv_heads, head_dim, scale, pdl=self.pdl,
                 rotary_in_forward=fused,

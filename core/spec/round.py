@@ -623,12 +623,13 @@ class SpecRound:
         ``copy_prefix``: copy the prefix's partial last page into each lane (once a round)."""
         p, S, K = self.p, self.tree.num_steps, self.tree.topk
         lane_locs, tails = self._assign_lanes(rows, draft_lens, b, copy_prefix)
-        start = draft_lens.to(torch.int64) - tails  # the lane's page-aligned prefix
+        lens = draft_lens.to(torch.int64)
+        start = lens - tails  # the lane's page-aligned prefix
         steps = p.arange(S - 1)
         col = steps[:, None] + tails[None, :]  # [S-1, b]
         # [S-1, b, K], each made by one launch
         out_locs = lane_locs.permute(2, 0, 1).gather(0, col[:, :, None].expand(-1, -1, K))
-        positions = draft_lens.to(torch.int64).view(1, b, 1) + steps.view(-1, 1, 1).expand(-1, b, K)
+        positions = lens.view(1, b, 1) + steps.view(-1, 1, 1).expand(-1, b, K)
         return lane_locs, start.to(rows.dtype), out_locs, positions, (col + 1).to(rows.dtype)
 
     def _lanes_rule(self, i: int):

@@ -53,6 +53,17 @@ def _rotate_heads(
 
 
 @triton.jit
+def _cos_sin(positions_ptr, t, cache_ptr, stride_cache, half, BLOCK_HALF: tl.constexpr):
+    """Token ``t``'s cos and sin rows ([BLOCK_HALF] fp32) from the cos/sin table."""
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    cache_row = cache_ptr + pos * stride_cache
+    cos = tl.load(cache_row + i, mask=i < half, other=0.0).to(tl.float32)
+    sin = tl.load(cache_row + half + i, mask=i < half, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr,  # [T]
     q_ptr,  # [T, Hq, D]
@@ -78,11 +89,7 @@ def _rotary_kernel(
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    cache_row = cache_ptr + pos * stride_cache
-    cos = tl.load(cache_row + i, mask=i < half, other=0.0).to(tl.float32)
-    sin = tl.load(cache_row + half + i, mask=i < half, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(positions_ptr, t, cache_ptr, stride_cache, half, BLOCK_HALF)
     t64 = t.to(tl.int64)
     _rotate_heads(
         q_ptr, q_out_ptr + t64 * num_q_heads * 2 * half, t, cos, sin, num_q_heads, half,
@@ -132,11 +139,7 @@ def _rotary_store_kv_kernel(
     wait_for_previous(PDL)
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    cache_row = cache_ptr + pos * stride_cache
-    cos = tl.load(cache_row + i, mask=i < half, other=0.0).to(tl.float32)
-    sin = tl.load(cache_row + half + i, mask=i < half, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(positions_ptr, t, cache_ptr, stride_cache, half, BLOCK_HALF)
     _rotate_heads(
         q_ptr, q_out_ptr + t64 * num_q_heads * 2 * half, t, cos, sin, num_q_heads, half,
         stride_qt, stride_qh, stride_qd, IS_NEOX, BLOCK_HQ, BLOCK_HALF,
@@ -154,6 +157,21 @@ def _rotary_store_kv_kernel(
     tl.store(v_row, v.to(v_cache_ptr.dtype.element_ty), mask=m)
 
 
+def _check_head_dim(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]
+) -> int:
+    """q's head dim D, checked even and shared by k and the cos/sin table."""
+    head_dim = q.shape[-1]
+    check(
+        cos_sin_cache.shape[-1] == head_dim and k.shape[-1] == head_dim and head_dim % 2 == 0,
+        f"cos_sin_cache must be [max_pos, D={head_dim}] (D even) and match q / k's head dim; "
+        f"got cache {tuple(cos_sin_cache.shape)}, k {tuple(k.shape)}",
+    )
+    return head_dim
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # [T]
     q: torch.Tensor,  # [T, Hq, D]
@@ -165,12 +183,7 @@ def rotary_embedding(
     """Triton ``rotary_embedding``; see :func:`polyspec.kernels.reference.rotary_embedding`.
     ``q`` / ``k`` may be strided views; new contiguous tensors are returned. ``pdl``: launch
     with programmatic dependent launch (:mod:`.pdl`)."""
-    head_dim = q.shape[-1]
-    check(
-        cos_sin_cache.shape[-1] == head_dim and k.shape[-1] == head_dim and head_dim % 2 == 0,
-        f"cos_sin_cache must be [max_pos, D={head_dim}] (D even) and match q / k's head dim; "
-        f"got cache {tuple(cos_sin_cache.shape)}, k {tuple(k.shape)}",
-    )
+    head_dim = _check_head_dim(q, k, cos_sin_cache)
     check(
         q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] == positions.numel(),
         f"q [T, Hq, D], k [T, Hkv, D] and positions [T] must agree on T; got "
@@ -224,12 +237,7 @@ def rotary_store_kv(
     """:func:`rotary_embedding` of ``q`` and ``k``, then ``store_kv`` of the rotated ``k`` and
     of ``v`` at ``loc``, in one launch: returns the rotated ``q``; the cache gets bitwise what
     the two kernels write. ``pdl`` as :func:`rotary_embedding`'s."""
-    head_dim = q.shape[-1]
-    check(
-        cos_sin_cache.shape[-1] == head_dim and k.shape[-1] == head_dim and head_dim % 2 == 0,
-        f"cos_sin_cache must be [max_pos, D={head_dim}] (D even) and match q / k's head dim; "
-        f"got cache {tuple(cos_sin_cache.shape)}, k {tuple(k.shape)}",
-    )
+    head_dim = _check_head_dim(q, k, cos_sin_cache)
     check(
         q.dim() == 3 and q.shape[0] == positions.numel(),
         f"q [T, Hq, D] and positions [T] must agree on T; got {tuple(q.shape)}, "

@@ -24,7 +24,7 @@ Triton wrapper's own torch operations included), where every backend runs it as 
 launch; the N busiest sites of the first round replay are printed. Operations charged to
 ``backends/`` (the cpu backend's own linear, attention and KV store, which the cuda backend
 runs as Triton kernels) and the interpreter's own are left out. The models are fp32, so a
-bf16 model's conversions (its logits to fp32) are not among them. With programmatic dependent launch hiding the
+bf16 model's conversions are not among them. With programmatic dependent launch hiding the
 Triton kernels' launch gaps (docs/backends/cuda.md), these are the launches that keep theirs.
 """
 

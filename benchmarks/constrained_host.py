@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     if profiler is not None:
         stats = pstats.Stats(profiler)
         stats.sort_stats("tottime").print_stats(25)
-        grammar = r"constrain|_launch_phases|_verif|_finish|executor.py|_decode|next_masks"
+        grammar = r"constrain|_launch_phases|_finish|executor.py|_decode|next_masks"
         stats.sort_stats("cumulative").print_stats(grammar, 30)
     return result
 

@@ -73,8 +73,6 @@ PARTS = [
     (scheduler_module.Scheduler, "_decode", "scheduler decode"),
     (base.WorkerBase, "decode", "worker decode"),
     (base.WorkerBase, "_launch_phases", "constrained round's phases (speculative)"),
-    (base.WorkerBase, "_accept_verified", "queued constrained round's walk and acceptance"),
-    (base.WorkerBase, "_queue_verify", "next constrained round's draft and verify queued"),
     (base.WorkerBase, "_plain_phases", "constrained round's phases (plain)"),
     (base.WorkerBase, "_finish", "worker finish (the result's wait included)"),
     (base.WorkerBase, "_round_inputs", "round inputs"),

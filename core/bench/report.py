@@ -212,11 +212,6 @@ def _details(report: Mapping[str, Any]) -> list[str]:
             f"{name} rounds queued behind another (overlap_rounds): {q['queued']}, "
             f"{q['used']} of them used"
         )
-    if q := settings.get("queued_verifies"):
-        lines.append(
-            f"spec constrained rounds' next draft and verify queued: {q['queued']}, "
-            f"{q['used']} of them used"
-        )
     lines.append(f"spec and plain outputs identical: {_identity(report)}")
     if "transformers_outputs_differing_from_plain" in report:
         lines.append(
@@ -380,19 +375,16 @@ def format_sweep_text(report: Mapping[str, Any]) -> str:
     ]
     if differ:
         out.append(f"spec and plain outputs differ at batch {', '.join(differ)}")
-    queued = (  # constrained rounds' queued parts (overlap_rounds)
-        ("queued_forwards", "constrained plain rounds' forwards"),
-        ("queued_verifies", "constrained rounds' next draft and verify"),
-    )
-    for system in ("plain", "spec"):
-        for key, what in queued:
-            used = [
-                f"{r['batch_size']}: {e[key + '_used']} of {e[key]}"
-                for r in report["batch_sweep"]
-                if (e := r.get("engine", {}).get(system, {})).get(key)
-            ]
-            if used:
-                out.append(f"{system} {what} queued, used: {', '.join(used)}")
+    for system in ("plain", "spec"):  # constrained plain rounds' forwards (overlap_rounds)
+        used = [
+            f"{r['batch_size']}: {e['queued_forwards_used']} of {e['queued_forwards']}"
+            for r in report["batch_sweep"]
+            if (e := r.get("engine", {}).get(system, {})).get("queued_forwards")
+        ]
+        if used:
+            out.append(
+                f"{system} constrained plain rounds' forwards queued, used: {', '.join(used)}"
+            )
     for name, mem in (report["settings"].get("graph_memory") or {}).items():
         if mem.get("bytes") is not None:
             out.append(f"{name} graphs: {mem['graphs']}, {mem['bytes'] / 2**20:.0f} MiB")

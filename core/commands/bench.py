@@ -402,8 +402,6 @@ def _run(args: argparse.Namespace, temperatures: list[float]) -> int:
                 **(settings["queued_rounds"] or {}),
                 "spec": dict(llm.worker.queued_rounds),
             }
-            if schema is not None:  # constrained rounds' next draft and verify
-                settings["queued_verifies"] = dict(llm.worker.queued_verifies)
         _record_graph_memory(settings, "spec", llm)
         for t in temperatures:
             params = dataclasses.replace(sampling, temperature=t)
@@ -536,7 +534,6 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
             before = dict(llm.worker.rounds_by_tree)
             rounds0, queued0 = llm.scheduler.rounds, dict(llm.worker.queued_rounds)
             forwards0 = dict(llm.worker.queued_forwards)
-            verifies0 = dict(llm.worker.queued_verifies)
             results[system][b] = runner.run_polyspec(
                 llm, f"{system} @{b}", batch_ids, sampling, progress, phase_times=False,
                 warmup_prompts=b, repeats=args.repeats, batch_size=b,
@@ -551,10 +548,6 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
             if forwards["queued"] > forwards0["queued"]:  # constrained plain rounds' forwards
                 engine[system][b]["queued_forwards"] = forwards["queued"] - forwards0["queued"]
                 engine[system][b]["queued_forwards_used"] = forwards["used"] - forwards0["used"]
-            verifies = llm.worker.queued_verifies
-            if verifies["queued"] > verifies0["queued"]:  # constrained rounds' draft and verify
-                engine[system][b]["queued_verifies"] = verifies["queued"] - verifies0["queued"]
-                engine[system][b]["queued_verifies_used"] = verifies["used"] - verifies0["used"]
             if system == "spec":
                 after = llm.worker.rounds_by_tree
                 rounds = {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}

@@ -127,7 +127,6 @@ class RoundMasks:
         self.upload = upload
         self.read = read
         self._tree_read: Any = None
-        self._top_read: Any = None
         self._tree_shape: tuple[int, int] = (0, 0)
         self.draft_vocab = draft_vocab
         self.executor = next((m.executor for m in self.matchers if m is not None), None)
@@ -269,12 +268,6 @@ class RoundMasks:
         self.seconds += time.perf_counter() - t
         return self.upload(out)
 
-    def start_top(self, top: torch.Tensor) -> None:  # [b * N, 2C] fp32
-        """Start the copy to the host of the target's top logits at the tree's nodes
-        (:func:`~polyspec.spec.round.top_logits`), which :meth:`greedy_walk` reads, as the
-        verify is queued."""
-        self._top_read = self.read(top.reshape(-1))
-
     def _read_tree(self) -> list[tuple[list[int], list[int], list[int]]]:
         """The tree :meth:`start_tree` sent to the host: per request, (node tokens, first
         child, next sibling)."""
@@ -296,10 +289,7 @@ class RoundMasks:
         committed to its request's matcher (:meth:`Matcher.walk`) as it is chosen."""
         b, n = self._tree_shape
         trees = self._read_tree()  # read while the target verified
-        read, self._top_read = self._top_read, None
-        if read is None:
-            read = self.read(top.reshape(-1))
-        rows = read.wait().tolist()  # waits for the verify
+        rows = self.read(top.reshape(-1)).wait().tolist()  # waits for the verify
         t = time.perf_counter()
         C = len(rows) // (b * n) // 2
         out = np.full(b * n, -1, dtype=np.int32)

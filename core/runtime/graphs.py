@@ -139,14 +139,6 @@ class CapturedForwards:
             and self.buckets.prefix_bucket(max_prefix) is not None
         )
 
-    def captured_for(self, name: str, bs: int, max_prefix: int) -> bool:
-        """Whether ``name`` is captured for the buckets of (``bs``, ``max_prefix``): a replay
-        of it is certain, not a capture that may fall back to an eager run."""
-        if not self.fits(bs, max_prefix):
-            return False
-        b, p = self.buckets.batch_bucket(bs), self.buckets.prefix_bucket(max_prefix)
-        return self.runner.can_run((name, b, p))
-
     @torch.inference_mode()
     def run(
         self,

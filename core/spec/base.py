@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from polyspec.backend import Backend, ForwardMode, HostLengths
-from polyspec.constrain import ConstraintViolation, DraftVocab, Matcher, RoundMasks
+from polyspec.constrain import DraftVocab, Matcher, RoundMasks
 from polyspec.runtime.batch_builder import BatchBuilder
 from polyspec.runtime.executor import Launched, RoundExecutor
 from polyspec.runtime.graphs import (
@@ -69,21 +69,6 @@ class SeqState:
         n = len(self.prompt)
         head = self.prompt[start:end] if start < n else []
         return head + self.generated[max(start - n, 0) : max(end - n, 0)]
-
-
-@dataclasses.dataclass
-class _Verified:
-    """A constrained round up to its verify, on the device queue; its acceptance to come."""
-
-    fn: SpecRound
-    key: tuple  # the request ids it is for
-    inputs: dict[str, torch.Tensor]  # the round's ([bs, ...] each)
-    masks: RoundMasks
-    nodes: dict[str, torch.Tensor]  # what the accept phase reads of the tree: host, nodes
-    drafted: torch.Tensor  # [bs] the levels drafted
-    verify: Launched  # the verify phase
-    max_prefix: int = 0  # queued behind the round before: the prefix bound it replays at
-    rows: list[int] | None = None  # the rows of the requests that take it (None: all)
 
 
 class PhaseTimer:
@@ -187,11 +172,6 @@ class WorkerBase:
         self._forward: Launched | None = None
         self.queued_forwards = {"queued": 0, "used": 0, "used_by_fewer": 0}
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
-        # A constrained greedy round's draft and verify, queued behind the round before it
-        # once the host had walked that round (their masks follow from its tokens), and how
-        # many were queued / walked and accepted by the next call / by fewer requests.
-        self._verified: _Verified | None = None
-        self.queued_verifies = {"queued": 0, "used": 0, "used_by_fewer": 0}
         self._rounds: dict[tuple[Tree, bool], SpecRound] = {}
         self.rounds_by_tree: dict[str, int] = {}
         # Dynamic depth's threshold, and rounds by the number of levels drafted (index 1..S).
@@ -217,7 +197,6 @@ class WorkerBase:
         self.drafted_levels = [0] * len(self.drafted_levels)
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
         self.queued_forwards = {"queued": 0, "used": 0, "used_by_fewer": 0}
-        self.queued_verifies = {"queued": 0, "used": 0, "used_by_fewer": 0}
         self.timer.seconds.clear()
         self.mask_seconds = 0.0
         self.masks_computed = 0
@@ -269,8 +248,7 @@ class WorkerBase:
         """One round for ``rids`` -> each request's new tokens. ``lookahead``: queue the next
         round behind this one (``EngineConfig.overlap_rounds``): a greedy round without a
         constraint whole, a constrained plain round's forward (its next tokens need the
-        host's masks), a constrained greedy round's draft and verify (their masks follow
-        from the tokens the host walked; its acceptance needs the next walk). A request that has just joined may get no token
+        host's masks). A request that has just joined may get no token
         (``[]``) when the round the last call queued is run for the others: it sits this
         round out and is in the one queued behind it. ``plain``: a plain round whatever the
         batch size's tree (the engine's choice for a constrained batch,
@@ -282,30 +260,22 @@ class WorkerBase:
         # sit it out).
         taken = self._take_queued(rids, sts)
         forward = self._take_forward(rids)
-        verified = self._take_verified(rids, sts, plain)
         masks = None
         if taken is not None:
             tree, launched, rows, joined = taken
             greedy = True
-        elif verified is not None:  # its draft and verify queued: the walk, then acceptance
-            tree, rows, joined, greedy = verified.fn.tree, verified.rows, 0, True
-            launched = self._accept_verified(verified, lookahead)
         else:
             tree, rows, joined = self.tree_for(len(sts)), None, 0
             if plain:
                 tree = self.plain_tree
             greedy = all(s.sampler.greedy for s in sts)
             # A round with a constrained request works with the host in the middle (the
-            # grammar's masks); what can be queued behind it is at most its successor's
-            # draft and verify (greedy, the draft masked at its root only).
+            # grammar's masks), and nothing is queued behind it.
             masks = self._round_masks(sts)
             launched = self._launch(tree, rids, sts, greedy, masks, lookahead, forward)
         self.rounds_by_tree[tree.label] = self.rounds_by_tree.get(tree.label, 0) + 1
-        if lookahead and greedy and masks is None and verified is None:
+        if lookahead and greedy and masks is None:
             self._keep_queued(tree, self._queue_next(tree, launched, rids, sts, rows, joined))
-        elif lookahead and self._queues_verify(launched):
-            self._verified = self._queue_verify(tree, launched, rids, sts, rows)
-            self.queued_verifies["queued"] += self._verified is not None
         members = sts[: len(sts) - joined]
         return self._finish(tree, launched, members, rows) + [[] for _ in range(joined)]
 
@@ -336,8 +306,7 @@ class WorkerBase:
                 copy=lookahead and greedy and masks is None,
             )  # fmt: skip
         elif self.executor.captures(len(sts), max(seq_lens)):
-            copy = lookahead and fn.walk_tree and not fn.mask_lanes  # its successor queued
-            launched = self._launch_phases(fn, rids, inputs, max(seq_lens), host, copy)
+            launched = self._launch_phases(fn, rids, inputs, max(seq_lens), host)
         else:  # the whole round eagerly, every draft level masked
             launched = self.executor.launch(
                 rids, fn.__name__, fn, inputs, max(seq_lens), host, eager=True
@@ -410,35 +379,22 @@ class WorkerBase:
         # (``key`` the requests it served before: the caller counts a use by fewer)
         return dataclasses.replace(queued, outputs=(logits,), rows=len(rows))
 
-    def _launch_phases(
-        self, fn: SpecRound, rids, inputs, max_prefix: int, host, copy: bool = False
-    ) -> Launched:
+    def _launch_phases(self, fn: SpecRound, rids, inputs, max_prefix: int, host) -> Launched:
         """A constrained speculative round where the batch replays graphs: its phases
         (:meth:`SpecRound.phases`), each replayed, the host's work between them: the root's
         mask before the draft, each level's lanes' masks after it (the device waits for
         them), and the tree's node masks while the device verifies (the tree starts towards
         the host as the verify is queued), or greedy acceptance walked on the host after the
-        verify. -> the accept phase, as the round's (``copy``: its outputs copied out of the
-        graph and its result on its way to the host, :meth:`RoundExecutor.launch`)."""
-        launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
-        verified = self._draft_and_verify(fn, tuple(rids), inputs, host.masks, launch)
-        return self._walk_and_accept(verified, launch, copy)
-
-    def _draft_and_verify(
-        self, fn: SpecRound, key: tuple, inputs, masks: RoundMasks, launch
-    ) -> _Verified | None:
-        """A constrained round's phases up to its verify, each through ``launch(name, phase,
-        inputs) -> Launched | None`` (None: it could not replay, nothing more is launched)."""
-        *levels, verify, _ = fn.phases()
-        bs, K = len(key), fn.tree.topk
+        verify. -> the accept phase, as the round's."""
+        *levels, verify, accept = fn.phases()
+        masks, bs, K = host.masks, len(rids), fn.tree.topk
         own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
         state = {k: v for k, v in inputs.items() if k == "host" or k in own}
         state["root_mask"] = masks.root()  # [bs, W] int32 (the phase takes the draft's vocab)
         if not fn.mask_lanes and fn.tree.num_steps > 1:  # [bs, S-1, W] int32, the same
             state["level_masks"] = masks.draft_levels(fn.tree.num_steps, draft_vocab=False)
+        launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
         out = launch(levels[0].__name__, levels[0], state)
-        if out is None:
-            return None
         for i, phase in enumerate(levels[1:], start=1):
             keys = level_keys(i, fn.stop_below > 0)
             level = {k: t[:bs] for k, t in zip(keys, out.outputs)}
@@ -453,17 +409,6 @@ class WorkerBase:
         tree = {"host": inputs["host"], "nodes": nodes}
         second = launch(verify.__name__, verify, {**tree, "tree_mask": tree_mask,
                                                   "positions": positions})  # fmt: skip
-        if second is None:
-            return None
-        if fn.walk_tree:  # the target's top logits on their way to the host
-            masks.start_top(second.outputs[2][: bs * fn.tree.num_draft_tokens])
-        return _Verified(fn, key, dict(inputs), masks, tree, drafted, second)
-
-    def _walk_and_accept(self, verified: _Verified, launch, copy: bool) -> Launched:
-        """The rest of a constrained round after its verify: greedy acceptance walked on the
-        host (or every node's mask, while the device verified), then the accept phase."""
-        fn, inputs, masks, second = verified.fn, verified.inputs, verified.masks, verified.verify
-        bs, accept = len(verified.key), fn.phases()[-1]
         # hidden states, or logits and their top where the round walks the tree (walk_tree)
         first, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
         self._lap("draft")
@@ -472,107 +417,18 @@ class WorkerBase:
         else:  # every node's mask, while the device verifies
             node = {"node_masks": masks.tree().view(bs, -1, masks.width)}
         self._lap("verify")
-        own = ("host", "topk_p", "topk_index", "hidden")
-        sampled = {k: v for k, v in inputs.items() if k not in own}  # sampling, coins
-        last = {**verified.nodes, **sampled, ("logits" if top else "hidden"): first,
-                "features": feats, **node, "drafted": verified.drafted}  # fmt: skip
-        out = launch(accept.__name__, accept, last, copy=copy)
-        return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=inputs)
+        sampled = {k: v for k, v in inputs.items() if k not in state}  # sampling, coins
+        last = {**tree, **sampled, ("logits" if top else "hidden"): first, "features": feats,
+                **node, "drafted": drafted}  # fmt: skip
+        out = launch(accept.__name__, accept, last)
+        return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
 
-    def _queues_verify(self, launched: Launched) -> bool:
-        """Whether the next round's draft and verify can be queued behind ``launched``: a
-        constrained greedy round that walked its tree (its tokens, and so the next round's
-        masks, known to the host), replayed and copied out (:meth:`_launch_phases`)."""
-        fn = launched.fn
-        if not isinstance(fn, SpecRound) or not (fn.walk_tree and fn.tree.num_steps > 0):
-            return False
-        return launched.read is not None and not fn.mask_lanes
-
-    def _queue_verify(self, tree: Tree, launched: Launched, rids, sts, rows) -> _Verified | None:
-        """Queue the draft and the verify of the round after ``launched`` (a constrained
-        greedy round, walked) for ``rids`` (``rows``: their rows in it, None for all), from
-        its outputs on the device, under the masks the walk's tokens give: the next roots'
-        and the draft levels' (:meth:`RoundMasks.draft_levels`). The device runs them while
-        the host reads the round, commits it and schedules; the next call walks the verify's
-        top logits and accepts (:meth:`_accept_verified`). A request that round finished (its
-        grammar complete, its token limit, EOS) is a row the next round ignores; a request
-        joining (a prefill) drops them (their writes lie past the committed prefixes)."""
-        if tree != self.tree_for(len(sts)) or self.graphs.needs_prepare:
-            return None
-        depth = tree.num_steps + 1
-        max_prefix = max(s.seq_len for s in sts) + depth
-        # (the accept phase, replayed by the next call, must not fall back to an eager run:
-        # that would need the lengths of requests that may have left by then)
-        accept = launched.fn.phases()[-1].__name__
-        if not self.graphs.captured_for(accept, len(sts), max_prefix):
-            return None
-        masks = self._round_masks(sts, ahead=True)
-        if masks is None:  # every request finished in that round
-            return None
-        width = _round_width(tree)
-        need = [min(s.seq_len + depth, self._end_len(s) - 1) + width for s in sts]
-        self.kv.ensure([s.row for s in sts], need, self.kv_lookahead)
-        inputs = next_round_inputs(tree, launched.inputs, launched.outputs, launched.rows)
-        if rows is not None:
-            keep = self.builder.long(rows)
-            inputs = {name: t.index_select(0, keep) for name, t in inputs.items()}
-        fn, key = launched.fn, tuple(rids)
-        queue = functools.partial(self.executor.queue, key, max_prefix=max_prefix)
-        verified = self._draft_and_verify(fn, key, inputs, masks, queue)
-        if verified is None:
-            return None
-        return dataclasses.replace(verified, max_prefix=max_prefix)
-
-    def _take_verified(self, rids: Sequence[int], sts, plain: bool) -> _Verified | None:
-        """The draft and verify the last call queued, when they hold ``rids`` in order
-        (requests that have left since are ignored; none has joined), each short of its token
-        limit, and this round is not to be plain; else None. Either way they are gone."""
-        verified, self._verified = self._verified, None
-        if verified is None or plain:
-            return None
-        key = tuple(rids)
-        if verified.key != key:
-            at = {r: i for i, r in enumerate(verified.key)}
-            rows = [at.get(r, -1) for r in key]
-            if min(rows) < 0 or rows != sorted(rows):  # a request joined, or the order changed
-                return None
-            keep = set(rows)
-            for i in range(len(verified.key)):
-                if i not in keep:  # its request has left: its rows are not walked or read
-                    verified.masks.matchers[i] = None
-            verified = dataclasses.replace(verified, rows=rows)
-        if any(s.seq_len >= self._end_len(s) for s in sts):
-            return None
-        self.queued_verifies["used"] += 1
-        self.queued_verifies["used_by_fewer"] += verified.rows is not None
-        return verified
-
-    def _accept_verified(self, verified: _Verified, lookahead: bool) -> Launched:
-        """Walk and accept the round whose draft and verify the last call queued."""
-        self.timer.lap(self.prepare_phase)
-        launch = functools.partial(
-            self.executor.launch, verified.key, max_prefix=verified.max_prefix, host=None
-        )
-        launched = self._walk_and_accept(verified, launch, copy=lookahead)
-        masks = verified.masks
-        masks.next_roots(verified.fn.tree.num_steps)  # while the device accepts
-        self.mask_seconds += masks.seconds
-        self.masks_computed += masks.computed
-        self.constrained_rounds += 1
-        return launched
-
-    def _round_masks(self, sts: Sequence[SeqState], ahead: bool = False) -> RoundMasks | None:
-        """The mask builder of a round with a constrained request, else None. ``ahead``: a
-        round queued before the scheduler has read the one before, in which some requests
-        may have finished (the grammar complete, or at a dead end): their rows are not
-        masked or walked (they leave before it is accepted); None if every one has."""
-        matchers = [s.matcher for s in sts]
-        if ahead:
-            matchers = [m if m is not None and _goes_on(m) else None for m in matchers]
-        if all(m is None for m in matchers):
+    def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
+        """The mask builder of a round with a constrained request, else None."""
+        if all(s.matcher is None for s in sts):
             return None
         return RoundMasks(
-            matchers, self.target.config.vocab_size, self._upload_mask,
+            [s.matcher for s in sts], self.target.config.vocab_size, self._upload_mask,
             self.backend.read_async, self._draft_vocab(),
         )  # fmt: skip
 
@@ -764,9 +620,9 @@ class WorkerBase:
         """Target EXTEND over prompt[prefilled:end] of each request.
 
         Returns (hidden [T, H], aux [T, A*H] | None, the host lists starts / lens)."""
-        # A queued plain forward, or draft and verify, is dropped: the prefill's graphs may
-        # overwrite its outputs, and the batch is changing.
-        self._forward = self._verified = None
+        # A queued plain forward is dropped: the prefill's graphs may overwrite its logits,
+        # and the batch is changing.
+        self._forward = None
         sts = [self.states[r] for r in rids]
         rows = [s.row for s in sts]
         starts = [s.prefilled for s in sts]
@@ -973,18 +829,6 @@ class WorkerBase:
             if s.matcher is not None:
                 s.matcher.advance([t])
         return tokens
-
-
-def _goes_on(matcher: Matcher) -> bool:
-    """Whether a constrained request continues after its last round (its next mask, which
-    the next round's root needs, computed here where not yet): not complete, no dead end."""
-    if matcher.done:
-        return False
-    try:
-        matcher.next_mask()
-    except ConstraintViolation:
-        return False
-    return True
 
 
 def _prefill_lengths(host_params: Mapping[str, Any], rows: int) -> HostLengths:

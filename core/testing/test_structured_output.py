@@ -277,53 +277,6 @@ def test_constrained_plain_rounds_queue_their_forward(
     assert llm.kv_slots_free == free_before, "KV slots leaked"
 
 
-@pytest.mark.parametrize(
-    "algorithm,dynamic_depth", [("self", 0.0), ("eagle3", 0.0), ("eagle3", 0.999)]
-)
-def test_constrained_rounds_queue_their_draft_and_verify(
-    backend, backend_name, tiny_models, plain, algorithm, dynamic_depth
-):
-    """``overlap_rounds``, greedy, the draft masked at its root only: once the host has
-    walked a constrained round's acceptance (its tokens, and so the next round's root and
-    draft-level masks, known before the device has accepted), the next round's draft and
-    verify are queued behind it, and the next call walks that verify and accepts. Long
-    constrained outputs (free tokens, and the grammar's forced runs) with unconstrained
-    requests in their batch, one stopping at its token limit early on (the queued draft and
-    verify serve the others), then the mixed batch of :func:`_batch`: the outputs equal eager
-    plain decoding's and satisfy their constraints, the queued rounds are used (by fewer
-    requests too) and accept drafts, and no KV slot leaks."""
-    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
-    require(
-        not backend.capabilities.graph_needs_prepare,
-        "graphs without prepare (a queued round's lengths are not on the host yet)",
-    )
-    topk = 2 if backend.capabilities.tree_attention else 1
-    spec = {"topk": topk, "num_steps": 3, "dynamic_depth": dynamic_depth}
-    llm = _llm(
-        backend, backend_name, tiny_models, algorithm, graphs="on", overlap_rounds="on",
-        constrained_draft="root", **spec,
-    )  # fmt: skip
-    free_before = llm.kv_slots_free
-    params = [SamplingParams(max_new_tokens=60, regex=LONG_REGEX) for _ in PROMPTS[:2]]
-    params += [SamplingParams(max_new_tokens=60, regex=FORCED) for _ in PROMPTS[2:]]
-    params += [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 50)]
-    prompts = PROMPTS + PROMPTS[:2]
-    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
-    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for p, o in zip(params, got):
-        if p.constrained:
-            assert o.finish_reason == "stop" and re.fullmatch(p.regex, o.text), o.text
-    queued = llm.worker.queued_verifies
-    assert 0 < queued["used"] <= queued["queued"], queued
-    assert queued["used_by_fewer"] > 0, queued  # after a request's token limit, or its stop
-    assert max(_accepted(params, got, True)) > 1, "no draft token was accepted"
-    used = queued["used"]
-    _mixed_batch_equals_plain(llm, plain)
-    assert llm.worker.queued_verifies["used"] > used, llm.worker.queued_verifies
-    assert llm.kv_slots_free == free_before, "KV slots leaked"
-
-
 FORCED = r"\{\"name\": \"(ab|cd)\", \"level\": \"[xy]\"\}"
 """A regex whose literal runs the grammar forces (a tiny random draft would not guess them)."""
 

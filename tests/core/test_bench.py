@@ -361,28 +361,6 @@ def test_bench_sweep_reports_queued_constrained_forwards(tiny, tmp_path, capsys)
         assert f"{system} constrained plain rounds' forwards queued, used: 1: " in printed
 
 
-def test_bench_sweep_reports_queued_constrained_drafts(tiny, tmp_path, capsys):
-    """A constrained sweep with ``--overlap-rounds``, speculating under the constraint with
-    the draft masked at its root only: the speculative engine queues each constrained
-    round's next draft and verify, and the sweep reports how many were queued and used."""
-    pytest.importorskip("llguidance", reason="structured output needs polyspec[grammar]")
-    schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 4}))
-    rep = _bench(
-        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
-        "--draft", str(tiny["eagle3"]), "--algorithm", "eagle3", "--num-steps", "2",
-        "--batch-sizes", "1,2", "--graphs", "on", "--overlap-rounds", "--max-new-tokens", "16",
-        "--json-schema", str(schema), "--constrained-speculation", "on",
-        "--constrained-draft", "root",
-    )  # fmt: skip
-    for r in rep["batch_sweep"]:
-        assert r["outputs_identical"] is True
-        e = r["engine"]["spec"]
-        assert 0 < e["queued_verifies_used"] <= e["queued_verifies"], e
-    printed = capsys.readouterr().out
-    assert "spec constrained rounds' next draft and verify queued, used: 1: " in printed
-
-
 def test_bench_batch_sizes_sweep(tiny, tmp_path, capsys):
     """``--batch-sizes``: one engine per system timed at each size, one row per size (at
     least that many prompts, the set repeated), a table on stdout, and a tokens/s plot."""

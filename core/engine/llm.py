@@ -20,6 +20,7 @@ from polyspec.engine.request import RequestOutput
 from polyspec.engine.scheduler import Scheduler
 from polyspec.engine.stop import StopChecker
 from polyspec.errors import ConfigError, RequestError
+from polyspec.spec.base import uses_overlap
 
 if TYPE_CHECKING:
     import torch
@@ -486,7 +487,8 @@ class LLM:
             b *= 4
         sizes.append(cfg.max_batch_size)
         start = time.perf_counter()
-        seconds, stopped = tree_choice.time_rounds(self.worker, cands, sizes)
+        overlap = uses_overlap(self.worker.backend.capabilities, cfg.overlap_rounds)
+        seconds, stopped = tree_choice.time_rounds(self.worker, cands, sizes, overlap=overlap)
         elapsed = time.perf_counter() - start
         spec = cfg.speculative
         if not seconds:  # not even batch 1 was timed: the head's tree(s) as given

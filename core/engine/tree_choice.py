@@ -184,9 +184,10 @@ def tree_note(choice: Mapping) -> str:
 # Where the rounds replay captured graphs, a forward timed eagerly does not tell what it costs
 # inside a graph, and what a round costs depends on the batch: the tree whose extra verify
 # tokens are nearly free at batch 1 fills the device at batch 64. So the engine times whole
-# rounds, each tree's and a plain round's, through the real worker (captured like any round)
-# at a few batch sizes, and predicts each one's tokens per second as acceptance x bs / round
-# time (a plain round: 1 x bs / its time). Between two timed batch sizes a round's time is
+# rounds, each tree's and a plain round's, through the real worker (captured like any round,
+# and queued behind the last where the engine overlaps rounds) at a few batch sizes, and
+# predicts each one's tokens per second as acceptance x bs / round time (a plain round:
+# 1 x bs / its time). Between two timed batch sizes a round's time is
 # interpolated linearly; above the largest, the last timed size's choice holds. A tree must
 # beat plain rounds by a margin (:data:`SPEC_MARGIN`).
 
@@ -290,19 +291,28 @@ def batch_schedule(
     return out
 
 
+OVERLAPPED_ROUNDS = 6
+"""Rounds in one timed run where rounds are overlapped: the run's time over its rounds."""
+
+
 def time_rounds(
     worker,
     candidates: Sequence[TreeCandidate],
     batch_sizes: Sequence[int],
     budget_s: float = ROUND_BUDGET_S,
     repeats: int = 3,
+    overlap: bool = False,
 ) -> tuple[dict[int, dict[str, float]], str | None]:
     """Time the rounds of ``candidates`` and a plain round on ``worker`` (an EagleWorker
     built with every candidate ``runnable``, no request running, no scheduler yet) at each of
     ``batch_sizes`` (ascending), with that many requests after a :data:`PREFIX_LEN`-token
     prefix (their KV is not written: its values do not change a round's time): two rounds to
-    capture and warm up, then the best of ``repeats``. At each size after the first, only
-    the candidates :func:`still_timed` keeps; none kept ends it. -> (batch size -> label ->
+    capture and warm up, then the best of ``repeats``. ``overlap``: the engine queues each
+    round behind the last (``overlap_rounds``), so a round costs what the slower of the
+    device and the host spends on it, not their sum; each timing is then a run of
+    :data:`OVERLAPPED_ROUNDS` rounds each queued behind the last (after a first one that is
+    not), over its rounds (the prefix grows by the tokens they commit). At each size after the first, only the
+    candidates :func:`still_timed` keeps; none kept ends it. -> (batch size -> label ->
     seconds, why timing stopped early or None). The requests are removed and the statistics
     zeroed before it returns; the rounds' trees are left to the caller (``use_trees``)."""
     from polyspec.runtime.sampling import RequestSampler
@@ -311,8 +321,12 @@ def time_rounds(
     out: dict[int, dict[str, float]] = {}
     timed = list(candidates)
     width = max([2, *(max(c.num_draft_tokens, c.num_steps + 1) for c in candidates)])
-    prefix = max(1, min(PREFIX_LEN, worker.req_pool.max_context - width - 1))
-    need = worker.kv_need(prefix, width)
+    # an overlapped run's growth: each of its rounds (the first, the timed ones and the one
+    # queued after the last) commits at most S + 1 tokens
+    depth = max([1, *(c.num_steps + 1 for c in candidates)])
+    growth = (OVERLAPPED_ROUNDS + 2) * depth if overlap else 0
+    prefix = max(1, min(PREFIX_LEN, worker.req_pool.max_context - width - growth - 1))
+    need = worker.kv_need(prefix + growth, width)
     stopped = None
     sampler = RequestSampler.create(0.0, 0, 1.0, 0, worker.device)
     for bs in batch_sizes:
@@ -333,13 +347,21 @@ def time_rounds(
                 worker.use_trees([(1, *shape)])
                 best = float("inf")
                 for rep in range(2 + repeats):
-                    for r in rids:  # the same prefix each round, the draft current
+                    for r in rids:  # the same prefix each run, the draft current
                         st = worker.states[r]
                         st.seq_len = st.draft_len = prefix
+                    rounds = 1
+                    if overlap:  # timed from the first round queued behind another
+                        worker.decode(rids, lookahead=True)
+                        rounds = OVERLAPPED_ROUNDS
                     t = time.perf_counter()
-                    worker.decode(rids)
+                    for _ in range(rounds):
+                        worker.decode(rids, lookahead=overlap)
                     if rep >= 2:
-                        best = min(best, time.perf_counter() - t)
+                        best = min(best, (time.perf_counter() - t) / rounds)
+                    if overlap:  # the round queued after the run's last: not the next's
+                        worker.drop_queued()
+                        worker.backend.synchronize()
                 seconds[option_label(c)] = best
         finally:
             for r in rids:

@@ -577,6 +577,11 @@ class WorkerBase:
         self.queued_rounds["joined_after"] += joined > 0
         return tree, launched, rows, joined
 
+    def drop_queued(self) -> None:
+        """Drop what the last call queued behind its round (its writes lie past the
+        committed prefixes): the next call computes its round afresh."""
+        self._queued = self._forward = None
+
     def _keep_queued(self, tree: Tree, queued: Launched | None) -> None:
         """Hold a round just queued behind this one (None: none could be) for the next call."""
         self._queued = None if queued is None else (tree, queued)

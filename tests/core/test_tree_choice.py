@@ -192,24 +192,50 @@ def test_batch_report_and_note():
     assert "timing stopped early: the 5 s budget was spent" in stopped
 
 
-def test_an_engine_of_captured_rounds_times_them_by_batch_size(tiny_models):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_an_engine_of_captured_rounds_times_them_by_batch_size(tiny_models, monkeypatch, overlap):
     """Where rounds replay graphs (``graphs = "on"`` on the cpu backend: the captured path
     through an eager runner), the engine times the recommended trees' rounds (the main tree
     and ``batch_trees``') and plain rounds at batch 1 and 4 at start-up and runs its choice per
     batch size: the worker's trees are the configured ones, its rounds as named in the report,
-    and the output is plain greedy's."""
+    and the output is plain greedy's. With ``overlap_rounds`` the timed rounds are runs of
+    rounds each queued behind the last, as the engine runs them, the round queued after a
+    run's last dropped before the next run."""
     from polyspec.config import SamplingParams
+    from polyspec.engine import tree_choice
     from polyspec.engine.llm import LLM
+    from polyspec.spec.base import WorkerBase
 
     def llm(spec=None, draft=None):
         return LLM(
             target=tiny_models["target"], draft=draft, speculative=spec, backend="cpu",
             dtype="float32", max_batch_size=4, max_context=256, graphs="on",
+            overlap_rounds=overlap,
         )  # fmt: skip
 
+    calls = {"lookahead": 0, "dropped": 0}
+    decode, drop = WorkerBase.decode, WorkerBase.drop_queued
+
+    def counted_decode(self, rids, lookahead=False, plain=False):
+        calls["lookahead"] += lookahead
+        return decode(self, rids, lookahead, plain)
+
+    def counted_drop(self):
+        calls["dropped"] += self._queued is not None
+        drop(self)
+
+    monkeypatch.setattr(WorkerBase, "decode", counted_decode)
+    monkeypatch.setattr(WorkerBase, "drop_queued", counted_drop)
     spec = SpeculativeConfig("eagle3", 3, 3, 8, tree_candidates=CANDIDATES, batch_trees="2:5-4-16")
     engine = llm(spec, tiny_models["eagle3"])
     choice = engine.tree_choice
+    runs = sum(len(times) for times in choice["round_ms"].values()) * (2 + 3)
+    if overlap == "on":  # every run: its first round and the timed ones queue the next
+        assert calls["lookahead"] == runs * (1 + tree_choice.OVERLAPPED_ROUNDS), calls
+        assert calls["dropped"] == runs, calls
+    else:
+        assert calls == {"lookahead": 0, "dropped": 0}, calls
+    monkeypatch.undo()
     assert choice["timed_batch_sizes"][0] == 1 and set(choice["timed_batch_sizes"]) <= {1, 4}
     assert set(choice["round_ms"]["1"]) == {"plain", "S=3 K=3 N=8", "S=5 K=4 N=16"}
     got = engine.config.speculative

@@ -65,13 +65,13 @@ def test_declared_capabilities_are_the_backends():
         CUDAGraphRunner(torch.device("cuda"), warmup_iters=0)
 
 
-def test_rotary_in_store_is_opt_in_and_rejects_other_values(monkeypatch):
-    """``POLYSPEC_CUDA_ROTARY_IN_STORE``: off unless "1"; any other value names the choices."""
+def test_rotary_in_store_is_on_unless_0_and_rejects_other_values(monkeypatch):
+    """``POLYSPEC_CUDA_ROTARY_IN_STORE``: on unless "0"; any other value names the choices."""
     from polyspec.backends.cuda.backend import _rotary_in_store
 
     monkeypatch.delenv("POLYSPEC_CUDA_ROTARY_IN_STORE", raising=False)
-    assert _rotary_in_store() is False
-    for value, on in (("0", False), ("1", True), (" 1 ", True), ("", False)):
+    assert _rotary_in_store() is True
+    for value, on in (("0", False), (" 0 ", False), ("1", True), ("", True)):
         monkeypatch.setenv("POLYSPEC_CUDA_ROTARY_IN_STORE", value)
         assert _rotary_in_store() is on, value
     monkeypatch.setenv("POLYSPEC_CUDA_ROTARY_IN_STORE", "yes")

@@ -187,9 +187,9 @@ def tree_note(choice: Mapping) -> str:
 # rounds, each tree's and a plain round's, through the real worker (captured like any round,
 # and queued behind the last where the engine overlaps rounds) at a few batch sizes, and
 # predicts each one's tokens per second as acceptance x bs / round time (a plain round:
-# 1 x bs / its time). Between two timed batch sizes a round's time is
-# interpolated linearly; above the largest, the last timed size's choice holds. A tree must
-# beat plain rounds by a margin (:data:`SPEC_MARGIN`).
+# 1 x bs / its time). Between two timed batch sizes a round's time is interpolated linearly;
+# above the largest, the last timed size's choice holds. A tree must beat plain rounds by a
+# margin (:data:`SPEC_MARGIN`).
 
 ROUND_BUDGET_S = 20.0
 """Seconds the start-up timing of rounds may take (each option's round is captured before it
@@ -311,10 +311,11 @@ def time_rounds(
     round behind the last (``overlap_rounds``), so a round costs what the slower of the
     device and the host spends on it, not their sum; each timing is then a run of
     :data:`OVERLAPPED_ROUNDS` rounds each queued behind the last (after a first one that is
-    not), over its rounds (the prefix grows by the tokens they commit). At each size after the first, only the
-    candidates :func:`still_timed` keeps; none kept ends it. -> (batch size -> label ->
-    seconds, why timing stopped early or None). The requests are removed and the statistics
-    zeroed before it returns; the rounds' trees are left to the caller (``use_trees``)."""
+    not), over its rounds (the prefix grows by the tokens they commit). At each size after
+    the first, only the candidates :func:`still_timed` keeps; none kept ends it. -> (batch
+    size -> label -> seconds, why timing stopped early or None). The requests are removed
+    and the statistics zeroed before it returns; the rounds' trees are left to the caller
+    (``use_trees``)."""
     from polyspec.runtime.sampling import RequestSampler
 
     start = time.perf_counter()

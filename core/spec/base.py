@@ -385,8 +385,11 @@ class WorkerBase:
         mask before the draft, each level's lanes' masks after it (the device waits for
         them), and the tree's node masks while the device verifies (the tree starts towards
         the host as the verify is queued), or greedy acceptance walked on the host after the
-        verify. -> the accept phase, as the round's."""
+        verify (where the host reads nothing in between, draft and verify are one phase).
+        -> the accept phase, as the round's."""
         *levels, verify, accept = fn.phases()
+        if fn.verifies_in_draft:  # levels[0] is the whole draft and the verify
+            levels, verify = [verify], None
         masks, bs, K = host.masks, len(rids), fn.tree.topk
         own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
         state = {k: v for k, v in inputs.items() if k == "host" or k in own}
@@ -403,14 +406,19 @@ class WorkerBase:
             level["lane_masks"] = lane_masks.view(bs, K, -1)  # [bs, K, W] int32
             out = launch(phase.__name__, phase, {"host": inputs["host"], **level})
         # copies of what the accept phase reads (a replay may overwrite a graph's outputs)
-        nodes, tree_mask, positions, drafted = (t[:bs] for t in out.outputs)
+        nodes, *drawn, drafted = (t[:bs] for t in out.outputs[:4])
         nodes, drafted = nodes.clone(), drafted.clone()
         masks.start_tree(nodes)
         tree = {"host": inputs["host"], "nodes": nodes}
-        second = launch(verify.__name__, verify, {**tree, "tree_mask": tree_mask,
-                                                  "positions": positions})  # fmt: skip
+        if verify is None:  # the verify ran in the draft's phase
+            second, verified = out, out.outputs[4:]
+        else:
+            tree_mask, positions = drawn
+            second = launch(verify.__name__, verify, {**tree, "tree_mask": tree_mask,
+                                                      "positions": positions})  # fmt: skip
+            verified = second.outputs
         # hidden states, or logits and their top where the round walks the tree (walk_tree)
-        first, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in second.outputs)
+        first, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in verified)
         self._lap("draft")
         if top:  # greedy acceptance walked on the host, from the target's top logits
             node = {"node_choice": masks.greedy_walk(top[0], first.flatten(0, 1)).view(bs, -1)}

@@ -182,6 +182,10 @@ class SpecRound:
         # every node would need its own, more than the verify hides (H100:
         # docs/benchmarks.md, "Structured output (GPU)").
         self.walk_tree = constrained and greedy and not (parts.async_device and mask_lanes)
+        # Where the host reads nothing between the draft and the verify (the draft's levels
+        # under masks known before the round, acceptance walked after the verify), the two
+        # are one phase: one graph replay a round fewer (phases).
+        self.verifies_in_draft = self.walk_tree and not mask_lanes
         self.standalone = parts.draft is not None and parts.draft.algorithm == "standalone"
         # dynamic depth: deeper levels of a round whose best path is below it get probability 0
         self.stop_below = stop_below
@@ -304,7 +308,9 @@ class SpecRound:
         its level; the last one builds the tree), ``.verify`` (the target's forward over the
         tree, to its hidden states) and ``.accept`` (the logits masked by ``node_masks``,
         steps 5-7). Without lane masks (:attr:`mask_lanes` False) ``.draft`` runs every level
-        and builds the tree. A plain round's phases are ``.forward`` (the target's forward of
+        and builds the tree; where a greedy round then walks its acceptance on the host, the
+        host reads nothing between the draft and the verify, and ``.draft_verify`` is the two
+        in one (:attr:`verifies_in_draft`). A plain round's phases are ``.forward`` (the target's forward of
         the roots, to logits) and ``.next`` (the next tokens under ``root_mask``): the next
         round's forward is queued behind this one before the host has read its tokens, and
         the host builds the next masks while the device runs it
@@ -313,6 +319,11 @@ class SpecRound:
             self._phases = (
                 RoundPhase(f"{self.__name__}.forward", self._plain_forward_phase),
                 RoundPhase(f"{self.__name__}.next", self._plain_next_phase),
+            )
+        if self._phases is None and self.verifies_in_draft:
+            self._phases = (
+                RoundPhase(f"{self.__name__}.draft_verify", self._draft_verify_phase),
+                RoundPhase(f"{self.__name__}.accept", self._accept_phase),
             )
         if self._phases is None:
             S = self.tree.num_steps if self.mask_lanes else 1
@@ -365,6 +376,15 @@ class SpecRound:
             return level_outputs(level, b)
         drafted = self.levels_drafted(level)
         return self._tree_outputs(level.levels, roots, seq_lens, drafted, b)
+
+    def _draft_verify_phase(self, inputs, b: int, max_prefix, host):
+        """The draft's phase and the verify's in one (:attr:`verifies_in_draft`) -> (nodes
+        [b, 3, N], tree_mask [b, N, N], positions [b, N], levels drafted [b], then the
+        verify's logits [b * N, V], features and top logits)."""
+        nodes, tree_mask, positions, drafted = self._level_phase(0, inputs, b, max_prefix, host)
+        tree = {"host": inputs["host"], "nodes": nodes, "tree_mask": tree_mask,
+                "positions": positions}  # fmt: skip
+        return nodes, tree_mask, positions, drafted, *self._verify_phase(tree, b, max_prefix, host)
 
     def _tree_outputs(self, levels, roots, seq_lens, drafted, b: int):
         """A phased draft's last outputs: (nodes [b, 3, N], tree_mask [b, N, N], positions

@@ -310,10 +310,10 @@ class SpecRound:
         steps 5-7). Without lane masks (:attr:`mask_lanes` False) ``.draft`` runs every level
         and builds the tree; where a greedy round then walks its acceptance on the host, the
         host reads nothing between the draft and the verify, and ``.draft_verify`` is the two
-        in one (:attr:`verifies_in_draft`). A plain round's phases are ``.forward`` (the target's forward of
-        the roots, to logits) and ``.next`` (the next tokens under ``root_mask``): the next
-        round's forward is queued behind this one before the host has read its tokens, and
-        the host builds the next masks while the device runs it
+        in one (:attr:`verifies_in_draft`). A plain round's phases are ``.forward`` (the
+        target's forward of the roots, to logits) and ``.next`` (the next tokens under
+        ``root_mask``): the next round's forward is queued behind this one before the host
+        has read its tokens, and the host builds the next masks while the device runs it
         (:meth:`~polyspec.spec.base.WorkerBase.decode`)."""
         if self._phases is None and self.tree.num_steps == 0:
             self._phases = (

@@ -388,8 +388,8 @@ class WorkerBase:
         verify (where the host reads nothing in between, draft and verify are one phase).
         -> the accept phase, as the round's."""
         *levels, verify, accept = fn.phases()
-        if fn.verifies_in_draft:  # levels[0] is the whole draft and the verify
-            levels, verify = [verify], None
+        if fn.verifies_in_draft:  # one phase: the whole draft, then the verify
+            levels, verify = [*levels, verify], None
         masks, bs, K = host.masks, len(rids), fn.tree.topk
         own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
         state = {k: v for k, v in inputs.items() if k == "host" or k in own}

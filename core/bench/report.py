@@ -343,6 +343,10 @@ def build_sweep_report(
             "rounds_by_tree": trees.get(b, {}).get("rounds_by_tree"),
             "engine": {system: dict(by_size[b]) for system, by_size in engine.items() if b in by_size},
             "outputs_identical": identical,
+            "wall_s_runs": {  # --repeats: each timed run's seconds (the median is taken)
+                name: list(r.wall_s_runs)
+                for name, r in (("plain", plain), ("spec", spec)) if r and len(r.wall_s_runs) > 1
+            },
         })  # fmt: skip
     return {
         "command": command,

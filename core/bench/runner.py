@@ -176,6 +176,18 @@ def _run_polyspec(
     )
 
 
+def median_of(runs: Sequence[SystemResult], greedy: bool) -> SystemResult:
+    """Several timed runs of one system over the same prompts as one result: the first run's
+    outputs and phases, the median wall time of them all. Greedy runs must give the same
+    outputs, else a RuntimeError."""
+    first = runs[0]
+    for i, r in enumerate(runs[1:], start=2):
+        if greedy and r.outputs != first.outputs:
+            raise RuntimeError(f"{first.name}: timed run {i} gave other greedy outputs than run 1")
+    walls = [w for r in runs for w in (r.wall_s_runs or [r.wall_s])]
+    return dataclasses.replace(first, wall_s=statistics.median(walls), wall_s_runs=walls)
+
+
 def phase_run(backend, phase_times: bool) -> str:
     """Where :func:`run_polyspec` times phases on ``backend``: "off", "timed run" (syncs are
     free: kernels run synchronously) or "separate run" (``async_execution``)."""

@@ -18,6 +18,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from polyspec.commands.generate import _ENGINE_KEYS, add_engine_arguments, tune_shipped_head
 from polyspec.commands.paths import check_output_file
@@ -63,8 +64,8 @@ def add_parser(subparsers) -> None:
         dest="batch_sizes",
         metavar="B1,B2,...",
         help="sweep: time plain and speculative decoding at each batch size (e.g. "
-        "1,4,16,64,256) on one engine per system, with max(--num-prompts, B) prompts at batch "
-        "B (the set repeated as needed); prints one row per batch size (tokens/s, speedup, "
+        "1,4,16,64,256) on one engine per system, the two taking turns run by run, with "
+        "max(--num-prompts, B) prompts at batch B (the set repeated as needed); prints one row per batch size (tokens/s, speedup, "
         "acceptance, tree); --plot draws tokens/s against batch size. No transformers run",
     )
     p.add_argument(
@@ -480,7 +481,8 @@ def _record_graph_memory(settings: dict, system: str, llm) -> None:
 
 def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
     """``--batch-sizes``: each system's engine (max_batch_size the largest size) timed at
-    every batch size in turn; one table row per size."""
+    every batch size in turn, the engines taking turns (:func:`_sweep`); one table row per
+    size."""
     from polyspec.bench import report, runner
     from polyspec.bench.datasets import load_dataset
     from polyspec.bench.plot import write_sweep_plot
@@ -500,6 +502,11 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
     trees: dict[int, dict] = {}
     engine: dict[str, dict[int, dict]] = {}  # system -> batch size -> rounds and queued rounds
     settings = ids = backend = None
+    engines: dict[str, Any] = {}
+    # Both engines stay loaded and take turns at each size and repeat, so that a drift of the
+    # machine (clocks, the host's other load) falls on both alike. Ranks of a tensor-parallel
+    # engine follow one engine at a time: there each system runs its whole sweep in turn.
+    interleave = plain_cfg.tensor_parallel_size == 1
     for system, cfg in (("plain", plain_cfg), ("spec", spec_cfg)):
         if cfg is None:
             continue
@@ -515,7 +522,7 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
                                  llm.target_path)  # fmt: skip
             settings.update(backend=backend.name, batch_size=None, batch_sizes=sizes,
                             resolved_dtype=str(llm.dtype).removeprefix("torch."),
-                            phase_timer="off")  # fmt: skip
+                            phase_timer="off", interleaved=interleave)  # fmt: skip
             print(f"polyspec bench: batch sizes {','.join(map(str, sizes))}, {len(ids)} prompts "
                   f"from {dataset_file}, target {llm.target_path}, backend {backend.name}, "
                   f"{settings['resolved_dtype']}", file=sys.stderr)  # fmt: skip
@@ -529,33 +536,16 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
                 settings["tree_choice"] = llm.tree_choice
                 print(f"note: {tree_note(llm.tree_choice)}", file=sys.stderr)
         results[system], engine[system] = {}, {}
-        for b in sizes:
-            batch_ids = [ids[i % len(ids)] for i in range(max(len(ids), b))]
-            before = dict(llm.worker.rounds_by_tree)
-            rounds0, queued0 = llm.scheduler.rounds, dict(llm.worker.queued_rounds)
-            forwards0 = dict(llm.worker.queued_forwards)
-            results[system][b] = runner.run_polyspec(
-                llm, f"{system} @{b}", batch_ids, sampling, progress, phase_times=False,
-                warmup_prompts=b, repeats=args.repeats, batch_size=b,
-            )  # fmt: skip
-            queued = llm.worker.queued_rounds
-            engine[system][b] = {  # the warm-up's and every timed run's rounds
-                "rounds": llm.scheduler.rounds - rounds0,
-                "queued_rounds": queued["queued"] - queued0["queued"],
-                "queued_rounds_used": queued["used"] - queued0["used"],
-            }
-            forwards = llm.worker.queued_forwards
-            if forwards["queued"] > forwards0["queued"]:  # constrained plain rounds' forwards
-                engine[system][b]["queued_forwards"] = forwards["queued"] - forwards0["queued"]
-                engine[system][b]["queued_forwards_used"] = forwards["used"] - forwards0["used"]
-            if system == "spec":
-                after = llm.worker.rounds_by_tree
-                rounds = {t: n - before.get(t, 0) for t, n in after.items() if n > before.get(t, 0)}
-                trees[b] = {"tree": llm.worker.tree_for(b).label, "rounds_by_tree": rounds}
-        _record_graph_memory(settings, system, llm)
-        llm.stop_ranks()
+        engines[system] = llm
+        if not interleave:
+            _sweep({system: llm}, sizes, ids, sampling, args.repeats, progress,
+                   results, engine, trees)  # fmt: skip
+            _release(engines.pop(system), settings, system)
         del llm
-        gc.collect()
+    if interleave:
+        _sweep(engines, sizes, ids, sampling, args.repeats, progress, results, engine, trees)
+        for system in list(engines):
+            _release(engines.pop(system), settings, system)
     if settings is None:  # not rank 0
         return 0
     rep = report.build_sweep_report(
@@ -574,3 +564,54 @@ def _run_sweep(args: argparse.Namespace, sizes: list[int]) -> int:
     if args.plot:
         write_sweep_plot(rep, args.plot)
     return 0
+
+
+def _sweep(engines: dict, sizes, ids, sampling, repeats: int, progress: bool,
+           results: dict, engine: dict, trees: dict) -> None:  # fmt: skip
+    """Time each of ``engines`` (system -> LLM) at every batch size: per size, one untimed
+    full batch and then ``repeats`` timed runs, the systems taking turns run by run."""
+    from polyspec.bench import runner
+
+    for b in sizes:
+        batch_ids = [ids[i % len(ids)] for i in range(max(len(ids), b))]
+        before = {s: dict(llm.worker.rounds_by_tree) for s, llm in engines.items()}
+        rounds0 = {s: llm.scheduler.rounds for s, llm in engines.items()}
+        queued0 = {s: dict(llm.worker.queued_rounds) for s, llm in engines.items()}
+        forwards0 = {s: dict(llm.worker.queued_forwards) for s, llm in engines.items()}
+        runs: dict[str, list[runner.SystemResult]] = {s: [] for s in engines}
+        for i in range(repeats):
+            for system, llm in engines.items():
+                name = f"{system} @{b}" + (f" ({i + 1}/{repeats})" if repeats > 1 else "")
+                runs[system].append(runner.run_polyspec(
+                    llm, name, batch_ids, sampling, progress, phase_times=False,
+                    warmup_prompts=b if i == 0 else 0, batch_size=b,
+                ))  # fmt: skip
+        for system, llm in engines.items():
+            results[system][b] = dataclasses.replace(
+                runner.median_of(runs[system], sampling.temperature == 0), name=f"{system} @{b}"
+            )
+            queued, forwards = llm.worker.queued_rounds, llm.worker.queued_forwards
+            engine[system][b] = {  # the warm-up's and every timed run's rounds
+                "rounds": llm.scheduler.rounds - rounds0[system],
+                "queued_rounds": queued["queued"] - queued0[system]["queued"],
+                "queued_rounds_used": queued["used"] - queued0[system]["used"],
+            }
+            if forwards["queued"] > forwards0[system]["queued"]:  # constrained plain forwards
+                engine[system][b]["queued_forwards"] = (
+                    forwards["queued"] - forwards0[system]["queued"]
+                )
+                engine[system][b]["queued_forwards_used"] = (
+                    forwards["used"] - forwards0[system]["used"]
+                )
+            if system == "spec":
+                after, start = llm.worker.rounds_by_tree, before[system]
+                rounds = {t: n - start.get(t, 0) for t, n in after.items() if n > start.get(t, 0)}
+                trees[b] = {"tree": llm.worker.tree_for(b).label, "rounds_by_tree": rounds}
+
+
+def _release(llm, settings: dict, system: str) -> None:
+    """Record ``llm``'s graph memory, stop its ranks and free it."""
+    _record_graph_memory(settings, system, llm)
+    llm.stop_ranks()
+    del llm
+    gc.collect()

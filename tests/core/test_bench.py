@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,36 @@ def test_bench_batch_sizes_sweep(tiny, tmp_path, capsys):
         assert main(["bench", "--dataset", str(tiny["data"]), *flags]) == 2
     err = capsys.readouterr().err
     assert "--batch-sizes: '0' is not a batch size" in err and "drop --batch-size" in err
+
+
+def test_bench_sweep_interleaves_the_systems(tiny, tmp_path, monkeypatch):
+    """``--batch-sizes`` with ``--repeats``: both engines stay loaded and take turns run by
+    run at each size (a drift of the machine falls on both), the first run of each warmed
+    up; every run's seconds are in the row and tokens/s is from their median."""
+    from polyspec.bench import runner
+
+    calls = []
+    real = runner.run_polyspec
+
+    def spy(llm, name, *args, **kwargs):
+        calls.append((name, kwargs["warmup_prompts"]))
+        return real(llm, name, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_polyspec", spy)
+    rep = _bench(
+        tmp_path, "--dataset", str(tiny["data"]), "--target", str(tiny["target"]),
+        "--draft", str(tiny["eagle3"]), "--algorithm", "eagle3", "--num-steps", "2",
+        "--batch-sizes", "1,2", "--repeats", "2", "--num-prompts", "2",
+    )  # fmt: skip
+    assert calls == [
+        ("plain @1 (1/2)", 1), ("spec @1 (1/2)", 1), ("plain @1 (2/2)", 0), ("spec @1 (2/2)", 0),
+        ("plain @2 (1/2)", 2), ("spec @2 (1/2)", 2), ("plain @2 (2/2)", 0), ("spec @2 (2/2)", 0),
+    ]  # fmt: skip
+    assert rep["settings"]["interleaved"] is True
+    for r in rep["batch_sweep"]:
+        assert r["outputs_identical"] is True
+        for system in ("plain", "spec"):
+            runs = r["wall_s_runs"][system]
+            tokens = r[f"{system}_tokens_per_s"] * statistics.median(runs)  # a whole count
+            assert len(runs) == 2 and tokens == pytest.approx(round(tokens), abs=1e-6)
+            assert 0 < round(tokens) <= r["num_prompts"] * 8

@@ -65,8 +65,9 @@ def add_parser(subparsers) -> None:
         metavar="B1,B2,...",
         help="sweep: time plain and speculative decoding at each batch size (e.g. "
         "1,4,16,64,256) on one engine per system, the two taking turns run by run, with "
-        "max(--num-prompts, B) prompts at batch B (the set repeated as needed); prints one row per batch size (tokens/s, speedup, "
-        "acceptance, tree); --plot draws tokens/s against batch size. No transformers run",
+        "max(--num-prompts, B) prompts at batch B (the set repeated as needed); prints one "
+        "row per batch size (tokens/s, speedup, acceptance, tree); --plot draws tokens/s "
+        "against batch size. No transformers run",
     )
     p.add_argument(
         "--threads",
@@ -610,7 +611,8 @@ def _sweep(engines: dict, sizes, ids, sampling, repeats: int, progress: bool,
 
 
 def _release(llm, settings: dict, system: str) -> None:
-    """Record ``llm``'s graph memory, stop its ranks and free it."""
+    """Record ``llm``'s graph memory and stop its ranks; the collection frees it once the
+    caller's last reference is gone (it passes the one it held)."""
     _record_graph_memory(settings, system, llm)
     llm.stop_ranks()
     del llm

@@ -149,31 +149,26 @@ def _run_polyspec(
             longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
             _capture_graphs(llm, name, longest + 16, progress)
     separate = phase_run(llm.backend, phase_times) == "separate run"
-    wall, outs, phases = _timed_generate(
-        llm, name, prompt_ids, sampling, progress, phase_times and not separate
-    )
-    walls = [wall]
-    for i in range(1, repeats):
-        w, again, _ = _timed_generate(llm, f"{name} ({i + 1}/{repeats})", prompt_ids, sampling,
-                                      progress, False)  # fmt: skip
-        if sampling.temperature == 0 and [o.token_ids for o in again] != [
-            o.token_ids for o in outs
-        ]:
-            raise RuntimeError(f"{name}: timed run {i + 1} gave other greedy outputs than run 1")
-        walls.append(w)
+    runs = []
+    for i in range(repeats):
+        label = name if i == 0 else f"{name} ({i + 1}/{repeats})"
+        timed = phase_times and not separate and i == 0
+        wall, outs, phases = _timed_generate(llm, label, prompt_ids, sampling, progress, timed)
+        runs.append(SystemResult(
+            name=name,
+            num_tokens=sum(len(o.token_ids) for o in outs),
+            wall_s=wall,
+            outputs=[list(o.token_ids) for o in outs],
+            accepted_per_request=[list(o.stats.accepted_per_round) for o in outs],
+            phase_seconds=phases,
+        ))  # fmt: skip
+    result = median_of(runs, sampling.temperature == 0)
     if separate:
         _, _, phases = _timed_generate(
             llm, f"{name} (phases)", prompt_ids, sampling, progress, True
         )
-    return SystemResult(
-        name=name,
-        num_tokens=sum(len(o.token_ids) for o in outs),
-        wall_s=statistics.median(walls),
-        wall_s_runs=walls,
-        outputs=[list(o.token_ids) for o in outs],
-        accepted_per_request=[list(o.stats.accepted_per_round) for o in outs],
-        phase_seconds=phases,
-    )
+        result = dataclasses.replace(result, phase_seconds=phases)
+    return result
 
 
 def median_of(runs: Sequence[SystemResult], greedy: bool) -> SystemResult:

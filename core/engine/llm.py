@@ -424,13 +424,13 @@ class LLM:
         # A backend without tree attention verifies chains only (EagleWorker refuses topk > 1).
         cands = [c for c in spec.tree_candidates if caps.tree_attention or c.topk == 1]
         if uses_graphs(caps, cfg.graphs) and caps.max_graph_shapes is None and cands:
-            # The head's recommended trees (measured on a GPU for their batch sizes) against
-            # plain rounds: timing every candidate at every batch size would not fit the
-            # start-up budget (each new tree's round is captured before it is timed).
+            # The head's recommended trees (measured on a GPU for their batch sizes) and the
+            # candidates that accept clearly more than they do, against plain rounds: timing
+            # every candidate at every batch size would not fit the start-up budget (each new
+            # tree's round is captured before it is timed).
             recommended = {(s, k, n) for _, s, k, n in spec.trees if s > 0}
-            return [
-                c for c in cands if (c.num_steps, c.topk, c.num_draft_tokens) in recommended
-            ] or cands
+            chosen = [c for c in cands if (c.num_steps, c.topk, c.num_draft_tokens) in recommended]
+            return chosen + tree_choice.deeper(cands, chosen) if chosen else cands
         if uses_graphs(caps, cfg.graphs):
             chosen = tree_choice.TreeCandidate(
                 spec.num_steps, spec.topk, spec.num_draft_tokens, 1.0
@@ -461,6 +461,7 @@ class LLM:
         )  # fmt: skip
         costs = tree_choice.measure_costs(probe, cands)
         del probe
+        cands = [c for c in cands if costs.covers(c)]
         chosen = tree_choice.choose_tree(cands, costs)
         self.tree_choice = tree_choice.report(cands, costs, chosen)
         # One tree for every batch size: the head's batch trees were chosen for graphed

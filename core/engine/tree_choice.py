@@ -2,7 +2,8 @@
 
 Two ways, by how the rounds run. Where they run eagerly (the cpu backend), the engine times
 the forwards a round is made of at batch 1 and keeps one tree for every batch size (below).
-Where they replay captured graphs, it times whole rounds at a few batch sizes and picks a tree,
+Where they replay captured graphs, it times whole rounds (of the head's recommended trees and
+the candidates that accept clearly more, :func:`deeper`) at a few batch sizes and picks a tree,
 or plain rounds, per batch size (:func:`time_rounds`, :func:`batch_schedule`, further down).
 
 Eager rounds:
@@ -62,6 +63,15 @@ class ForwardCosts:
         """Predicted tokens per second of tree ``c`` over plain decoding."""
         return c.acceptance * self.target_s[1] / self.round_s(c)
 
+    def covers(self, c: TreeCandidate) -> bool:
+        """Whether every width of ``c``'s round was timed (:func:`measure_costs` leaves out
+        the widths no candidate verifying them could win with)."""
+        return (
+            c.num_draft_tokens in self.target_s
+            and c.topk in self.draft_s
+            and c.num_steps + 1 in self.draft_s
+        )
+
 
 def widths(candidates: Sequence[TreeCandidate]) -> tuple[list[int], list[int]]:
     """The target widths (1 and every N) and draft widths (every K and S + 1) to time."""
@@ -79,6 +89,37 @@ def monotone(best: Mapping[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
+SCREEN_MARGIN = 0.5
+"""Before the candidates' forwards are timed, each target width is timed twice (after a
+warm-up run), narrowest first. Where the faster of the two runs of ``w`` tokens costs more
+than a plain step times the best acceptance of the candidates verifying ``w`` or more
+tokens, over this margin, those candidates could not beat plain decoding even with a free
+draft, and no wider width is timed: where a verify costs many plain steps (a 2-core CPU),
+timing the widest candidates would take seconds for nothing. The margin is wide because a
+screen need only rule out the hopeless: a host busy with other work can slow both runs of a
+small forward severalfold (the full timing that follows takes the best of more runs)."""
+
+
+def screen(candidates: Sequence[TreeCandidate], time_target) -> list[TreeCandidate]:
+    """The candidates worth timing: ``time_target(w)`` (seconds of one target forward over
+    ``w`` tokens) is called three times, the first run warming up, for 1 and then the
+    candidates' widths, narrowest first, until one that :data:`SCREEN_MARGIN` rules out; the
+    candidates verifying fewer tokens are kept (those of the narrowest width always)."""
+
+    def warm(w: int) -> float:
+        time_target(w)
+        return min(time_target(w), time_target(w))
+
+    t1 = warm(1)
+    kept: list[TreeCandidate] = []
+    for i, w in enumerate(sorted({c.num_draft_tokens for c in candidates})):
+        wider = [c for c in candidates if c.num_draft_tokens >= w]
+        if i > 0 and warm(w) * SCREEN_MARGIN > max(c.acceptance for c in wider) * t1:
+            break
+        kept += [c for c in candidates if c.num_draft_tokens == w]
+    return [c for c in candidates if c in kept]
+
+
 def disturbed(best: Mapping[int, float]) -> list[int]:
     """The widths whose time is above that of some wider width (ascending)."""
     capped = monotone(best)
@@ -90,9 +131,10 @@ def measure_costs(
 ) -> ForwardCosts:
     """Time the forwards of ``candidates``' rounds on ``worker`` (an EAGLE worker with no
     requests, whose KV cache holds :data:`PREFIX_LEN` plus the widest forward for one request):
-    the best of ``repeats`` interleaved runs per width, then up to ``retries`` more runs of the
-    widths still timed above a wider one (:func:`disturbed`), then :func:`monotone`.
-    Uses one request row, released before returning."""
+    the candidates :func:`screen` keeps, then the best of ``repeats`` interleaved runs per
+    width of theirs, then up to ``retries`` more runs of the widths still timed above a wider
+    one (:func:`disturbed`), then :func:`monotone`. The costs cover the kept candidates only
+    (:meth:`ForwardCosts.covers`). Uses one request row, released before returning."""
     target_w, draft_w = widths(candidates)
     longest = max(target_w + draft_w)
     vocab = worker.target.config.vocab_size
@@ -121,10 +163,11 @@ def measure_costs(
             worker.backend.synchronize()
             return time.perf_counter() - t
 
-        best_t = dict.fromkeys(target_w, float("inf"))
-        best_d = dict.fromkeys(draft_w, float("inf"))
-        kinds = ((best_t, target), (best_d, draft))
         with torch.inference_mode():
+            target_w, draft_w = widths(screen(candidates, lambda w: time_once(target, w)))
+            best_t = dict.fromkeys(target_w, float("inf"))
+            best_d = dict.fromkeys(draft_w, float("inf"))
+            kinds = ((best_t, target), (best_d, draft))
             for rep in range(repeats + 1):  # the first pass warms up and is not kept
                 for best, run in kinds:
                     for w in best:
@@ -164,10 +207,11 @@ def tree_note(choice: Mapping) -> str:
         return f"draft tree {choice['chosen']} ({choice['reason']})"
     if "by_batch_size" in choice:
         sizes = ", ".join(str(b) for b in choice["timed_batch_sizes"])
+        trees = len(choice["round_ms"][str(choice["timed_batch_sizes"][0])]) - 1
         stopped = f"; timing stopped early: {choice['stopped']}" if choice["stopped"] else ""
         return (
             f"draft trees by batch size {choice['chosen']}, chosen for this machine by timing "
-            f"the recommended trees' rounds and plain rounds at batch {sizes} "
+            f"the rounds of {trees} tree{'s' * (trees != 1)} and plain rounds at batch {sizes} "
             f"({choice['timing_s']:g} s{stopped}; set num_steps / topk / num_draft_tokens / "
             f"batch_trees to choose yourself)"
         )
@@ -209,6 +253,26 @@ but a batch whose requests start together lasts as long as its slowest-accepting
 on an H100 at batch 64 (MT-bench, 128 new tokens), rounds that switched to a tree below the
 size where the prediction crossed plain's ran 0.81x plain (docs/benchmarks.md, "Batch
 64-256"); at batch 32 the tree ran 1.18x. A thin predicted gain is not worth that risk."""
+
+
+DEEPER_MARGIN = 0.05
+"""Besides the head's recommended trees, the start-up timing of rounds takes the candidates
+that accept more than the best of them by over this fraction (:func:`deeper`)."""
+
+
+def deeper(
+    candidates: Sequence[TreeCandidate], recommended: Sequence[TreeCandidate]
+) -> list[TreeCandidate]:
+    """The ``candidates`` that accept more than every ``recommended`` tree by over
+    :data:`DEEPER_MARGIN`. On an accelerator at batch 1 a verify over more tokens costs little
+    more than a plain step, so whether such a tree's extra draft steps pay for its tokens
+    depends on what a draft step costs on the device, which only timing its rounds tells;
+    at the batch sizes where it loses, :func:`still_timed` stops timing it."""
+    best = max(c.acceptance for c in recommended)
+    return [
+        c for c in candidates
+        if c not in recommended and c.acceptance > best * (1 + DEEPER_MARGIN)
+    ]  # fmt: skip
 
 
 def option_label(c: TreeCandidate | None) -> str:

@@ -176,7 +176,8 @@ def _drive_draft(select, organize, steps, topk: int, n: int, dev: str):
 
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan"])
 @pytest.mark.parametrize(
-    "bs,topk,num_steps,n", [(3, 1, 3, 4), (2, 3, 3, 8), (3, 4, 4, 16), (2, 2, 1, 3), (1, 8, 2, 40)]
+    "bs,topk,num_steps,n",
+    [(3, 1, 3, 4), (2, 3, 3, 8), (3, 4, 4, 16), (2, 2, 1, 3), (1, 8, 2, 40), (1, 8, 6, 64)],
 )
 def test_select_top_k_and_organize_match_reference(
     kernels, triton_device, bs, topk, num_steps, n, nan
@@ -219,7 +220,7 @@ def _tree_outs(mode: TreeMaskMode, bs: int, n: int, seq_lens: torch.Tensor, idt)
 
 
 @pytest.mark.parametrize("mode", list(TreeMaskMode))
-@pytest.mark.parametrize("topk,num_steps,n", [(1, 3, 4), (3, 3, 9), (4, 4, 36)])
+@pytest.mark.parametrize("topk,num_steps,n", [(1, 3, 4), (3, 3, 9), (4, 4, 36), (8, 6, 64)])
 def test_build_tree_matches_reference(kernels, triton_device, mode, topk, num_steps, n):
     bs = 2
     parent_list, selected, _ = _random_tree(SEED + n, bs, topk, num_steps, n)
@@ -296,7 +297,7 @@ def _verify_outs(bs: int, n: int, num_steps: int, idt) -> dict:
     }
 
 
-@pytest.mark.parametrize("topk,num_steps,n", [(1, 4, 5), (4, 3, 10), (2, 5, 12)])
+@pytest.mark.parametrize("topk,num_steps,n", [(1, 4, 5), (4, 3, 10), (2, 5, 12), (8, 6, 64)])
 def test_verify_tree_greedy_matches_reference(kernels, triton_device, topk, num_steps, n):
     bs, vocab = 5, 6
     candidates, links, target = _verify_case(SEED + n, bs, topk, num_steps, n, vocab)
@@ -320,7 +321,9 @@ def test_verify_tree_greedy_matches_reference(kernels, triton_device, topk, num_
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
-@pytest.mark.parametrize("topk,num_steps,n,vocab", [(1, 3, 4, 7), (3, 3, 8, 12), (2, 2, 5, 1500)])
+@pytest.mark.parametrize(
+    "topk,num_steps,n,vocab", [(1, 3, 4, 7), (3, 3, 8, 12), (2, 2, 5, 1500), (8, 6, 64, 50)]
+)
 def test_verify_tree_sampling_matches_reference(
     kernels, triton_device, with_draft_probs, topk, num_steps, n, vocab
 ):
@@ -360,7 +363,9 @@ def test_verify_tree_sampling_matches_reference(
 # ----------------------------------------------------------------------------- slot bookkeeping
 
 
-@pytest.mark.parametrize("topk,num_steps,page_size", [(1, 3, 1), (4, 3, 1), (3, 5, 4), (2, 2, 16)])
+@pytest.mark.parametrize(
+    "topk,num_steps,page_size", [(1, 3, 1), (4, 3, 1), (3, 5, 4), (2, 2, 16), (8, 6, 1)]
+)
 def test_assign_draft_cache_locs_matches_reference(
     kernels, triton_device, topk, num_steps, page_size
 ):

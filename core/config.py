@@ -293,14 +293,14 @@ class SpeculativeConfig:
     ``capabilities.weight_quantization``) where it can apply it, else none. It
     changes what the draft proposes (acceptance), never the output.
 
-    ``dynamic_depth``: draft fewer than ``num_steps`` levels in a round where the draft is
+    ``dynamic_depth``: leave a round's deeper draft levels out of its tree where the draft is
     unsure (dynamic depth, as in DDD, Brown et al. 2024): once the most probable path of the
-    current depth has a draft probability below this threshold, the deeper levels get no draft
-    forward (their candidates get probability 0, so the tree takes them only to fill its N
-    nodes; verification stays lossless whatever it is given). It costs one host read of the
-    scores per level, so it applies where the draft loop runs eagerly; a captured loop (CUDA
-    graphs) always runs every level. 0 turns it off; None (default) means the head's
-    ``polyspec.json`` value (with the head's own tree), else 0.
+    current depth has a draft probability below this threshold, the deeper levels' candidates
+    get probability 0 (each lane's own token), so the tree takes them only to fill its N nodes;
+    verification stays lossless whatever it is given. The levels are masked on the device, in
+    eager and captured rounds alike, so a round still runs its S - 1 draft forwards: the
+    threshold changes which candidates the tree holds, not what a round costs. 0 turns it off;
+    None (default) means the head's ``polyspec.json`` value (with the head's own tree), else 0.
 
     ``tree_candidates``: trees to choose from when the engine starts (:mod:`polyspec.engine.
     tree_choice`): where rounds run eagerly, the engine times the target and draft forwards

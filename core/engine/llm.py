@@ -429,8 +429,8 @@ class LLM:
             # every candidate at every batch size would not fit the start-up budget (each new
             # tree's round is captured before it is timed).
             recommended = {(s, k, n) for _, s, k, n in spec.trees if s > 0}
-            chosen = [c for c in cands if (c.num_steps, c.topk, c.num_draft_tokens) in recommended]
-            return chosen + tree_choice.deeper(cands, chosen) if chosen else cands
+            trees = [c for c in cands if (c.num_steps, c.topk, c.num_draft_tokens) in recommended]
+            return trees + tree_choice.deeper(cands, trees) if trees else cands
         if uses_graphs(caps, cfg.graphs):
             chosen = tree_choice.TreeCandidate(
                 spec.num_steps, spec.topk, spec.num_draft_tokens, 1.0

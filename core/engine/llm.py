@@ -458,12 +458,17 @@ class LLM:
         probe = EagleWorker(
             self.backend, self.target, self.draft, spec, self.dtype, max_batch_size=1,
             max_context=context, num_kv_slots=slots, page_size=ps, graphs="off",
+            runnable=[(c.num_steps, c.topk, c.num_draft_tokens) for c in cands],
         )  # fmt: skip
         costs = tree_choice.measure_costs(probe, cands)
-        del probe
         cands = [c for c in cands if costs.covers(c)]
-        chosen = tree_choice.choose_tree(cands, costs)
-        self.tree_choice = tree_choice.report(cands, costs, chosen)
+        # The prediction ranks the trees; whole rounds of the best few decide among them.
+        best = tree_choice.finalists(cands, costs)
+        seconds, _ = tree_choice.time_rounds(probe, best, [1])
+        del probe
+        round_s = seconds.get(1, {})
+        chosen = tree_choice.choose_timed(best, round_s) or tree_choice.choose_tree(cands, costs)
+        self.tree_choice = tree_choice.report(cands, costs, chosen, round_s)
         # One tree for every batch size: the head's batch trees were chosen for graphed
         # rounds, and only batch 1 was timed here.
         spec = dataclasses.replace(

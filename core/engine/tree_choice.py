@@ -191,14 +191,54 @@ def choose_tree(candidates: Sequence[TreeCandidate], costs: ForwardCosts) -> Tre
     return max(candidates, key=costs.speedup)
 
 
-def report(candidates: Sequence[TreeCandidate], costs: ForwardCosts, chosen: TreeCandidate):
-    """A JSON-ready record of the choice: costs in ms, each candidate's prediction."""
-    return {
+FINALISTS = 3
+"""Where rounds run eagerly, the candidates of the largest predicted speed-ups whose whole
+rounds are then timed (:func:`time_rounds` at batch 1, with a plain round) to choose among
+them: the prediction leaves out each draft level's top-K selection and the host's work
+between forwards, which a whole round includes. On a 2-core AMD EPYC it predicted 1.94x and
+1.91x for S=4 K=3 N=10 and S=3 K=3 N=8, whose timed rounds gave 1.76x and 1.71x a timed plain
+round, and MT-bench end to end 1.53-1.66x (docs/benchmarks.md)."""
+
+
+def finalists(candidates: Sequence[TreeCandidate], costs: ForwardCosts) -> list[TreeCandidate]:
+    """The :data:`FINALISTS` candidates of the largest predicted speed-ups, best first."""
+    return sorted(candidates, key=costs.speedup, reverse=True)[:FINALISTS]
+
+
+def choose_timed(
+    candidates: Sequence[TreeCandidate], round_s: Mapping[str, float]
+) -> TreeCandidate | None:
+    """Of ``candidates`` whose rounds were timed (``round_s``: label -> seconds), the one of
+    the most tokens per second (acceptance over its round's time; the first of equals), or
+    None where none was timed."""
+    timed = [c for c in candidates if c.label in round_s]
+    return max(timed, key=lambda c: c.acceptance / round_s[c.label], default=None)
+
+
+def report(
+    candidates: Sequence[TreeCandidate],
+    costs: ForwardCosts,
+    chosen: TreeCandidate,
+    round_s: Mapping[str, float] | None = None,
+):
+    """A JSON-ready record of the choice: costs in ms, each candidate's prediction, and the
+    finalists' timed rounds (``round_s``, label -> seconds, ``plain`` for a plain round) with
+    their measured speed-up over plain rounds."""
+    out = {
         "chosen": chosen.label,
         "target_ms": {str(w): round(s * 1e3, 3) for w, s in costs.target_s.items()},
         "draft_ms": {str(w): round(s * 1e3, 3) for w, s in costs.draft_s.items()},
         "predicted_speedup": {c.label: round(costs.speedup(c), 3) for c in candidates},
     }
+    if round_s and "plain" in round_s:
+        by_label = {c.label: c for c in candidates}
+        out["round_ms"] = {label: round(t * 1e3, 3) for label, t in round_s.items()}
+        out["measured_speedup"] = {
+            label: round(by_label[label].acceptance * round_s["plain"] / t, 3)
+            for label, t in round_s.items()
+            if label in by_label
+        }
+    return out
 
 
 def tree_note(choice: Mapping) -> str:
@@ -216,6 +256,15 @@ def tree_note(choice: Mapping) -> str:
             f"batch_trees to choose yourself)"
         )
     predicted = choice["predicted_speedup"]
+    measured = choice.get("measured_speedup", {})
+    if choice["chosen"] in measured:
+        timed = len(measured)
+        return (
+            f"draft tree {choice['chosen']}, chosen for this machine from {len(predicted)} "
+            f"candidates by timing their forwards, then the rounds of the {timed} predicted "
+            f"fastest ({measured[choice['chosen']]:.2f}x plain rounds; set num_steps / topk / "
+            f"num_draft_tokens to choose yourself)"
+        )
     return (
         f"draft tree {choice['chosen']}, chosen for this machine from {len(predicted)} "
         f"candidates by timing their forwards (predicted {predicted[choice['chosen']]:.2f}x "

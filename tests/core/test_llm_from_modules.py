@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from polyspec import LLM, SamplingParams, SpeculativeConfig
+from polyspec.engine.tree_choice import tree_note
 from polyspec.errors import ConfigError
 from polyspec.model.config import ModelConfig
 from polyspec.model.eagle import DraftHead
@@ -112,8 +113,8 @@ def test_refusals(reference_backend) -> None:
 
 @pytest.mark.parametrize("graphs", ["off", "on", "chains"])
 def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) -> None:
-    """Eager rounds: the engine times the candidates' forwards, keeps one of them and decodes
-    with it, losslessly; captured rounds: it times whole rounds of the recommended trees
+    """Eager rounds: the engine times the candidates' forwards, then the rounds of the
+    predicted fastest, keeps one of them and decodes with it, losslessly; captured rounds: it times whole rounds of the recommended trees
     and plain rounds at batch 1 and 2 and runs its choice per batch size; a backend that verifies
     chains only chooses among the chains."""
     import copy
@@ -153,8 +154,13 @@ def test_tree_candidates_settle_into_one_tree(reference_backend, graphs: str) ->
         assert set(choice["target_ms"]) == {"1", "3", "5", "6"}
         assert set(choice["draft_ms"]) == {"1", "2", "3", "4", "5"}
         assert all(ms > 0 for ms in choice["target_ms"].values())
-        best = max(choice["predicted_speedup"].values())
-        assert choice["predicted_speedup"][choice["chosen"]] == best
+        # the rounds of the predicted fastest (all three here) and a plain round were timed,
+        # and the tree of the most tokens per second measured runs
+        measured = choice["measured_speedup"]
+        assert set(measured) == {c.label for c in cands}
+        assert set(choice["round_ms"]) == {"plain", *measured}
+        assert measured[choice["chosen"]] == max(measured.values())
+        assert "then the rounds of the 3 predicted fastest" in tree_note(choice)
     plain = LLM.from_modules(target, **kw)
     prompts = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(5)).tolist()
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)

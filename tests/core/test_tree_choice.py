@@ -7,15 +7,19 @@ import pytest
 from polyspec.config import SpeculativeConfig, TreeCandidate
 from polyspec.engine.tree_choice import (
     DEEPER_MARGIN,
+    FINALISTS,
     SCREEN_MARGIN,
     SPEC_MARGIN,
     ForwardCosts,
     batch_report,
     batch_schedule,
+    choose_timed,
     choose_tree,
     deeper,
     disturbed,
+    finalists,
     monotone,
+    report,
     round_work,
     screen,
     still_timed,
@@ -321,3 +325,21 @@ def test_captured_rounds_time_the_deeper_candidates_too(tiny_models):
     want = llm().generate(prompt_token_ids=prompts, sampling_params=params)
     outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+
+
+def test_eager_finalists_are_decided_by_their_timed_rounds():
+    """The prediction ranks the candidates; the FINALISTS best predicted are timed as whole
+    rounds, and the one of the most tokens per second (acceptance over its round) runs,
+    even where the prediction put another first. None timed: no choice from timings."""
+    costs = _costs(0.05)
+    best = finalists(CANDIDATES, costs)  # best predicted first
+    assert [c.label for c in best] == ["S=3 K=3 N=8", "S=2 K=1 N=3", "S=5 K=4 N=16"]
+    assert FINALISTS == 3
+    round_s = {"plain": 1.0, "S=3 K=3 N=8": 2.0, "S=5 K=4 N=16": 2.2, "S=2 K=1 N=3": 1.1}
+    assert choose_timed(best, round_s) == CANDIDATES[0]  # 1.9 / 1.1 beats 2.5 / 2.0, 3.0 / 2.2
+    assert choose_timed(best, {"plain": 1.0}) is None
+    choice = report(CANDIDATES, costs, CANDIDATES[0], round_s)
+    assert choice["measured_speedup"] == {
+        "S=3 K=3 N=8": 1.25, "S=5 K=4 N=16": round(3.0 / 2.2, 3), "S=2 K=1 N=3": round(1.9 / 1.1, 3)
+    }  # fmt: skip
+    assert "then the rounds of the 3 predicted fastest (1.73x plain rounds" in tree_note(choice)

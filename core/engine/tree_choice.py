@@ -212,7 +212,7 @@ def choose_timed(
     the most tokens per second (acceptance over its round's time; the first of equals), or
     None where none was timed."""
     timed = [c for c in candidates if c.label in round_s]
-    return max(timed, key=lambda c: c.acceptance / round_s[c.label], default=None)
+    return max(timed, key=lambda c: tokens_per_s(c, 1, round_s[c.label]), default=None)
 
 
 def report(
@@ -233,8 +233,9 @@ def report(
     if round_s and "plain" in round_s:
         by_label = {c.label: c for c in candidates}
         out["round_ms"] = {label: round(t * 1e3, 3) for label, t in round_s.items()}
+        plain = tokens_per_s(None, 1, round_s["plain"])
         out["measured_speedup"] = {
-            label: round(by_label[label].acceptance * round_s["plain"] / t, 3)
+            label: round(tokens_per_s(by_label[label], 1, t) / plain, 3)
             for label, t in round_s.items()
             if label in by_label
         }

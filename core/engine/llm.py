@@ -461,7 +461,6 @@ class LLM:
             runnable=[(c.num_steps, c.topk, c.num_draft_tokens) for c in cands],
         )  # fmt: skip
         costs = tree_choice.measure_costs(probe, cands)
-        cands = [c for c in cands if costs.covers(c)]
         # The prediction ranks the trees; whole rounds of the best few decide among them.
         best = tree_choice.finalists(cands, costs)
         seconds, _ = tree_choice.time_rounds(probe, best, [1])

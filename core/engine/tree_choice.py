@@ -63,15 +63,6 @@ class ForwardCosts:
         """Predicted tokens per second of tree ``c`` over plain decoding."""
         return c.acceptance * self.target_s[1] / self.round_s(c)
 
-    def covers(self, c: TreeCandidate) -> bool:
-        """Whether every width of ``c``'s round was timed (:func:`measure_costs` leaves out
-        the widths no candidate verifying them could win with)."""
-        return (
-            c.num_draft_tokens in self.target_s
-            and c.topk in self.draft_s
-            and c.num_steps + 1 in self.draft_s
-        )
-
 
 def widths(candidates: Sequence[TreeCandidate]) -> tuple[list[int], list[int]]:
     """The target widths (1 and every N) and draft widths (every K and S + 1) to time."""
@@ -89,37 +80,6 @@ def monotone(best: Mapping[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-SCREEN_MARGIN = 0.5
-"""Before the candidates' forwards are timed, each target width is timed twice (after a
-warm-up run), narrowest first. Where the faster of the two runs of ``w`` tokens costs more
-than a plain step times the best acceptance of the candidates verifying ``w`` or more
-tokens, over this margin, those candidates could not beat plain decoding even with a free
-draft, and no wider width is timed: where a verify costs many plain steps (a 2-core CPU),
-timing the widest candidates would take seconds for nothing. The margin is wide because a
-screen need only rule out the hopeless: a host busy with other work can slow both runs of a
-small forward severalfold (the full timing that follows takes the best of more runs)."""
-
-
-def screen(candidates: Sequence[TreeCandidate], time_target) -> list[TreeCandidate]:
-    """The candidates worth timing: ``time_target(w)`` (seconds of one target forward over
-    ``w`` tokens) is called three times, the first run warming up, for 1 and then the
-    candidates' widths, narrowest first, until one that :data:`SCREEN_MARGIN` rules out; the
-    candidates verifying fewer tokens are kept (those of the narrowest width always)."""
-
-    def warm(w: int) -> float:
-        time_target(w)
-        return min(time_target(w), time_target(w))
-
-    t1 = warm(1)
-    kept: list[TreeCandidate] = []
-    for i, w in enumerate(sorted({c.num_draft_tokens for c in candidates})):
-        wider = [c for c in candidates if c.num_draft_tokens >= w]
-        if i > 0 and warm(w) * SCREEN_MARGIN > max(c.acceptance for c in wider) * t1:
-            break
-        kept += [c for c in candidates if c.num_draft_tokens == w]
-    return [c for c in candidates if c in kept]
-
-
 def disturbed(best: Mapping[int, float]) -> list[int]:
     """The widths whose time is above that of some wider width (ascending)."""
     capped = monotone(best)
@@ -131,10 +91,9 @@ def measure_costs(
 ) -> ForwardCosts:
     """Time the forwards of ``candidates``' rounds on ``worker`` (an EAGLE worker with no
     requests, whose KV cache holds :data:`PREFIX_LEN` plus the widest forward for one request):
-    the candidates :func:`screen` keeps, then the best of ``repeats`` interleaved runs per
-    width of theirs, then up to ``retries`` more runs of the widths still timed above a wider
-    one (:func:`disturbed`), then :func:`monotone`. The costs cover the kept candidates only
-    (:meth:`ForwardCosts.covers`). Uses one request row, released before returning."""
+    the best of ``repeats`` interleaved runs per width, then up to ``retries`` more runs of the
+    widths still timed above a wider one (:func:`disturbed`), then :func:`monotone`.
+    Uses one request row, released before returning."""
     target_w, draft_w = widths(candidates)
     longest = max(target_w + draft_w)
     vocab = worker.target.config.vocab_size
@@ -163,11 +122,10 @@ def measure_costs(
             worker.backend.synchronize()
             return time.perf_counter() - t
 
+        best_t = dict.fromkeys(target_w, float("inf"))
+        best_d = dict.fromkeys(draft_w, float("inf"))
+        kinds = ((best_t, target), (best_d, draft))
         with torch.inference_mode():
-            target_w, draft_w = widths(screen(candidates, lambda w: time_once(target, w)))
-            best_t = dict.fromkeys(target_w, float("inf"))
-            best_d = dict.fromkeys(draft_w, float("inf"))
-            kinds = ((best_t, target), (best_d, draft))
             for rep in range(repeats + 1):  # the first pass warms up and is not kept
                 for best, run in kinds:
                     for w in best:

@@ -8,7 +8,6 @@ from polyspec.config import SpeculativeConfig, TreeCandidate
 from polyspec.engine.tree_choice import (
     DEEPER_MARGIN,
     FINALISTS,
-    SCREEN_MARGIN,
     SPEC_MARGIN,
     ForwardCosts,
     batch_report,
@@ -21,7 +20,6 @@ from polyspec.engine.tree_choice import (
     monotone,
     report,
     round_work,
-    screen,
     still_timed,
     tree_note,
     widths,
@@ -257,40 +255,6 @@ def test_an_engine_of_captured_rounds_times_them_by_batch_size(tiny_models, monk
     want = llm().generate(prompt_token_ids=prompts, sampling_params=params)
     outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-
-
-def test_screening_stops_at_a_width_no_candidate_could_pay_for():
-    """Where a verify of w tokens costs w plain steps, no tree verifying 8 or more tokens
-    could beat plain decoding even with a free draft: the widths past the first that rules
-    them out are never timed, and the narrowest candidates are always kept. Where width is
-    free, every candidate is kept."""
-    timed = []
-
-    def per_token(w: int) -> float:
-        timed.append(w)
-        return float(w)
-
-    assert screen(CANDIDATES, per_token) == [CANDIDATES[0]]
-    assert sorted(set(timed)) == [1, 8]  # the narrowest width is kept untimed; 16 never ran
-    assert timed.count(8) == 3  # a warm-up run, then the faster of two
-    assert screen(CANDIDATES, lambda w: 1.0) == list(CANDIDATES)
-    # 8 tokens at 5.5 steps, 16 at 5.9: within 1 / SCREEN_MARGIN of the best acceptance of
-    # the candidates that verify them (3.0): kept
-    costs = {1: 1.0, 3: 1.2, 8: 5.5, 16: 5.9}
-    assert screen(CANDIDATES, costs.__getitem__) == list(CANDIDATES)
-    costs[16] = 6.5  # 6.5 * 0.5 > 3.0: no tree verifying 16 tokens could pay
-    assert screen(CANDIDATES, costs.__getitem__) == list(CANDIDATES[:2])
-    # one disturbed run of a width does not rule it out: the faster of two counts
-    runs = iter([1.0, 1.0, 1.0, 9.0, 9.0, 1.5, 1.0, 1.0, 1.0])  # 1 x 3, 8 x 3, 16 x 3
-    assert screen(CANDIDATES, lambda w: next(runs)) == list(CANDIDATES)
-    assert SCREEN_MARGIN == 0.5
-
-
-def test_forward_costs_cover_the_candidates_timed():
-    costs = _costs(0.5)
-    assert all(costs.covers(c) for c in CANDIDATES)
-    partial = ForwardCosts({1: 1.0, 3: 2.0}, {1: 0.1, 3: 0.1})
-    assert [c.label for c in CANDIDATES if partial.covers(c)] == ["S=2 K=1 N=3"]
 
 
 def test_deeper_candidates_are_those_accepting_clearly_more():

@@ -496,6 +496,12 @@ class Backend(abc.ABC):
         default records the rank."""
         self.local_rank = rank
 
+    def share_host(self, local_ranks: int) -> None:
+        """``local_ranks`` ranks of a tensor-parallel engine (this process one of them) run on
+        this host; called once per rank, after :meth:`bind_local_rank`. A backend whose
+        kernels run on the host's cores divides them among the ranks here. The default does
+        nothing (each rank has a device of its own)."""
+
     def synchronize(self) -> None:
         """Wait for queued device work (timing); a no-op on synchronous devices."""
 

@@ -67,6 +67,18 @@ class CPUBackend(Backend):
         if self.kernel_choice == "auto":
             self.kernels = dataclasses.replace(reference, **_bf16_layer_ops(self, reference))
 
+    def share_host(self, local_ranks: int) -> None:
+        """Each rank takes its share of the cores for torch's threads (at least one), unless
+        ``OMP_NUM_THREADS`` sets them or they are fewer already. At the default every rank's
+        OpenMP team is as wide as the machine, and a team whose threads wait for cores the
+        other ranks hold spins through each forward: two ranks on 2 cores decoded 3x slower
+        than with one thread each (docs/benchmarks.md, "CPU: tensor parallel")."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return
+        share = max(1, len(os.sched_getaffinity(0)) // local_ranks)
+        if torch.get_num_threads() > share:
+            torch.set_num_threads(share)
+
     def row_invariant_kernels(self):
         """The built ``rowinv`` extension for bf16 models, or None (``POLYSPEC_CPU_KERNELS=torch``,
         or it cannot be built here: :func:`rowinv.unavailable_reason` says why)."""

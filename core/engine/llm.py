@@ -100,9 +100,9 @@ class LLM:
         be = self.backend
         name = launch.check_distributed_backend(be.capabilities.distributed_backend, be.name)
         tp = ranks.joined_group()
+        torchrun = launch.under_torchrun()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", n)) if torchrun else n
         if tp is None:
-            torchrun = launch.under_torchrun()
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", n)) if torchrun else n
             launch.check_devices(n, local, be)
             timeout = cfg.distributed_timeout_s
             if torchrun:
@@ -115,6 +115,7 @@ class LLM:
 
                 atexit.register(self.stop_ranks)
         be.bind_local_rank(tp.local_rank)
+        be.share_host(local)
         return tp
 
     def follow(self) -> None:

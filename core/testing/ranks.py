@@ -35,6 +35,7 @@ def _entry(
 
     backend = create_backend(backend_name)
     backend.bind_local_rank(index)
+    backend.share_host(world_size)
     tp = join_spawned(index, world_size, port, backend.capabilities.distributed_backend, timeout_s)
     ranks._joined = tp  # an engine built in this process joins as this rank
     module, _, name = fn_path.partition(":")

@@ -122,6 +122,34 @@ def test_two_ranks_greedy_and_seeded_sampling_equal_one_rank(models):
     assert got_sampled == want_sampled
 
 
+def test_cpu_ranks_take_their_share_of_the_cores(models, monkeypatch):
+    """Two ranks on this host: rank 0 runs on cores // 2 torch threads (at least one) once
+    the engine is up; a thread count set by OMP_NUM_THREADS, or one at most the share, is
+    kept."""
+    from polyspec.plugins import create_backend
+
+    cores = len(os.sched_getaffinity(0))
+    saved = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(cores)
+        (got,) = _run(_config(models, "llama", tp=2))
+        assert torch.get_num_threads() == max(1, cores // 2)
+        plain, want = _plain_single_rank(models, "llama", 1)
+        assert assert_greedy_equal(plain.target, plain.backend, PROMPTS, want, got) <= 1
+        cpu = create_backend("cpu")
+        cpu.share_host(4 * cores)
+        assert torch.get_num_threads() == 1
+        cpu.share_host(1)  # fewer threads than the share already
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", str(cores))
+        torch.set_num_threads(cores)
+        cpu.share_host(2)
+        assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_size_that_does_not_divide_is_refused_before_loading(models, monkeypatch):
     import polyspec.parallel.launch as launch
 

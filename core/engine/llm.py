@@ -492,11 +492,26 @@ class LLM:
             sizes.append(b)
             b *= 4
         sizes.append(cfg.max_batch_size)
+        spec = cfg.speculative
         start = time.perf_counter()
         overlap = uses_overlap(self.worker.backend.capabilities, cfg.overlap_rounds)
-        seconds, stopped = tree_choice.time_rounds(self.worker, cands, sizes, overlap=overlap)
+        # The head's recommended trees and plain rounds at every batch size first; then, in a
+        # budget of their own, the deeper candidates at the sizes where they still may win.
+        recommended = {(s, k, n) for _, s, k, n in spec.trees if s > 0}
+        first = [c for c in cands if (c.num_steps, c.topk, c.num_draft_tokens) in recommended]
+        first = first or list(cands)
+        later = [c for c in cands if c not in first]
+        seconds, stopped = tree_choice.time_rounds(self.worker, first, sizes, overlap=overlap)
+        note = stopped
+        if later and seconds:
+            deeper, why = tree_choice.time_rounds(
+                self.worker, later, sorted(seconds), tree_choice.DEEPER_BUDGET_S,
+                overlap=overlap, known=seconds, rivals=first,
+            )  # fmt: skip
+            seconds = {bs: {**times, **deeper.get(bs, {})} for bs, times in seconds.items()}
+            if why is not None and note is None:
+                note = f"the deeper trees' timing: {why}"
         elapsed = time.perf_counter() - start
-        spec = cfg.speculative
         if not seconds:  # not even batch 1 was timed: the head's tree(s) as given
             self.worker.use_trees(spec.trees)
             main = tree_choice.TreeCandidate(spec.num_steps, spec.topk, spec.num_draft_tokens, 1)
@@ -526,7 +541,7 @@ class LLM:
         )  # fmt: skip
         self.worker.use_trees(spec.trees)
         self.config = dataclasses.replace(cfg, speculative=spec)
-        self.tree_choice = tree_choice.batch_report(cands, seconds, schedule, elapsed, stopped)
+        self.tree_choice = tree_choice.batch_report(cands, seconds, schedule, elapsed, note)
 
     def _default_num_slots(self, timed_trees: Sequence = ()) -> int:
         """KV slots for ``max_batch_size`` requests of the configured trees (and of

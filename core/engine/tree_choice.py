@@ -244,9 +244,16 @@ def tree_note(choice: Mapping) -> str:
 # margin (:data:`SPEC_MARGIN`).
 
 ROUND_BUDGET_S = 20.0
-"""Seconds the start-up timing of rounds may take (each option's round is captured before it
-is timed, at every batch size); batch sizes left untimed when they are spent keep the head's
-trees for them."""
+"""Seconds the start-up timing of the head's recommended trees and plain rounds may take
+(each option's round is captured before it is timed, at every batch size); batch sizes left
+untimed when they are spent keep the head's trees for them."""
+
+DEEPER_BUDGET_S = 15.0
+"""Seconds the start-up timing of the :func:`deeper` candidates may take, after the
+recommended trees and plain rounds have been timed at every batch size (on an H100 one tree's
+capture and timing at batch 1 took about 3 s). Timed first, in one budget with the others,
+four such trees spent it all at batch 1, and batch sizes up to 256 ran the head's tree for
+batch 8 at 0.63x plain (docs/benchmarks.md)."""
 
 PRUNE_MARGIN = 0.03
 """A tree is timed at the next batch size unless some option with no more work per round
@@ -302,12 +309,16 @@ def tokens_per_s(c: TreeCandidate | None, bs: float, seconds: float) -> float:
 
 
 def still_timed(
-    candidates: Sequence[TreeCandidate], seconds: Mapping[str, float], bs: int
+    candidates: Sequence[TreeCandidate],
+    seconds: Mapping[str, float],
+    bs: int,
+    rivals: Sequence[TreeCandidate] = (),
 ) -> list[TreeCandidate]:
     """The candidates worth timing at a larger batch than ``bs``, after ``seconds`` (label ->
     round seconds at ``bs``, "plain" included): those not beaten by more than
-    :data:`PRUNE_MARGIN` by an option with no more work per round."""
-    options = [None, *candidates]
+    :data:`PRUNE_MARGIN` by an option with no more work per round (plain rounds, another
+    candidate or one of ``rivals``, each where ``seconds`` has its time)."""
+    options = [None, *candidates, *rivals]
     timed = [o for o in options if option_label(o) in seconds]
     rate = {option_label(o): tokens_per_s(o, bs, seconds[option_label(o)]) for o in timed}
     keep = []
@@ -374,6 +385,8 @@ def time_rounds(
     budget_s: float = ROUND_BUDGET_S,
     repeats: int = 3,
     overlap: bool = False,
+    known: Mapping[int, Mapping[str, float]] | None = None,
+    rivals: Sequence[TreeCandidate] = (),
 ) -> tuple[dict[int, dict[str, float]], str | None]:
     """Time the rounds of ``candidates`` and a plain round on ``worker`` (an EagleWorker
     built with every candidate ``runnable``, no request running, no scheduler yet) at each of
@@ -384,10 +397,12 @@ def time_rounds(
     device and the host spends on it, not their sum; each timing is then a run of
     :data:`OVERLAPPED_ROUNDS` rounds each queued behind the last (after a first one that is
     not), over its rounds (the prefix grows by the tokens they commit). At each size after
-    the first, only the candidates :func:`still_timed` keeps; none kept ends it. -> (batch
-    size -> label -> seconds, why timing stopped early or None). The requests are removed
-    and the statistics zeroed before it returns; the rounds' trees are left to the caller
-    (``use_trees``)."""
+    the first, only the candidates :func:`still_timed` keeps; none kept ends it. ``known``:
+    batch size -> label -> seconds an earlier call timed: those options (``rivals``, and
+    plain rounds) are not timed again, their times join each size's (in the result too) and
+    prune the candidates as the candidates' own do. -> (batch size -> label -> seconds, why
+    timing stopped early or None). The requests are removed and the statistics zeroed before
+    it returns; the rounds' trees are left to the caller (``use_trees``)."""
     from polyspec.runtime.sampling import RequestSampler
 
     start = time.perf_counter()
@@ -407,12 +422,13 @@ def time_rounds(
             stopped = f"batch {bs} does not fit the KV cache"
             break
         rids = [-1 - i for i in range(bs)]
-        seconds: dict[str, float] = {}
+        seconds: dict[str, float] = dict((known or {}).get(bs, {}))
+        todo = [c for c in (None, *timed) if option_label(c) not in seconds]
         try:
             for r in rids:
                 worker.add_request(r, [1], sampler, kv_reserved=need)
             worker.prefill(rids, [1] * bs)
-            for c in (None, *timed):
+            for c in todo:
                 if time.perf_counter() - start > budget_s:
                     stopped = f"the {budget_s:g} s budget was spent"
                     break
@@ -443,7 +459,7 @@ def time_rounds(
         if stopped is not None:
             break
         out[bs] = seconds
-        timed = still_timed(timed, seconds, bs)
+        timed = still_timed(timed, seconds, bs, rivals)
         if not timed:
             break
     worker.reset_stats()

@@ -291,6 +291,29 @@ def test_captured_rounds_time_the_deeper_candidates_too(tiny_models):
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
 
 
+def test_deeper_candidates_are_timed_after_the_others_in_a_budget_of_their_own(
+    tiny_models, monkeypatch
+):
+    """The recommended trees and plain rounds are timed first, at every batch size, in
+    ROUND_BUDGET_S; the deeper candidates after them in DEEPER_BUDGET_S: with that budget
+    spent at once, the others' timing is whole, the deeper tree is never timed nor run, and
+    the note says why."""
+    from polyspec.engine import tree_choice
+    from polyspec.engine.llm import LLM
+
+    monkeypatch.setattr(tree_choice, "DEEPER_BUDGET_S", 0.0)
+    spec = SpeculativeConfig("eagle3", 3, 3, 8, tree_candidates=CANDIDATES)
+    engine = LLM(
+        target=tiny_models["target"], draft=tiny_models["eagle3"], speculative=spec,
+        backend="cpu", dtype="float32", max_batch_size=2, max_context=256, graphs="on",
+    )  # fmt: skip
+    choice = engine.tree_choice
+    assert set(choice["round_ms"]["1"]) == {"plain", "S=3 K=3 N=8"}
+    assert all("S=5 K=4 N=16" not in times for times in choice["round_ms"].values())
+    assert "S=5 K=4 N=16" not in [label for _, label in choice["by_batch_size"]]
+    assert choice["stopped"] == "the deeper trees' timing: the 0 s budget was spent"
+
+
 def test_eager_finalists_are_decided_by_their_timed_rounds():
     """The prediction ranks the candidates; the FINALISTS best predicted are timed as whole
     rounds, and the one of the most tokens per second (acceptance over its round) runs,

@@ -250,10 +250,10 @@ untimed when they are spent keep the head's trees for them."""
 
 DEEPER_BUDGET_S = 15.0
 """Seconds the start-up timing of the :func:`deeper` candidates may take, after the
-recommended trees and plain rounds have been timed at every batch size (on an H100 one tree's
-capture and timing at batch 1 took about 3 s). Timed first, in one budget with the others,
-four such trees spent it all at batch 1, and batch sizes up to 256 ran the head's tree for
-batch 8 at 0.63x plain (docs/benchmarks.md)."""
+recommended trees and plain rounds have been timed at every batch size in
+:data:`ROUND_BUDGET_S`: however many deeper candidates a head lists, every batch size gets
+its choice timed (on an H100 one tree's capture and timing at batch 1 takes about 3 s, and
+the shipped head's four deeper trees alone would take the whole 20 s)."""
 
 PRUNE_MARGIN = 0.03
 """A tree is timed at the next batch size unless some option with no more work per round

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -243,6 +243,15 @@ class CapturedForwards:
             "free_after": self.free_after,
             "eager_from": self.eager_from,
         }
+
+    def forget(self, names: Sequence[str]) -> None:
+        """Have :meth:`capture_all` record ``names`` no more (the rounds of a tree the engine
+        timed at start-up and does not run). Their graphs captured so far stay; a later run
+        of one captures its bucket again on first use."""
+        for name in names:
+            self._templates.pop(name, None)
+            self._min_batch.pop(name, None)
+            self._max_batch.pop(name, None)
 
     def restrict(self, name: str, min_batch: int, max_batch: int) -> None:
         """Have :meth:`capture_all` record ``name`` for the batch buckets from ``min_batch`` to

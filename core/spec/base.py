@@ -172,7 +172,7 @@ class WorkerBase:
         self._forward: Launched | None = None
         self.queued_forwards = {"queued": 0, "used": 0, "used_by_fewer": 0}
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
-        self._rounds: dict[tuple[Tree, bool], SpecRound] = {}
+        self._rounds: dict[tuple[Tree, bool, bool], SpecRound] = {}
         self.rounds_by_tree: dict[str, int] = {}
         # Dynamic depth's threshold, and rounds by the number of levels drafted (index 1..S).
         self.dynamic_depth = 0.0

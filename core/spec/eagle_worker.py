@@ -149,6 +149,14 @@ class EagleWorker(WorkerBase):
             ):
                 raise ValueError(f"tree {t.label} is wider than this worker's buffers")
         self._settle(schedule)
+        if self.graphs is not None:
+            # A tree timed at start-up and not chosen: its rounds' graphs are not captured
+            # for every batch size by a warm-up (the deepest ones' verify logits alone are
+            # gigabytes at large batches).
+            kept = {t for _, t in schedule}
+            for (tree, _, _), fn in self._rounds.items():
+                if tree not in kept:
+                    self.graphs.forget([fn.__name__, *(p.__name__ for p in fn.phases())])
 
     plain_tree = PLAIN_ROUNDS
 

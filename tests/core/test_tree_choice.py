@@ -314,6 +314,32 @@ def test_deeper_candidates_are_timed_after_the_others_in_a_budget_of_their_own(
     assert choice["stopped"] == "the deeper trees' timing: the 0 s budget was spent"
 
 
+def test_trees_timed_and_not_chosen_are_not_captured_by_a_warm_up(tiny_models):
+    """A warm-up captures the rounds of the trees the engine runs for the batch sizes that
+    run them; the rounds of a tree timed at start-up and not chosen are not among the
+    computations it records (at batch 1 only one tree runs; two were timed). Plain rounds
+    come back with the warm-up's constrained requests, which may run them at any size."""
+    from polyspec.engine.llm import LLM
+
+    spec = SpeculativeConfig("eagle3", 3, 3, 8, tree_candidates=CANDIDATES)
+    engine = LLM(
+        target=tiny_models["target"], draft=tiny_models["eagle3"], speculative=spec,
+        backend="cpu", dtype="float32", max_batch_size=1, max_context=256, graphs="on",
+    )  # fmt: skip
+    worker, graphs = engine.worker, engine.worker.graphs
+    assert set(engine.tree_choice["round_ms"]["1"]) == {"plain", "S=3 K=3 N=8", "S=5 K=4 N=16"}
+    (chosen,) = [t for _, t in worker.trees]
+    timed = {tree for tree, _, _ in worker._rounds}
+    assert chosen in timed and len(timed) == 3  # the two trees and plain rounds
+    before = graphs.num_captured
+    engine.warm_up()
+    assert {name for name, _, _ in graphs.captured} >= {worker.round_fn(chosen, True).__name__}
+    for (tree, _, _), fn in worker._rounds.items():
+        if tree != chosen and tree.num_steps > 0:
+            assert fn.__name__ not in graphs.names
+            assert all(name != fn.__name__ for name, _, _ in graphs.captured[before:])
+
+
 def test_eager_finalists_are_decided_by_their_timed_rounds():
     """The prediction ranks the candidates; the FINALISTS best predicted are timed as whole
     rounds, and the one of the most tokens per second (acceptance over its round) runs,

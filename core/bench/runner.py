@@ -120,6 +120,7 @@ def _capture_graphs(llm, name: str, max_prefix: int, progress: bool) -> None:
         bar.update(done - bar.n)
 
     t0 = time.perf_counter()
+    llm.restrict_graphs()  # each tree's rounds for the batch sizes that run it, as a server's
     try:
         new = graphs.capture_all(llm.scheduler.config.max_batch_size, max_prefix, update)
     finally:

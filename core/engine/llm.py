@@ -706,10 +706,8 @@ class LLM:
         if graphs is None:
             return {"graphs": 0, "seconds": 0.0}
         t0 = time.perf_counter()
-        cfg, worker = self.config, self.worker
-        served: dict[Any, list[int]] = {}  # tree -> the batch sizes whose rounds use it
-        for bs in range(1, cfg.max_batch_size + 1):
-            served.setdefault(worker.tree_for(bs), []).append(bs)
+        cfg = self.config
+        served = self._served_trees()
         vocab = int(self.target.config.vocab_size)
         prompt = [1 + i % (vocab - 1) for i in range(8)]
         greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -722,7 +720,7 @@ class LLM:
         # engine (EngineConfig.constrained_speculation): they run here at batch 1 too, and
         # their graphs are captured for every bucket.
         choice = self.scheduler.constrained
-        plain_any_size = choice.mode != "on" and any(t.num_steps for t in served)
+        plain_any_size = self._plain_rounds_at_any_size()
         if self.scheduler.grammars is not None and importlib.util.find_spec("llguidance"):
             # a constrained batch's rounds: a plain round's graph, a speculative round's phases
             # (the rounds of the kind the choice forces; these rounds do not count as its
@@ -741,22 +739,46 @@ class LLM:
             finally:
                 choice.forced = None
         if self.tp is None:
-            top = graphs.buckets.batch_sizes[-1]
-            for tree, sizes in served.items():
-                lo = graphs.buckets.batch_bucket(sizes[0]) or top
-                hi = graphs.buckets.batch_bucket(sizes[-1]) or top
-                for g in (True, False):
-                    constrained = worker.round_fn(tree, g, True)
-                    names = [worker.round_fn(tree, g).__name__, constrained.__name__]
-                    names += [phase.__name__ for phase in constrained.phases()]
-                    for name in names:
-                        graphs.restrict(name, lo, hi)
-                    if plain_any_size and tree == worker.plain_tree:
-                        for name in (constrained.__name__, *names[2:]):  # and its phases
-                            graphs.restrict(name, 1, hi)
+            self.restrict_graphs()
             graphs.capture_all(cfg.max_batch_size, cfg.max_context, progress)
         self.shutdown()
         return {"graphs": graphs.num_captured - before, "seconds": time.perf_counter() - t0}
+
+    def _served_trees(self) -> dict[Any, list[int]]:
+        """Each draft tree the rounds use (plain rounds' too) -> the batch sizes that use it."""
+        served: dict[Any, list[int]] = {}
+        for bs in range(1, self.config.max_batch_size + 1):
+            served.setdefault(self.worker.tree_for(bs), []).append(bs)
+        return served
+
+    def _plain_rounds_at_any_size(self) -> bool:
+        """Whether a constrained batch may run plain rounds at a size whose tree speculates
+        (``constrained_speculation`` not ``on``, in a speculative engine)."""
+        trees = self._served_trees()
+        return self.scheduler.constrained.mode != "on" and any(t.num_steps for t in trees)
+
+    def restrict_graphs(self) -> None:
+        """Have the graph capture (:meth:`CapturedForwards.capture_all`) record each draft
+        tree's rounds for the batch buckets whose sizes run that tree only, and a constrained
+        batch's plain rounds for every size where they may run: a wide tree's verify at a
+        batch size that never runs it would hold gigabytes of device memory."""
+        graphs, worker = self.worker.graphs, self.worker
+        if graphs is None:
+            return
+        top = graphs.buckets.batch_sizes[-1]
+        plain_any_size = self._plain_rounds_at_any_size()
+        for tree, sizes in self._served_trees().items():
+            lo = graphs.buckets.batch_bucket(sizes[0]) or top
+            hi = graphs.buckets.batch_bucket(sizes[-1]) or top
+            for g in (True, False):
+                constrained = worker.round_fn(tree, g, True)
+                names = [worker.round_fn(tree, g).__name__, constrained.__name__]
+                names += [phase.__name__ for phase in constrained.phases()]
+                for name in names:
+                    graphs.restrict(name, lo, hi)
+                if plain_any_size and tree == worker.plain_tree:
+                    for name in (constrained.__name__, *names[2:]):  # and its phases
+                        graphs.restrict(name, 1, hi)
 
     @property
     def engine(self) -> EngineLoop:

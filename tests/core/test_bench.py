@@ -434,3 +434,32 @@ def test_bench_sweep_interleaves_the_systems(tiny, tmp_path, monkeypatch):
             tokens = r[f"{system}_tokens_per_s"] * statistics.median(runs)  # a whole count
             assert len(runs) == 2 and tokens == pytest.approx(round(tokens), abs=1e-6)
             assert 0 < round(tokens) <= r["num_prompts"] * 8
+
+
+def test_warm_up_captures_each_tree_for_the_batch_sizes_that_run_it(tiny):
+    """The benchmark's capture of every bucket (untimed) records a tree's rounds for the
+    buckets whose batch sizes run that tree only, as a server's warm-up does: here the main
+    tree at batch 1, plain rounds from 2."""
+    from polyspec.bench.runner import run_polyspec
+    from polyspec.config import SamplingParams, SpeculativeConfig
+    from polyspec.engine.llm import LLM
+
+    spec = SpeculativeConfig(
+        "eagle3", num_steps=3, topk=2, num_draft_tokens=4, batch_trees="2:plain"
+    )
+    llm = LLM(
+        target=str(tiny["target"]), draft=str(tiny["eagle3"]), backend="cpu", dtype="float32",
+        speculative=spec, max_batch_size=4, max_context=128, graphs="on",
+    )  # fmt: skip
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(max_new_tokens=6)
+    for b in (1, 4):
+        run_polyspec(llm, f"spec @{b}", ids, greedy, progress=False, phase_times=False,
+                     warmup_prompts=b, batch_size=b)  # fmt: skip
+    main_tree, plain = llm.worker.tree_for(1), llm.worker.tree_for(2)
+    assert plain.num_steps == 0 and main_tree.num_steps == 3
+    buckets = {}
+    for name, b, _ in llm.worker.graphs.captured:
+        buckets.setdefault(name, set()).add(b)
+    assert buckets[llm.worker.round_fn(main_tree, True).__name__] == {1}
+    assert buckets[llm.worker.round_fn(plain, True).__name__] == {2, 4}

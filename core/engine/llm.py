@@ -8,7 +8,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -429,8 +429,7 @@ class LLM:
             # candidates that accept clearly more than they do, against plain rounds: timing
             # every candidate at every batch size would not fit the start-up budget (each new
             # tree's round is captured before it is timed).
-            recommended = {(s, k, n) for _, s, k, n in spec.trees if s > 0}
-            trees = [c for c in cands if (c.num_steps, c.topk, c.num_draft_tokens) in recommended]
+            trees = tree_choice.recommended(cands, spec.trees)
             return trees + tree_choice.deeper(cands, trees) if trees else cands
         if uses_graphs(caps, cfg.graphs):
             chosen = tree_choice.TreeCandidate(
@@ -497,9 +496,7 @@ class LLM:
         overlap = uses_overlap(self.worker.backend.capabilities, cfg.overlap_rounds)
         # The head's recommended trees and plain rounds at every batch size first; then, in a
         # budget of their own, the deeper candidates at the sizes where they still may win.
-        recommended = {(s, k, n) for _, s, k, n in spec.trees if s > 0}
-        first = [c for c in cands if (c.num_steps, c.topk, c.num_draft_tokens) in recommended]
-        first = first or list(cands)
+        first = tree_choice.recommended(cands, spec.trees) or list(cands)
         later = [c for c in cands if c not in first]
         seconds, stopped = tree_choice.time_rounds(self.worker, first, sizes, overlap=overlap)
         note = stopped
@@ -720,7 +717,7 @@ class LLM:
         # engine (EngineConfig.constrained_speculation): they run here at batch 1 too, and
         # their graphs are captured for every bucket.
         choice = self.scheduler.constrained
-        plain_any_size = self._plain_rounds_at_any_size()
+        plain_any_size = self._plain_rounds_at_any_size(served)
         if self.scheduler.grammars is not None and importlib.util.find_spec("llguidance"):
             # a constrained batch's rounds: a plain round's graph, a speculative round's phases
             # (the rounds of the kind the choice forces; these rounds do not count as its
@@ -751,11 +748,11 @@ class LLM:
             served.setdefault(self.worker.tree_for(bs), []).append(bs)
         return served
 
-    def _plain_rounds_at_any_size(self) -> bool:
+    def _plain_rounds_at_any_size(self, served: Mapping[Any, list[int]]) -> bool:
         """Whether a constrained batch may run plain rounds at a size whose tree speculates
-        (``constrained_speculation`` not ``on``, in a speculative engine)."""
-        trees = self._served_trees()
-        return self.scheduler.constrained.mode != "on" and any(t.num_steps for t in trees)
+        (``constrained_speculation`` not ``on``, in a speculative engine; ``served``:
+        :meth:`_served_trees`)."""
+        return self.scheduler.constrained.mode != "on" and any(t.num_steps for t in served)
 
     def restrict_graphs(self) -> None:
         """Have the graph capture (:meth:`CapturedForwards.capture_all`) record each draft
@@ -766,8 +763,9 @@ class LLM:
         if graphs is None:
             return
         top = graphs.buckets.batch_sizes[-1]
-        plain_any_size = self._plain_rounds_at_any_size()
-        for tree, sizes in self._served_trees().items():
+        served = self._served_trees()
+        plain_any_size = self._plain_rounds_at_any_size(served)
+        for tree, sizes in served.items():
             lo = graphs.buckets.batch_bucket(sizes[0]) or top
             hi = graphs.buckets.batch_bucket(sizes[-1]) or top
             for g in (True, False):

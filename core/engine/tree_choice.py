@@ -275,6 +275,15 @@ DEEPER_MARGIN = 0.05
 that accept more than the best of them by over this fraction (:func:`deeper`)."""
 
 
+def recommended(
+    candidates: Sequence[TreeCandidate], trees: Sequence[tuple[int, int, int, int]]
+) -> list[TreeCandidate]:
+    """The ``candidates`` among ``trees`` (``SpeculativeConfig.trees``: the head's main tree
+    and ``batch_trees``', (min batch size, S, K, N), plain entries left out)."""
+    shapes = {(s, k, n) for _, s, k, n in trees if s > 0}
+    return [c for c in candidates if (c.num_steps, c.topk, c.num_draft_tokens) in shapes]
+
+
 def deeper(
     candidates: Sequence[TreeCandidate], recommended: Sequence[TreeCandidate]
 ) -> list[TreeCandidate]:

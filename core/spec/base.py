@@ -499,6 +499,10 @@ class WorkerBase:
         # The next round starts at most ``depth`` past the prefixes the host knows (a
         # request that sat this round out: at its prefix).
         members, new = sts[: len(sts) - joined], sts[len(sts) - joined :]
+        if not new and all(s.seq_len + 1 >= self._end_len(s) for s in members):
+            return None  # the round takes every request to its limit (it commits at least
+            # one token each): a round queued behind it would be padding, and the device
+            # would run it before the next request's prefill
         if tree.num_steps and any(s.draft_len < s.seq_len for s in new):
             return None  # a joining request's draft is behind (its prefill skipped it): the
             # next round catches it up first (a draft extend, which cannot be queued here)

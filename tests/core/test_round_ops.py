@@ -289,3 +289,36 @@ def test_ops_in_replays_script_charges_torch_launches_to_their_sites(algorithm):
     assert not any("backends/" in s or "promote_types" in s for s in counts), counts
     lens = {site: n for site, n in counts.items() if "round.py" in site and site.endswith("mul")}
     assert list(lens.values()) == [1] and "_extend_lens" in next(iter(lens)), lens
+
+
+def test_no_round_is_queued_behind_one_that_takes_every_request_to_its_limit(reference_backend):
+    """``overlap_rounds`` at batch 1, requests one after another: a round commits at least one
+    token per request, so behind a round that starts one token short of every request's limit
+    nothing is queued (it would be all padding, run before the next request's prefill); behind
+    the others a round is queued and used. Tokens equal plain greedy decoding's."""
+    be = reference_backend
+    target, head = build_bigram_models(be, layer_scale=0.1)
+    llm = LLM.from_modules(
+        target, head, SPEC, backend=be, graphs="on", max_batch_size=1, max_context=128,
+        overlap_rounds=True,
+    )  # fmt: skip
+    worker, calls = llm.worker, []
+    queue_next = worker._queue_next
+
+    def recording(tree, launched, rids, sts, rows, joined=0):
+        last = all(s.seq_len + 1 >= worker._end_len(s) for s in sts)
+        queued = queue_next(tree, launched, rids, sts, rows, joined)
+        calls.append((last, queued is not None))
+        return queued
+
+    worker._queue_next = recording
+    prompts = _prompts(4)
+    # 2 = one prefill token + one round that starts a token short of the limit
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 23, 30, 17)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for out, p, want in zip(outs, params, [_plain_tokens(be, [q], 30)[0] for q in prompts]):
+        assert out.token_ids == want[: p.max_new_tokens]
+    assert any(last for last, _ in calls), calls
+    assert not any(queued for last, queued in calls if last), calls
+    assert any(queued for last, queued in calls if not last), calls
+    assert worker.queued_rounds["used"] >= 3, worker.queued_rounds

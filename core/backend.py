@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-BACKEND_API_VERSION = 4
+BACKEND_API_VERSION = 5
 """Version of this contract. A plugin built for another version is refused at load time, with
 a message naming both versions."""
 
@@ -418,6 +418,9 @@ class KernelSet:
     """Model: RMSNorm."""
     fused_add_rms_norm: Callable[..., Any]
     """Model: residual add, then RMSNorm (both results)."""
+    draft_layer_input: Callable[..., Any]
+    """EAGLE-3 head: its layer's input, the token embeddings and the features each RMS-normed,
+    side by side."""
     rotary_embedding: Callable[..., Any]
     """Model: rotary position embedding of q and k."""
     silu_and_mul: Callable[..., Any]

@@ -45,6 +45,7 @@ __all__ = [
     "assign_accept_locs",
     "rms_norm",
     "fused_add_rms_norm",
+    "draft_layer_input",
     "rotary_embedding",
     "silu_and_mul",
     "softmax_topk",
@@ -296,6 +297,33 @@ def fused_add_rms_norm(
     return rms_norm(total, weight, eps), total
 
 
+def draft_layer_input(
+    input_ids: torch.Tensor,  # [T] int
+    embed_weight: torch.Tensor,  # [V, H]
+    features: torch.Tensor,  # [T, H]
+    embed_norm: torch.Tensor,  # [H]
+    feature_norm: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # [T, 2H]
+    """An EAGLE-3 head's decoder-layer input: ``rms_norm(embed_weight[input_ids],
+    embed_norm)`` and ``rms_norm(features, feature_norm)`` side by side (each as
+    :func:`rms_norm`; the embedding rows and the features share a dtype)."""
+    _check(
+        input_ids.dim() == 1 and features.dim() == 2 and features.shape[0] == input_ids.shape[0],
+        f"draft_layer_input needs input_ids [T] and features [T, H], got "
+        f"{tuple(input_ids.shape)} and {tuple(features.shape)}",
+    )
+    _check(
+        embed_weight.dim() == 2 and embed_weight.shape[1] == features.shape[1],
+        f"draft_layer_input needs embed_weight [V, H={features.shape[1]}], got "
+        f"{tuple(embed_weight.shape)}",
+    )
+    embeds = F.embedding(input_ids, embed_weight)
+    return torch.cat(
+        [rms_norm(embeds, embed_norm, eps), rms_norm(features, feature_norm, eps)], dim=-1
+    )
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # [T]
     q: torch.Tensor,  # [T, Hq, D]
@@ -342,13 +370,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x [T, 2I] -> [T, I]
 def softmax_topk(
     logits: torch.Tensor,  # [n, V] any float dtype
     k: int,
+    index_map: torch.Tensor | None = None,  # [V] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """The draft's top-k at each draft step: the ``k`` largest entries of
     ``softmax(logits.float())`` per row, in descending order, with their ids. Equal
-    probabilities may come in either order."""
+    probabilities may come in either order. ``index_map``: the ids returned are
+    ``index_map[id]`` (an EAGLE head's draft-vocabulary -> target-vocabulary map)."""
     _check(logits.dim() == 2, f"softmax_topk needs logits [n, V], got {tuple(logits.shape)}")
     _check(1 <= k <= logits.shape[1], f"softmax_topk needs 1 <= k <= V, got k={k}")
-    return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    _check_index_map(index_map, logits.shape[1])
+    p, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return p, (idx if index_map is None else index_map[idx])
+
+
+def _check_index_map(index_map: torch.Tensor | None, vocab: int) -> None:
+    _check(
+        index_map is None or (index_map.dim() == 1 and index_map.shape[0] == vocab),
+        f"softmax_topk needs index_map [V={vocab}], got "
+        f"{None if index_map is None else tuple(index_map.shape)}",
+    )
 
 
 # -------------------------------------------------------------------------- sampling helpers

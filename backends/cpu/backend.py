@@ -278,14 +278,23 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
         return kernel
 
     bf16 = torch.bfloat16
+    norm = pick("rms_norm", lambda x, w, *_: x.dtype == bf16 and w.dtype == bf16)
+
+    def draft_layer_input(input_ids, embed_weight, features, embed_norm, feature_norm, eps):
+        # the reference's steps over this backend's RMSNorm (launches cost nothing here)
+        e = norm(torch.nn.functional.embedding(input_ids, embed_weight), embed_norm, eps)
+        return torch.cat([e, norm(features, feature_norm, eps)], dim=-1)
+
+    draft_layer_input.__doc__ = reference.draft_layer_input.__doc__
     return {
+        "draft_layer_input": draft_layer_input,
         "verify_tree_greedy": once_loaded("verify_tree_greedy"),
         "build_tree": once_loaded("build_tree"),
         "select_top_k": once_loaded("select_top_k"),
         "softmax_topk": once_loaded(
             "softmax_topk", lambda logits, *_: logits.dtype in (bf16, torch.float32)
         ),
-        "rms_norm": pick("rms_norm", lambda x, w, *_: x.dtype == bf16 and w.dtype == bf16),
+        "rms_norm": norm,
         "fused_add_rms_norm": pick(
             "fused_add_rms_norm",
             lambda x, r, w, *_: x.dtype == bf16 and r.dtype == bf16 and w.dtype == bf16,

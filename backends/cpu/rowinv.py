@@ -29,6 +29,7 @@ from types import ModuleType
 import torch
 
 from polyspec.errors import ConfigError
+from polyspec.kernels import reference
 
 from . import jit_build
 
@@ -244,8 +245,6 @@ def select_top_k(
 ):
     """``polyspec.kernels.reference.select_top_k``; steps >= 1 in one C++ call (ties: lower
     candidate first), step 0 (a reshape and a repeat) as the reference does it."""
-    from polyspec.kernels import reference
-
     if (
         step == 0
         or scores is None
@@ -263,11 +262,13 @@ def select_top_k(
 def softmax_topk(
     logits: torch.Tensor,  # [n, V] bf16 or fp32
     k: int,
+    index_map: torch.Tensor | None = None,  # [V] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """``polyspec.kernels.reference.softmax_topk`` in one pass over the logits (ties: lower id
-    first)."""
+    first), the ids then mapped through ``index_map``."""
+    reference._check_index_map(index_map, logits.shape[-1])
     p, idx = _module().softmax_topk(logits, int(k))
-    return p, idx
+    return p, (idx if index_map is None else index_map[idx])
 
 
 def attention(

@@ -130,25 +130,33 @@ class DraftHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (logit_hidden [T, H], next_feature [T, H])
         """One draft step over T tokens."""
         k, eps, layer = self.kernels, self.eps, self.layer
-        embeds = (
-            F.embedding(input_ids, self.embed_tokens)
-            if self.embed_tokens is not None
-            else self._target.embed(input_ids)
-        )
         if self.algorithm == "eagle":
-            h = linear(torch.cat([embeds, features], dim=-1), self.fc, self.fc_bias)
+            h = linear(torch.cat([self._embed(input_ids), features], dim=-1), self.fc, self.fc_bias)
             a = layer.self_attn(h, positions, attn, metadata)
             x, residual = k.fused_add_rms_norm(a, h, layer.post_attention_layernorm, eps)
             out = layer.mlp(x) + residual
             return out, out
         if features.shape[-1] != self.config.hidden_size:
             features = linear(features, self.fc)
-        e = k.rms_norm(embeds, layer.input_layernorm, eps)
-        hn = k.rms_norm(features, self.hidden_norm, eps)
-        a = layer.self_attn(torch.cat([e, hn], dim=-1), positions, attn, metadata)
+        if self.embed_tokens is None and self._target.tp is not None:
+            # the target's vocabulary-parallel lookup (summed over the ranks) comes first
+            e = k.rms_norm(self._target.embed(input_ids), layer.input_layernorm, eps)
+            x = torch.cat([e, k.rms_norm(features, self.hidden_norm, eps)], dim=-1)
+        else:  # one kernel (a draft step's launches are most of its cost at small batches)
+            x = k.draft_layer_input(
+                input_ids, self.embed_weight, features, layer.input_layernorm, self.hidden_norm,
+                eps,
+            )  # fmt: skip
+        a = layer.self_attn(x, positions, attn, metadata)
         x, residual = k.fused_add_rms_norm(a, features, layer.post_attention_layernorm, eps)
         normed, pre = k.fused_add_rms_norm(layer.mlp(x), residual, self.norm, eps)
         return normed, pre
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        """Token embeddings: the head's own table, else the target's lookup."""
+        if self.embed_tokens is not None:
+            return F.embedding(input_ids, self.embed_tokens)
+        return self._target.embed(input_ids)
 
     def feature_logit_hidden(self, feature: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         """The ``logit_hidden`` of :meth:`forward` from its ``next_feature`` (EAGLE-1: the
@@ -178,10 +186,7 @@ class DraftHead(nn.Module):
         logits = self._logits(logit_hidden)
         if bitmask is not None:
             self.kernels.apply_token_bitmask(logits, bitmask)
-        topk_p, idx = self.kernels.softmax_topk(logits, k)
-        if self.draft_to_target is not None:
-            idx = self.draft_to_target[idx]
-        return topk_p, idx
+        return self.kernels.softmax_topk(logits, k, index_map=self.draft_to_target)
 
     def probs(self, logit_hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V_target] fp32
         """The head's distribution scattered onto the target vocabulary."""

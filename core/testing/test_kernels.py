@@ -646,6 +646,32 @@ def test_rms_norm_and_fused_add_match_reference(backend, reference_backend):
         _assert_equal(res, res0, "fused_add_rms_norm modified residual")
 
 
+def test_draft_layer_input_matches_reference(backend, reference_backend):
+    """An EAGLE-3 head's layer input: both halves are the backend's own RMSNorm of the
+    embedding rows and of the features (so the draft computes what the separate kernels did),
+    and close to the reference."""
+    g = _gen(SEED + 34)
+    for dtype in _model_dtypes(backend):
+        embed = (2 * torch.randn(40, 64, generator=g)).to(dtype)
+        feats = (3 * torch.randn(6, 64, generator=g)).to(dtype)
+        w_e, w_f = ((1 + 0.1 * torch.randn(64, generator=g)).to(dtype) for _ in range(2))
+        ids = torch.tensor([3, 0, 39, 3, 17, 8])
+        got = backend.kernels.draft_layer_input(
+            _idx(backend, ids), _dev(backend, embed), _dev(backend, feats), _dev(backend, w_e),
+            _dev(backend, w_f), 1e-6,
+        )  # fmt: skip
+        ref = reference_backend.kernels.draft_layer_input(ids, embed, feats, w_e, w_f, 1e-6)
+        assert got.dtype == ref.dtype == dtype and got.shape == ref.shape == (6, 128)
+        torch.testing.assert_close(_cpu(got), ref, **_TOL[dtype])
+        norm = reference_backend.kernels.rms_norm
+        _assert_equal(ref, torch.cat([norm(embed[ids], w_e, 1e-6), norm(feats, w_f, 1e-6)], -1),
+                      "the reference's halves")  # fmt: skip
+        own = backend.kernels.rms_norm
+        halves = (own(_dev(backend, embed[ids]), _dev(backend, w_e), 1e-6),
+                  own(_dev(backend, feats), _dev(backend, w_f), 1e-6))  # fmt: skip
+        _assert_equal(_cpu(got), _cpu(torch.cat(halves, -1)), "the backend's own RMSNorms")
+
+
 def _cos_sin_cache(max_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
     inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     freqs = torch.arange(max_pos, dtype=torch.float32).unsqueeze(1) * inv
@@ -723,6 +749,13 @@ def test_softmax_topk_matches_reference(backend, k):
             assert (_cpu(p)[:, :-1] >= _cpu(p)[:, 1:]).all(), "not in descending order"
             full = torch.softmax(lf, dim=-1)  # independent formula
             torch.testing.assert_close(want_p, full.gather(1, want_idx))
+            # ids through an EAGLE head's draft -> target map
+            index_map = torch.randperm(vocab, generator=g) * 3 + 5
+            mp, midx = backend.kernels.softmax_topk(
+                _dev(backend, logits), k, index_map=_dev(backend, index_map)
+            )
+            assert midx.dtype == torch.int64 and torch.equal(_cpu(mp), _cpu(p))
+            assert torch.equal(_cpu(midx), index_map[_cpu(idx)])
 
 
 # -------------------------------------------------------------------------- sampling helpers

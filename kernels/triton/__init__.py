@@ -20,7 +20,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "assign_extend_cache_locs",
         "assign_accept_locs",
     ),
-    "norm": ("rms_norm", "fused_add_rms_norm"),
+    "norm": ("rms_norm", "fused_add_rms_norm", "draft_layer_input"),
     "rope": ("rotary_embedding",),
     "activation": ("silu_and_mul",),
     "topk": ("softmax_topk",),

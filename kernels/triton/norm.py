@@ -1,4 +1,5 @@
-"""Triton RMSNorm kernels: ``rms_norm`` and ``fused_add_rms_norm`` (one program per row).
+"""Triton RMSNorm kernels: ``rms_norm``, ``fused_add_rms_norm`` and an EAGLE-3 head's
+``draft_layer_input`` (one program per row).
 
 Drop-ins for the reference functions (Hugging Face LlamaRMSNorm order: normalise in fp32, cast
 to the input dtype, then multiply by the weight, the product rounded once to the promoted dtype).
@@ -12,6 +13,16 @@ import triton.language as tl
 
 from polyspec.kernels.triton._util import check, next_pow2, rows_2d
 from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
+
+
+@triton.jit
+def _normed(x, w_ptr, offs, m, hidden, eps):
+    """A row's RMSNorm: normalised in fp32, cast to ``x``'s dtype, times the weight (fp32)."""
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, axis=0) / hidden
+    normed = (xf / tl.sqrt(mean_sq + eps)).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0)
+    return normed.to(tl.float32) * w.to(tl.float32)
 
 
 @triton.jit
@@ -39,12 +50,36 @@ def _rms_norm_kernel(
         # The sum is rounded to its own dtype first, exactly as ``x + residual`` in torch.
         x = (x.to(tl.float32) + res.to(tl.float32)).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * hidden + offs, x, mask=m)
-    xf = x.to(tl.float32)
-    mean_sq = tl.sum(xf * xf, axis=0) / hidden
-    normed = (xf / tl.sqrt(mean_sq + eps)).to(x.dtype)
-    w = tl.load(weight_ptr + offs, mask=m, other=0.0)
-    out = normed.to(tl.float32) * w.to(tl.float32)
+    out = _normed(x, weight_ptr, offs, m, hidden, eps)
     tl.store(out_ptr + row * hidden + offs, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _draft_layer_input_kernel(
+    ids_ptr,  # [rows] int
+    embed_ptr,  # [V, H]
+    feat_ptr,  # [rows, H]
+    embed_norm_ptr,  # [H]
+    feat_norm_ptr,  # [H]
+    out_ptr,  # [rows, 2H] contiguous
+    hidden,
+    eps,
+    stride_embed,
+    stride_feat,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < hidden
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    e = tl.load(embed_ptr + token * stride_embed + offs, mask=m, other=0.0)
+    out = _normed(e, embed_norm_ptr, offs, m, hidden, eps)
+    tl.store(out_ptr + row * 2 * hidden + offs, out.to(out_ptr.dtype.element_ty), mask=m)
+    f = tl.load(feat_ptr + row * stride_feat + offs, mask=m, other=0.0)
+    out = _normed(f, feat_norm_ptr, offs, m, hidden, eps)
+    tl.store(out_ptr + row * 2 * hidden + hidden + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _launch(
@@ -122,3 +157,58 @@ def fused_add_rms_norm(
     normed, total = _launch(x, residual, weight, eps, pdl)
     assert total is not None
     return normed, total
+
+
+def draft_layer_input(
+    input_ids: torch.Tensor,  # [T] int
+    embed_weight: torch.Tensor,  # [V, H]
+    features: torch.Tensor,  # [T, H]
+    embed_norm: torch.Tensor,  # [H]
+    feature_norm: torch.Tensor,  # [H]
+    eps: float,
+    pdl: bool = False,
+) -> torch.Tensor:  # [T, 2H]
+    """Triton ``draft_layer_input``: the embedding lookup, both RMSNorms and their
+    concatenation in one launch (four in torch, two of them Triton norms: a draft step's
+    launches are most of its cost at small batches). See
+    :func:`polyspec.kernels.reference.draft_layer_input`; ``pdl`` as :func:`rms_norm`'s."""
+    check(
+        input_ids.dim() == 1 and features.dim() == 2 and features.shape[0] == input_ids.shape[0],
+        f"draft_layer_input needs input_ids [T] and features [T, H], got "
+        f"{tuple(input_ids.shape)} and {tuple(features.shape)}",
+    )
+    hidden = features.shape[1]
+    check(
+        embed_weight.dim() == 2 and embed_weight.shape[1] == hidden,
+        f"draft_layer_input needs embed_weight [V, H={hidden}], got {tuple(embed_weight.shape)}",
+    )
+    check(
+        embed_weight.dtype == features.dtype,
+        f"draft_layer_input needs embed_weight and features of one dtype, got "
+        f"{embed_weight.dtype} and {features.dtype}",
+    )
+    for name, w in (("embed_norm", embed_norm), ("feature_norm", feature_norm)):
+        check(
+            w.dim() == 1 and w.shape[0] == hidden,
+            f"{name} must be [H={hidden}], got {tuple(w.shape)}",
+        )
+    check(hidden <= 65536, f"draft_layer_input supports hidden sizes up to 65536, got {hidden}")
+    out_dtype = torch.promote_types(
+        torch.promote_types(embed_norm.dtype, feature_norm.dtype), features.dtype
+    )
+    rows = input_ids.shape[0]
+    out = torch.empty((rows, 2 * hidden), dtype=out_dtype, device=features.device)
+    if rows == 0:
+        return out
+    if features.stride(-1) != 1:
+        features = features.contiguous()
+    if embed_weight.stride(-1) != 1:
+        embed_weight = embed_weight.contiguous()
+    block = next_pow2(hidden)
+    _draft_layer_input_kernel[(rows,)](
+        input_ids.contiguous(), embed_weight, features, embed_norm.contiguous(),
+        feature_norm.contiguous(), out, hidden, float(eps), embed_weight.stride(0),
+        features.stride(0), BLOCK=block, PDL=pdl, num_warps=min(max(block // 256, 1), 16),
+        **launch_options(pdl),
+    )  # fmt: skip
+    return out

@@ -36,15 +36,25 @@ A 16,384-wide fp32 row over 16 warps is 32 values a thread, plus as many ids."""
 
 
 @triton.jit
+def _mapped(i, map_ptr, HAS_MAP: tl.constexpr):
+    """``map[i]`` where the caller passes a map (int64), else ``i``."""
+    if HAS_MAP:
+        return tl.load(map_ptr + i).to(tl.int64)
+    return i.to(tl.int64)
+
+
+@triton.jit
 def _softmax_topk_kernel(
     x_ptr,  # [n, V] (row stride x_stride)
     p_ptr,  # [n, K] fp32 out
     i_ptr,  # [n, K] int64 out
+    map_ptr,  # [V] int64 (read where HAS_MAP)
     V,
     x_stride,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_MAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -83,7 +93,7 @@ def _softmax_topk_kernel(
         live = live & (slot != at)
         p = tl.where(v > float("-inf"), tl.exp(v - m) / s, 0.0)
         tl.store(p_ptr + r * K + a, p)
-        tl.store(i_ptr + r * K + a, tl.minimum(vi, V - 1))
+        tl.store(i_ptr + r * K + a, _mapped(tl.minimum(vi, V - 1), map_ptr, HAS_MAP))
 
 
 @triton.jit
@@ -91,10 +101,12 @@ def _softmax_topk_whole_kernel(
     x_ptr,  # [n, V] (row stride x_stride)
     p_ptr,  # [n, K] fp32 out
     i_ptr,  # [n, K] int64 out
+    map_ptr,  # [V] int64 (read where HAS_MAP)
     V,
     x_stride,
     K: tl.constexpr,
     BLOCK: tl.constexpr,  # >= V
+    HAS_MAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -112,19 +124,22 @@ def _softmax_topk_whole_kernel(
         best_i = tl.min(tl.where((x == best) & (ids < BLOCK), ids, BLOCK), 0)
         p = tl.where(best > float("-inf"), tl.exp(best - m) / s, 0.0)
         tl.store(p_ptr + r * K + a, p)
-        tl.store(i_ptr + r * K + a, tl.minimum(best_i, V - 1).to(tl.int64))
+        best_i = tl.minimum(best_i, V - 1).to(tl.int64)
+        tl.store(i_ptr + r * K + a, _mapped(best_i, map_ptr, HAS_MAP))
         ids = tl.where(ids == best_i, BLOCK, ids)
 
 
 def softmax_topk(
     logits: torch.Tensor,  # [n, V] any float dtype
     k: int,
+    index_map: torch.Tensor | None = None,  # [V] int64
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """``polyspec.kernels.reference.softmax_topk``: per row the ``k`` largest softmax
-    probabilities, best first, with their ids (equal logits: the lower id first). ``pdl``: launch
-    with programmatic dependent launch (:mod:`.pdl`)."""
-    return softmax_topk_form(logits, k, pdl=pdl)
+    probabilities, best first, with their ids (equal logits: the lower id first), mapped
+    through ``index_map`` in the same launch. ``pdl``: launch with programmatic dependent
+    launch (:mod:`.pdl`)."""
+    return softmax_topk_form(logits, k, index_map=index_map, pdl=pdl)
 
 
 def whole_warps(vocab: int) -> int:
@@ -137,6 +152,7 @@ def softmax_topk_form(
     k: int,
     form: str = "auto",
     num_warps: int | None = None,
+    index_map: torch.Tensor | None = None,  # [V] int64
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """:func:`softmax_topk` in a given form (``"loop"``, ``"whole"``, or ``"auto"``: whole up to
@@ -154,27 +170,37 @@ def softmax_topk_form(
         form == "loop" or vocab <= WHOLE_MAX,
         f"softmax_topk: the whole form reads at most {WHOLE_MAX} logits a row, got {vocab}",
     )
+    check(
+        index_map is None or (index_map.dim() == 1 and index_map.shape[0] == vocab),
+        f"softmax_topk needs index_map [V={vocab}], got "
+        f"{None if index_map is None else tuple(index_map.shape)}",
+    )
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    has_map = index_map is not None
+    index_map = index_map.contiguous() if has_map else logits  # (not read without a map)
     p = torch.empty((n, k), dtype=torch.float32, device=logits.device)
     idx = torch.empty((n, k), dtype=torch.int64, device=logits.device)
     if n == 0:
         return p, idx
     if form == "whole":
         _softmax_topk_whole_kernel[(n,)](
-            logits, p, idx, vocab, logits.stride(0), K=k, BLOCK=next_pow2(vocab),
-            num_warps=num_warps or whole_warps(vocab), PDL=pdl, **launch_options(pdl),
+            logits, p, idx, index_map, vocab, logits.stride(0), K=k, BLOCK=next_pow2(vocab),
+            HAS_MAP=has_map, num_warps=num_warps or whole_warps(vocab), PDL=pdl,
+            **launch_options(pdl),
         )  # fmt: skip
     else:
         _softmax_topk_kernel[(n,)](
             logits,
             p,
             idx,
+            index_map,
             vocab,
             logits.stride(0),
             K=k,
             K_PAD=next_pow2(k),
             BLOCK=BLOCK,
+            HAS_MAP=has_map,
             PDL=pdl,
             **launch_options(pdl),
         )

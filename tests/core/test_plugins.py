@@ -306,13 +306,14 @@ def test_two_accelerators_at_the_same_priority_is_an_error_naming_both(plugin_di
     assert PluginRegistry(eps, env={"POLYSPEC_BACKEND": "accB"}).select().name == "accB"
 
 
-@pytest.mark.parametrize("name,version", [("future", BACKEND_API_VERSION + 1), ("older", 3)])
+@pytest.mark.parametrize("name,version", [("future", BACKEND_API_VERSION + 1), ("older", 4)])
 def test_other_api_version_is_refused_naming_both_versions(plugin_dir, name, version):
     # version 1 had capabilities and kernels the engine never used; version 2 had no notion
     # of ranks (distributed_backend, graph_collectives, Backend.bind_local_rank / device_count)
     # and no apply_token_bitmask (structured output); version 3 had no argmax kernel (greedy
-    # tokens came from torch's reduction, whatever the backend)
-    assert BACKEND_API_VERSION == 4
+    # tokens came from torch's reduction, whatever the backend); version 4 had no
+    # draft_layer_input kernel and its softmax_topk took no index_map
+    assert BACKEND_API_VERSION == 5
     ep = _fake_plugin(plugin_dir, name, api_version=version)
     registry = PluginRegistry(entry_points=builtin_entry_points() + [ep], env=CLEAN_ENV)
     report = _by_name(registry.discover())[name]

@@ -536,6 +536,35 @@ def test_rms_norm_and_fused_add_match_reference(kernels, triton_device, dtype):
     torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_draft_layer_input_matches_reference(kernels, triton_device, dtype, index_dtype):
+    """One launch for the embedding lookup and both RMSNorms: each half is exactly what the
+    Triton ``rms_norm`` gives its input, and close to the reference; a strided features view
+    reads right."""
+    g = _gen(SEED + 34)
+    embed = (2 * torch.randn(30, 48, generator=g)).to(dtype)
+    wide = (3 * torch.randn(5, 96, generator=g)).to(dtype)
+    feats = wide[:, 24:72]  # row stride 96
+    w_e, w_f = ((1 + 0.1 * torch.randn(48, generator=g)).to(dtype) for _ in range(2))
+    ids = torch.tensor([29, 0, 7, 7, 12])
+    d = {n: _on(t, triton_device) for n, t in (("embed", embed), ("w_e", w_e), ("w_f", w_f))}
+    dfeats = _on(wide, triton_device)[:, 24:72]
+    got = kernels["draft_layer_input"](
+        _on(ids, triton_device, index_dtype), d["embed"], dfeats, d["w_e"], d["w_f"], 1e-6
+    )
+    expected = ref.draft_layer_input(ids, embed, feats, w_e, w_f, 1e-6)
+    assert got.dtype == expected.dtype and got.shape == (5, 96)
+    torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
+    halves = (kernels["rms_norm"](d["embed"][_on(ids, triton_device)], d["w_e"], 1e-6),
+              kernels["rms_norm"](dfeats.contiguous(), d["w_f"], 1e-6))  # fmt: skip
+    assert torch.equal(got.cpu(), torch.cat(halves, -1).cpu()), "not the Triton rms_norm's"
+    with pytest.raises(ValueError, match="embed_weight"):
+        kernels["draft_layer_input"](
+            _on(ids, triton_device), d["embed"][:, :40], dfeats, d["w_e"], d["w_f"], 1e-6
+        )
+
+
 def _cos_sin_cache(max_pos: int, dim: int) -> torch.Tensor:
     inv = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     freqs = torch.arange(max_pos, dtype=torch.float32).unsqueeze(1) * inv
@@ -637,10 +666,10 @@ def test_softmax_topk_matches_reference(kernels, triton_device, dtype, k, form):
     of the kernel, and the one the wrapper picks (``auto``: the whole row up to WHOLE_MAX)."""
     from polyspec.kernels.triton.topk import softmax_topk_form
 
-    def call(x, k):
+    def call(x, k, index_map=None):
         if form == "auto":
-            return kernels["softmax_topk"](x, k)
-        return softmax_topk_form(x, k, form=form)
+            return kernels["softmax_topk"](x, k, index_map=index_map)
+        return softmax_topk_form(x, k, form=form, index_map=index_map)
 
     g = _gen(SEED + 34 + k)
     for rows, vocab in ((3, 5000), (2, 13), (1, 2048)):
@@ -657,6 +686,10 @@ def test_softmax_topk_matches_reference(kernels, triton_device, dtype, k, form):
         torch.testing.assert_close(p.cpu(), want_p, rtol=1e-5, atol=1e-7)
         assert int(idx[0, 0]) == 7, "ties come lower id first"
         assert (p.cpu()[:, :-1] >= p.cpu()[:, 1:]).all()
+        index_map = torch.randperm(vocab, generator=g) * 3 + 5  # a draft -> target map
+        mp, midx = call(_on(logits, triton_device), k, _on(index_map, triton_device))
+        assert midx.dtype == torch.int64 and torch.equal(mp.cpu(), p.cpu())
+        assert torch.equal(midx.cpu(), index_map[idx.cpu()]), "ids not mapped in the launch"
     strided = (4 * torch.randn(4, 600, generator=g)).to(dtype)[:, ::2]
     p, idx = call(_on(strided, triton_device), k)
     want_p, _ = ref.softmax_topk(strided, k)

@@ -412,6 +412,9 @@ class KernelSet:
     """KV bookkeeping: write newly owned slots into ``req_to_token``."""
     assign_extend_cache_locs: Callable[..., Any]
     """KV bookkeeping: read a forward's ``out_cache_loc`` out of ``req_to_token``."""
+    assign_block_cache_locs: Callable[..., Any]
+    """KV bookkeeping: a fixed-width block's slots and positions per request (captured
+    forwards), the padding slot past each request's length."""
     assign_accept_locs: Callable[..., Any]
     """Accept -> draft extend: where the accepted path's KV moves, and the extend's indices."""
     rms_norm: Callable[..., Any]

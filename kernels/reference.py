@@ -42,6 +42,7 @@ __all__ = [
     "assign_draft_cache_locs",
     "assign_req_to_token",
     "assign_extend_cache_locs",
+    "assign_block_cache_locs",
     "assign_accept_locs",
     "rms_norm",
     "fused_add_rms_norm",
@@ -190,6 +191,37 @@ def assign_extend_cache_locs(
     owner, col = _segments(start, end, out.numel())
     rows = req_pool_indices.long()[owner]
     out.copy_(req_to_token[rows, col])
+
+
+def assign_block_cache_locs(
+    req_pool_indices: torch.Tensor,  # [bs]
+    req_to_token: torch.Tensor,  # [R, C]
+    start: torch.Tensor,  # [bs]
+    lens: torch.Tensor,  # [bs]
+    width: int,
+    out_loc: torch.Tensor,  # out: [bs * width], req_to_token's dtype
+    positions: torch.Tensor,  # out: [bs * width] int64
+) -> None:
+    """A fixed-width block of ``width`` tokens per request from ``start`` (a captured forward's
+    layout): ``positions[b * width + j] = min(start[b] + j, C - 1)`` and ``out_loc[b * width +
+    j] = req_to_token[req_pool_indices[b], positions[b * width + j]]`` for ``j < lens[b]``, the
+    padding slot 0 past it."""
+    bs = req_pool_indices.shape[0]
+    _check(
+        start.shape[0] == bs and lens.shape[0] == bs,
+        f"start / lens must be [bs={bs}], got {tuple(start.shape)} and {tuple(lens.shape)}",
+    )
+    for name, out in (("out_loc", out_loc), ("positions", positions)):
+        _check(
+            out.numel() == bs * width,
+            f"{name} must have bs * width = {bs * width} entries, got {out.numel()}",
+        )
+    j = torch.arange(width, device=start.device)
+    pos = (start.long()[:, None] + j).clamp_(max=req_to_token.shape[1] - 1)  # [bs, width]
+    slots = req_to_token[req_pool_indices.long()[:, None], pos]
+    slots.masked_fill_(j >= lens.long()[:, None], 0)
+    out_loc.copy_(slots.view(out_loc.shape))
+    positions.copy_(pos.view(positions.shape))
 
 
 def check_accept_locs_args(

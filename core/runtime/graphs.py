@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from polyspec.backend import Backend, ForwardBatch, ForwardMode
+from polyspec.backend import Backend, ForwardBatch, ForwardMode, KernelSet
 
 _log = logging.getLogger("polyspec.engine")
 
@@ -319,22 +319,22 @@ def static_batch(
 
 
 def block_slots(
+    kernels: KernelSet,
     req_to_token: torch.Tensor,  # [R, C]
     rows: torch.Tensor,  # [bs]
     starts: torch.Tensor,  # [bs]
     lens: torch.Tensor,  # [bs]
     width: int,
-    j: torch.Tensor | None = None,  # [width] arange(width), when the caller keeps one
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([bs * width] slots, [bs * width] positions)
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([bs * width] slots, [bs * width] int64 positions)
     """Slots and positions of ``width`` tokens per request from ``starts``; tokens past
-    ``lens[b]`` get the padding slot 0 (and a position clamped into the table)."""
-    if j is None:
-        j = torch.arange(width, device=rows.device)
-    # five launches (inside a captured round each costs its latency, whatever its size)
-    pos = (starts.to(torch.int64)[:, None] + j[None, :]).clamp_(max=req_to_token.shape[1] - 1)
-    slots = req_to_token[rows.to(torch.int64)[:, None], pos]  # [bs, width]
-    slots.masked_fill_(j[None, :] >= lens[:, None], 0)
-    return slots.reshape(-1), pos.reshape(-1)
+    ``lens[b]`` get the padding slot 0 (and a position clamped into the table):
+    ``KernelSet.assign_block_cache_locs``, one launch where torch took five (inside a
+    captured round each costs its latency, whatever its size)."""
+    n = rows.shape[0] * width
+    slots = torch.empty(n, dtype=req_to_token.dtype, device=req_to_token.device)
+    positions = torch.empty(n, dtype=torch.int64, device=req_to_token.device)
+    kernels.assign_block_cache_locs(rows, req_to_token, starts, lens, width, slots, positions)
+    return slots, positions
 
 
 def padded(host_params: Mapping[str, Any], name: str, rows: int) -> list[int]:

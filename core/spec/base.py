@@ -136,7 +136,7 @@ class WorkerBase:
         self.backend = backend
         self.kernels = backend.kernels
         self.device = backend.device()
-        self._aranges: dict[tuple[int, int], torch.Tensor] = {}
+        self._aranges: dict[tuple, torch.Tensor] = {}
         self.page_size = page_size
         self.target = target
         self.num_kv_slots = num_kv_slots
@@ -741,6 +741,15 @@ class WorkerBase:
             self._aranges[key] = torch.arange(0, n * step, step, device=self.device)
         return self._aranges[key]
 
+    def level_lens(self, levels: int, b: int) -> torch.Tensor:  # [levels, b] index dtype
+        """A cached ``[levels, b]`` table whose row i holds i + 1 (the draft lanes' lengths at
+        each level without paging), made once as :meth:`arange` is."""
+        key = ("levels", levels, b)
+        if key not in self._aranges:
+            table = torch.arange(1, levels + 1, device=self.device)[:, None].expand(levels, b)
+            self._aranges[key] = table.to(self.backend.index_dtype).contiguous()
+        return self._aranges[key]
+
     def _prefill_width(self, bs: int, max_len: int, max_start: int) -> int | None:
         """The padded per-request width of a captured prefill; None to run it eagerly."""
         b = self.graphs.buckets.batch_bucket(bs)
@@ -799,7 +808,7 @@ class WorkerBase:
         host = s["host"].t().to(self.backend.index_dtype)
         rows, starts, lens = host[0], host[1], host[2]
         width = s["input_ids"].shape[0] // bs
-        slots, positions = block_slots(table, rows, starts, lens, width, self.arange(width))
+        slots, positions = block_slots(self.kernels, table, rows, starts, lens, width)
         mode = ForwardMode.DRAFT_EXTEND if draft else ForwardMode.EXTEND
         batch = static_batch(mode, table, rows, starts, lens, s["input_ids"], positions, slots)
         batch.host_lengths = functools.partial(_prefill_lengths, rows=bs)

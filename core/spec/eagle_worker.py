@@ -322,7 +322,7 @@ class EagleWorker(WorkerBase):
             self.kernels, self.target, self.target_runner, self.draft, self.draft_runner,
             self.req_pool.req_to_token, self.lane_scratch, self.page_size,
             self.backend.index_dtype, self.use_aux, self.state_topk, self.arange,
-            self.plain_features, self.backend.capabilities.async_execution,
+            self.plain_features, self.backend.capabilities.async_execution, self.level_lens,
         )  # fmt: skip
 
     def _round_inputs(

@@ -137,6 +137,8 @@ class RoundParts:
     # the device runs asynchronously to the host (Capabilities.async_execution): the host
     # can build a constrained round's masks while it verifies (SpecRound.walk_tree)
     async_device: bool = False
+    # cached [levels, b] tables of the draft lanes' lengths without paging (row i: i + 1)
+    level_lens: Callable[[int, int], torch.Tensor] | None = None
 
 
 class DraftLevel(NamedTuple):
@@ -538,7 +540,7 @@ class SpecRound:
         (topk_p [b, K'], topk_index [b, K'], feature [b, H]); ``bitmask`` [b, W] (a
         constrained round): its top-K among the tokens the grammar allows."""
         p = self.p
-        slots, positions = block_slots(p.req_to_token, rows, seq_lens, live, 1, p.arange(1))
+        slots, positions = block_slots(p.kernels, p.req_to_token, rows, seq_lens, live, 1)
         logit_h, feature = self._forward(
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, seq_lens, 1, live, roots,
             positions, slots, max_prefix, host, _committed,
@@ -644,12 +646,15 @@ class SpecRound:
         p, S, K = self.p, self.tree.num_steps, self.tree.topk
         lane_locs, tails = self._assign_lanes(rows, draft_lens, b, copy_prefix)
         lens = draft_lens.to(torch.int64)
-        start = lens - tails  # the lane's page-aligned prefix
         steps = p.arange(S - 1)
-        col = steps[:, None] + tails[None, :]  # [S-1, b]
         # [S-1, b, K], each made by one launch
-        out_locs = lane_locs.permute(2, 0, 1).gather(0, col[:, :, None].expand(-1, -1, K))
         positions = lens.view(1, b, 1) + steps.view(-1, 1, 1).expand(-1, b, K)
+        if p.page_size == 1:  # no prefix tail in the lanes: level i writes lane column i
+            out_locs = lane_locs.permute(2, 0, 1)[: S - 1].contiguous()
+            return lane_locs, draft_lens.to(rows.dtype), out_locs, positions, p.level_lens(S - 1, b)
+        start = lens - tails  # the lane's page-aligned prefix
+        col = steps[:, None] + tails[None, :]  # [S-1, b]
+        out_locs = lane_locs.permute(2, 0, 1).gather(0, col[:, :, None].expand(-1, -1, K))
         return lane_locs, start.to(rows.dtype), out_locs, positions, (col + 1).to(rows.dtype)
 
     def _lanes_rule(self, i: int):
@@ -725,7 +730,7 @@ class SpecRound:
         p = self.p
         n = candidates.shape[1]
         lens = self._extend_lens(live, n)
-        slots, pos = block_slots(p.req_to_token, rows, seq_lens, lens, n, p.arange(n))
+        slots, pos = block_slots(p.kernels, p.req_to_token, rows, seq_lens, lens, n)
         mode, extra = ForwardMode.DECODE, {}
         if tree_mask is not None:
             mode, pos = ForwardMode.TARGET_VERIFY, positions
@@ -821,7 +826,7 @@ class SpecRound:
         path_node = locs[3].view(-1, S + 1)[:, :S].reshape(-1)  # depths 0..S-1
         start = seq_lens + 1
         lens = self._extend_lens(live, S)
-        slots, positions = block_slots(p.req_to_token, rows, start, lens, S, p.arange(S))
+        slots, positions = block_slots(p.kernels, p.req_to_token, rows, start, lens, S)
         self._forward(
             p.draft_runner, ForwardMode.DRAFT_EXTEND, rows, start, S, live,
             predicts[path_node], positions, slots, max_prefix, host, _after_root,

@@ -539,6 +539,41 @@ def test_assign_req_to_token_and_extend_cache_locs_match_reference(backend, refe
     _assert_equal(ref[0]["out"], expected, "assign_extend_cache_locs (independent)")
 
 
+def test_assign_block_cache_locs_matches_reference(backend, reference_backend):
+    """A captured forward's fixed-width blocks: each request's slots from its start, the
+    padding slot 0 past its length (a padding request: length 0), positions clamped into
+    the table (a block running past its last column)."""
+    g = _gen(SEED + 22)
+    bs, rows, cols, width = 5, 8, 40, 6
+    req_pool_indices = torch.randperm(rows, generator=g)[:bs]
+    start = torch.tensor([0, 7, 36, 20, 3])  # request 2's block runs past column 39
+    lens = torch.tensor([6, 0, 4, 3, 1])
+    table = torch.randint(1, 10000, (rows, cols), generator=g)
+    n = bs * width
+    got = _call_poisoned(
+        backend.kernels.assign_block_cache_locs,
+        {"req_pool_indices": _idx(backend, req_pool_indices), "req_to_token": _idx(backend, table),
+         "start": _idx(backend, start), "lens": _idx(backend, lens), "width": width},
+        {"out_loc": torch.empty(n, dtype=backend.index_dtype, device=backend.device()),
+         "positions": torch.empty(n, dtype=torch.int64, device=backend.device())},
+    )  # fmt: skip
+    ref = _call_poisoned(
+        reference_backend.kernels.assign_block_cache_locs,
+        {"req_pool_indices": req_pool_indices, "req_to_token": table, "start": start,
+         "lens": lens, "width": width},
+        {"out_loc": torch.empty(n, dtype=torch.int64),
+         "positions": torch.empty(n, dtype=torch.int64)},
+    )  # fmt: skip
+    _check_outs(got, ref, "assign_block_cache_locs")
+    pos = [[min(int(s) + j, cols - 1) for j in range(width)] for s in start]
+    loc = [
+        [int(table[r, p]) if j < int(m) else 0 for j, p in enumerate(ps)]
+        for r, m, ps in zip(req_pool_indices, lens, pos)
+    ]
+    _assert_equal(ref[0]["positions"], torch.tensor(pos).flatten(), "positions (independent)")
+    _assert_equal(ref[0]["out_loc"], torch.tensor(loc).flatten(), "out_loc (independent)")
+
+
 def _accept_case(g: torch.Generator, bs: int, num_steps: int, n: int, cols: int):
     """Accepted paths as verify leaves them: root first, then nodes of the tree (global ids
     b*N + j), -1 past the path; request 1 is a graph's padding request (width 0) and request

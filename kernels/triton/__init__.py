@@ -18,6 +18,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "assign_draft_cache_locs",
         "assign_req_to_token",
         "assign_extend_cache_locs",
+        "assign_block_cache_locs",
         "assign_accept_locs",
     ),
     "norm": ("rms_norm", "fused_add_rms_norm", "draft_layer_input"),

@@ -226,6 +226,75 @@ def assign_extend_cache_locs(
 
 
 @triton.jit
+def _block_cache_locs_kernel(
+    req_pool_indices_ptr,  # [bs] (stride stride_rows)
+    req_to_token_ptr,  # [R, C]
+    start_ptr,  # [bs] (stride stride_start)
+    lens_ptr,  # [bs] (stride stride_lens)
+    out_loc_ptr,  # out [bs * width]
+    positions_ptr,  # out [bs * width] int64
+    width,
+    max_context,  # C
+    stride_rt,
+    stride_rows,  # the per-request inputs may be strided columns of one upload
+    stride_start,
+    stride_lens,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(req_pool_indices_ptr + b * stride_rows).to(tl.int64)
+    start = tl.load(start_ptr + b * stride_start).to(tl.int64)
+    n = tl.load(lens_ptr + b * stride_lens).to(tl.int64)
+    for j0 in range(0, width, BLOCK):
+        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        m = j < width
+        pos = tl.minimum(start + j, max_context - 1)
+        slot = tl.load(req_to_token_ptr + row * stride_rt + pos, mask=m & (j < n), other=0)
+        tl.store(out_loc_ptr + b * width + j, slot, mask=m)
+        tl.store(positions_ptr + b * width + j, pos, mask=m)
+
+
+def assign_block_cache_locs(
+    req_pool_indices: torch.Tensor,  # [bs]
+    req_to_token: torch.Tensor,  # [R, C]
+    start: torch.Tensor,  # [bs]
+    lens: torch.Tensor,  # [bs]
+    width: int,
+    out_loc: torch.Tensor,  # out: [bs * width]
+    positions: torch.Tensor,  # out: [bs * width] int64
+    pdl: bool = False,
+) -> None:
+    """Triton ``assign_block_cache_locs`` (one program per request; five torch launches in
+    the reference); see :func:`polyspec.kernels.reference.assign_block_cache_locs`. ``pdl``:
+    launch with programmatic dependent launch (:mod:`.pdl`)."""
+    bs = req_pool_indices.shape[0]
+    check(
+        start.shape[0] == bs and lens.shape[0] == bs,
+        f"start / lens must be [bs={bs}], got {tuple(start.shape)} and {tuple(lens.shape)}",
+    )
+    for name, out in (("out_loc", out_loc), ("positions", positions)):
+        check(
+            out.numel() == bs * width,
+            f"{name} must have bs * width = {bs * width} entries, got {out.numel()}",
+        )
+    check(positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}")
+    check(req_to_token.stride(-1) == 1, "req_to_token must be contiguous in its last dimension")
+    if bs == 0 or width == 0:
+        return
+    loc, finish_loc = writable(out_loc)
+    pos, finish_pos = writable(positions)
+    _block_cache_locs_kernel[(bs,)](
+        req_pool_indices, req_to_token, start, lens, loc, pos, width, req_to_token.shape[1],
+        req_to_token.stride(0), req_pool_indices.stride(0), start.stride(0), lens.stride(0),
+        BLOCK=min(next_pow2(width), 128), num_warps=1, PDL=pdl, **launch_options(pdl),
+    )  # fmt: skip
+    finish_loc()
+    finish_pos()
+
+
+@triton.jit
 def _assign_accept_locs_kernel(
     req_pool_indices_ptr,  # [bs]
     req_to_token_ptr,  # [R, C]

@@ -312,7 +312,8 @@ def test_other_api_version_is_refused_naming_both_versions(plugin_dir, name, ver
     # of ranks (distributed_backend, graph_collectives, Backend.bind_local_rank / device_count)
     # and no apply_token_bitmask (structured output); version 3 had no argmax kernel (greedy
     # tokens came from torch's reduction, whatever the backend); version 4 had no
-    # draft_layer_input kernel and its softmax_topk took no index_map
+    # draft_layer_input or assign_block_cache_locs kernel, and its softmax_topk took no
+    # index_map
     assert BACKEND_API_VERSION == 5
     ep = _fake_plugin(plugin_dir, name, api_version=version)
     registry = PluginRegistry(entry_points=builtin_entry_points() + [ep], env=CLEAN_ENV)

@@ -446,6 +446,36 @@ def test_assign_req_to_token_and_extend_cache_locs_match_reference(kernels, trit
         _same(res, exp, f"assign_extend_cache_locs[{idt}]")
 
 
+def test_assign_block_cache_locs_matches_reference(kernels, triton_device):
+    """Fixed-width blocks wider than the kernel's 128-slot step, a padding request, a block
+    past the table's last column, and per-request inputs that are strided columns of one
+    upload (as a captured prefill passes them)."""
+    g = _gen(SEED + 22)
+    bs, rows, cols, width = 4, 6, 300, 150
+    req_pool_indices = torch.randperm(rows, generator=g)[:bs]
+    start = torch.tensor([0, 9, 250, 40])
+    lens = torch.tensor([150, 0, 37, 129])
+    table = torch.randint(1, 10000, (rows, cols), generator=g)
+    n = bs * width
+    exp = _poisoned(
+        ref.assign_block_cache_locs,
+        {"req_pool_indices": req_pool_indices, "req_to_token": table, "start": start,
+         "lens": lens, "width": width},
+        {"out_loc": torch.empty(n, dtype=torch.int64), "positions": torch.empty(n, dtype=torch.int64)},
+        "cpu",
+    )[0]  # fmt: skip
+    for idt in (torch.int64, torch.int32):
+        host = _on(torch.stack([req_pool_indices, start, lens], 1), triton_device, idt)  # [bs, 3]
+        res = _poisoned(
+            kernels["assign_block_cache_locs"],
+            {"req_pool_indices": host[:, 0], "req_to_token": _on(table, triton_device, idt),
+             "start": host[:, 1], "lens": host[:, 2], "width": width},
+            {"out_loc": torch.empty(n, dtype=idt), "positions": torch.empty(n, dtype=torch.int64)},
+            triton_device,
+        )  # fmt: skip
+        _same(res, exp, f"assign_block_cache_locs[{idt}]")
+
+
 @pytest.mark.parametrize("cache_dtype", FLOATS)
 def test_store_kv_casts_and_reads_strided_inputs(triton_device, cache_dtype):
     """The K/V store of the cuda backend's row-invariant attention (not a KernelSet entry)."""

@@ -193,6 +193,28 @@ def assign_extend_cache_locs(
     out.copy_(req_to_token[rows, col])
 
 
+def check_block_cache_locs_args(
+    req_pool_indices: torch.Tensor,  # [bs]
+    start: torch.Tensor,  # [bs]
+    lens: torch.Tensor,  # [bs]
+    width: int,
+    out_loc: torch.Tensor,  # [bs * width]
+    positions: torch.Tensor,  # [bs * width]
+) -> None:
+    """The argument checks of ``assign_block_cache_locs`` shared by every implementation
+    (shapes only, no host sync)."""
+    bs = req_pool_indices.shape[0]
+    _check(
+        start.shape[0] == bs and lens.shape[0] == bs,
+        f"start / lens must be [bs={bs}], got {tuple(start.shape)} and {tuple(lens.shape)}",
+    )
+    for name, out in (("out_loc", out_loc), ("positions", positions)):
+        _check(
+            out.numel() == bs * width,
+            f"{name} must have bs * width = {bs * width} entries, got {out.numel()}",
+        )
+
+
 def assign_block_cache_locs(
     req_pool_indices: torch.Tensor,  # [bs]
     req_to_token: torch.Tensor,  # [R, C]
@@ -206,16 +228,7 @@ def assign_block_cache_locs(
     layout): ``positions[b * width + j] = min(start[b] + j, C - 1)`` and ``out_loc[b * width +
     j] = req_to_token[req_pool_indices[b], positions[b * width + j]]`` for ``j < lens[b]``, the
     padding slot 0 past it."""
-    bs = req_pool_indices.shape[0]
-    _check(
-        start.shape[0] == bs and lens.shape[0] == bs,
-        f"start / lens must be [bs={bs}], got {tuple(start.shape)} and {tuple(lens.shape)}",
-    )
-    for name, out in (("out_loc", out_loc), ("positions", positions)):
-        _check(
-            out.numel() == bs * width,
-            f"{name} must have bs * width = {bs * width} entries, got {out.numel()}",
-        )
+    check_block_cache_locs_args(req_pool_indices, start, lens, width, out_loc, positions)
     j = torch.arange(width, device=start.device)
     pos = (start.long()[:, None] + j).clamp_(max=req_to_token.shape[1] - 1)  # [bs, width]
     slots = req_to_token[req_pool_indices.long()[:, None], pos]
@@ -329,6 +342,36 @@ def fused_add_rms_norm(
     return rms_norm(total, weight, eps), total
 
 
+def check_draft_layer_input_args(
+    input_ids: torch.Tensor,  # [T]
+    embed_weight: torch.Tensor,  # [V, H]
+    features: torch.Tensor,  # [T, H]
+    embed_norm: torch.Tensor,  # [H]
+    feature_norm: torch.Tensor,  # [H]
+) -> None:
+    """The argument checks of ``draft_layer_input`` shared by every implementation."""
+    _check(
+        input_ids.dim() == 1 and features.dim() == 2 and features.shape[0] == input_ids.shape[0],
+        f"draft_layer_input needs input_ids [T] and features [T, H], got "
+        f"{tuple(input_ids.shape)} and {tuple(features.shape)}",
+    )
+    hidden = features.shape[1]
+    _check(
+        embed_weight.dim() == 2 and embed_weight.shape[1] == hidden,
+        f"draft_layer_input needs embed_weight [V, H={hidden}], got {tuple(embed_weight.shape)}",
+    )
+    _check(
+        embed_weight.dtype == features.dtype,
+        f"draft_layer_input needs embed_weight and features of one dtype, got "
+        f"{embed_weight.dtype} and {features.dtype}",
+    )
+    for name, w in (("embed_norm", embed_norm), ("feature_norm", feature_norm)):
+        _check(
+            w.dim() == 1 and w.shape[0] == hidden,
+            f"draft_layer_input needs {name} [H={hidden}], got {tuple(w.shape)}",
+        )
+
+
 def draft_layer_input(
     input_ids: torch.Tensor,  # [T] int
     embed_weight: torch.Tensor,  # [V, H]
@@ -340,16 +383,7 @@ def draft_layer_input(
     """An EAGLE-3 head's decoder-layer input: ``rms_norm(embed_weight[input_ids],
     embed_norm)`` and ``rms_norm(features, feature_norm)`` side by side (each as
     :func:`rms_norm`; the embedding rows and the features share a dtype)."""
-    _check(
-        input_ids.dim() == 1 and features.dim() == 2 and features.shape[0] == input_ids.shape[0],
-        f"draft_layer_input needs input_ids [T] and features [T, H], got "
-        f"{tuple(input_ids.shape)} and {tuple(features.shape)}",
-    )
-    _check(
-        embed_weight.dim() == 2 and embed_weight.shape[1] == features.shape[1],
-        f"draft_layer_input needs embed_weight [V, H={features.shape[1]}], got "
-        f"{tuple(embed_weight.shape)}",
-    )
+    check_draft_layer_input_args(input_ids, embed_weight, features, embed_norm, feature_norm)
     embeds = F.embedding(input_ids, embed_weight)
     return torch.cat(
         [rms_norm(embeds, embed_norm, eps), rms_norm(features, feature_norm, eps)], dim=-1
@@ -410,12 +444,13 @@ def softmax_topk(
     ``index_map[id]`` (an EAGLE head's draft-vocabulary -> target-vocabulary map)."""
     _check(logits.dim() == 2, f"softmax_topk needs logits [n, V], got {tuple(logits.shape)}")
     _check(1 <= k <= logits.shape[1], f"softmax_topk needs 1 <= k <= V, got k={k}")
-    _check_index_map(index_map, logits.shape[1])
+    check_index_map(index_map, logits.shape[1])
     p, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return p, (idx if index_map is None else index_map[idx])
 
 
-def _check_index_map(index_map: torch.Tensor | None, vocab: int) -> None:
+def check_index_map(index_map: torch.Tensor | None, vocab: int) -> None:
+    """``softmax_topk``'s check of its ``index_map`` (every implementation's)."""
     _check(
         index_map is None or (index_map.dim() == 1 and index_map.shape[0] == vocab),
         f"softmax_topk needs index_map [V={vocab}], got "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from polyspec.backend import Backend, BackendCapabilities, KernelSet
 from polyspec.backends.common import EagerGraphRunner, PagedAllocator, SDPAAttention, TensorKVPool
 from polyspec.errors import ConfigError
-from polyspec.kernels.reference import reference_kernels
+from polyspec.kernels.reference import check_draft_layer_input_args, reference_kernels
 
 from . import bitmask, rowinv
 
@@ -282,6 +282,7 @@ def _bf16_layer_ops(backend: CPUBackend, reference: KernelSet) -> dict:
 
     def draft_layer_input(input_ids, embed_weight, features, embed_norm, feature_norm, eps):
         # the reference's steps over this backend's RMSNorm (launches cost nothing here)
+        check_draft_layer_input_args(input_ids, embed_weight, features, embed_norm, feature_norm)
         e = norm(torch.nn.functional.embedding(input_ids, embed_weight), embed_norm, eps)
         return torch.cat([e, norm(features, feature_norm, eps)], dim=-1)
 

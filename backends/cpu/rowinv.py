@@ -266,7 +266,7 @@ def softmax_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (topk_p [n, k] fp32, topk_index [n, k] int64)
     """``polyspec.kernels.reference.softmax_topk`` in one pass over the logits (ties: lower id
     first), the ids then mapped through ``index_map``."""
-    reference._check_index_map(index_map, logits.shape[-1])
+    reference.check_index_map(index_map, logits.shape[-1])
     p, idx = _module().softmax_topk(logits, int(k))
     return p, (idx if index_map is None else index_map[idx])
 

@@ -13,7 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from polyspec.kernels.reference import check_accept_locs_args, check_draft_cache_locs_args
+from polyspec.kernels.reference import (
+    check_accept_locs_args,
+    check_block_cache_locs_args,
+    check_draft_cache_locs_args,
+)
 from polyspec.kernels.triton._util import check, next_pow2, writable
 from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
@@ -269,16 +273,8 @@ def assign_block_cache_locs(
     """Triton ``assign_block_cache_locs`` (one program per request; five torch launches in
     the reference); see :func:`polyspec.kernels.reference.assign_block_cache_locs`. ``pdl``:
     launch with programmatic dependent launch (:mod:`.pdl`)."""
+    check_block_cache_locs_args(req_pool_indices, start, lens, width, out_loc, positions)
     bs = req_pool_indices.shape[0]
-    check(
-        start.shape[0] == bs and lens.shape[0] == bs,
-        f"start / lens must be [bs={bs}], got {tuple(start.shape)} and {tuple(lens.shape)}",
-    )
-    for name, out in (("out_loc", out_loc), ("positions", positions)):
-        check(
-            out.numel() == bs * width,
-            f"{name} must have bs * width = {bs * width} entries, got {out.numel()}",
-        )
     check(positions.dtype == torch.int64, f"positions must be int64, got {positions.dtype}")
     check(req_to_token.stride(-1) == 1, "req_to_token must be contiguous in its last dimension")
     if bs == 0 or width == 0:

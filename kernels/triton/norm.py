@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyspec.kernels.reference import check_draft_layer_input_args
 from polyspec.kernels.triton._util import check, next_pow2, rows_2d
 from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
@@ -172,26 +173,8 @@ def draft_layer_input(
     concatenation in one launch (four in torch, two of them Triton norms: a draft step's
     launches are most of its cost at small batches). See
     :func:`polyspec.kernels.reference.draft_layer_input`; ``pdl`` as :func:`rms_norm`'s."""
-    check(
-        input_ids.dim() == 1 and features.dim() == 2 and features.shape[0] == input_ids.shape[0],
-        f"draft_layer_input needs input_ids [T] and features [T, H], got "
-        f"{tuple(input_ids.shape)} and {tuple(features.shape)}",
-    )
+    check_draft_layer_input_args(input_ids, embed_weight, features, embed_norm, feature_norm)
     hidden = features.shape[1]
-    check(
-        embed_weight.dim() == 2 and embed_weight.shape[1] == hidden,
-        f"draft_layer_input needs embed_weight [V, H={hidden}], got {tuple(embed_weight.shape)}",
-    )
-    check(
-        embed_weight.dtype == features.dtype,
-        f"draft_layer_input needs embed_weight and features of one dtype, got "
-        f"{embed_weight.dtype} and {features.dtype}",
-    )
-    for name, w in (("embed_norm", embed_norm), ("feature_norm", feature_norm)):
-        check(
-            w.dim() == 1 and w.shape[0] == hidden,
-            f"{name} must be [H={hidden}], got {tuple(w.shape)}",
-        )
     check(hidden <= 65536, f"draft_layer_input supports hidden sizes up to 65536, got {hidden}")
     out_dtype = torch.promote_types(
         torch.promote_types(embed_norm.dtype, feature_norm.dtype), features.dtype

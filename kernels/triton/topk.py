@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyspec.kernels.reference import check_index_map
 from polyspec.kernels.triton._util import check, next_pow2
 from polyspec.kernels.triton.pdl import launch_options, wait_for_previous
 
@@ -170,11 +171,7 @@ def softmax_topk_form(
         form == "loop" or vocab <= WHOLE_MAX,
         f"softmax_topk: the whole form reads at most {WHOLE_MAX} logits a row, got {vocab}",
     )
-    check(
-        index_map is None or (index_map.dim() == 1 and index_map.shape[0] == vocab),
-        f"softmax_topk needs index_map [V={vocab}], got "
-        f"{None if index_map is None else tuple(index_map.shape)}",
-    )
+    check_index_map(index_map, vocab)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     has_map = index_map is not None

@@ -185,6 +185,12 @@ class Matcher:
             self._ahead_final = True
         return not self._ahead_final
 
+    @property
+    def walk_ended(self) -> bool:
+        """The walk of the round in flight ended the output: the grammar is complete, or no
+        token could follow (:meth:`walk`, :meth:`end_walk`)."""
+        return self._ahead is not None and self._ahead_final
+
     def end_walk(self) -> None:
         """The walk stops at a state where no token is allowed: the round's next token (the
         device's unmasked choice) is not output, and :meth:`next_mask` raises."""

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from polyspec.backend import Backend, ForwardMode, HostLengths
-from polyspec.constrain import DraftVocab, Matcher, RoundMasks
+from polyspec.constrain import ConstraintViolation, DraftVocab, Matcher, RoundMasks
 from polyspec.runtime.batch_builder import BatchBuilder
 from polyspec.runtime.executor import Launched, RoundExecutor
 from polyspec.runtime.graphs import (
@@ -166,9 +166,11 @@ class WorkerBase:
         # how many of those after requests had left, and how many with requests that had
         # joined sitting it out.
         self._queued: tuple[Tree, Launched] | None = None
-        # A constrained plain round's forward, queued behind the round before it (its next
-        # tokens need the host's masks, its forward does not), and how many were queued /
-        # used by the next call / used after requests had left.
+        # A constrained round's first phase, queued behind the round before it: a plain
+        # round's forward (its next tokens need the host's masks, its forward does not), a
+        # greedy speculative round's draft and verify (queued once the walk has settled the
+        # roots' masks); how many were queued / used by the next call / used after requests
+        # had left.
         self._forward: Launched | None = None
         self.queued_forwards = {"queued": 0, "used": 0, "used_by_fewer": 0}
         self.queued_rounds = {"queued": 0, "used": 0, "used_by_fewer": 0, "joined_after": 0}
@@ -248,7 +250,8 @@ class WorkerBase:
         """One round for ``rids`` -> each request's new tokens. ``lookahead``: queue the next
         round behind this one (``EngineConfig.overlap_rounds``): a greedy round without a
         constraint whole, a constrained plain round's forward (its next tokens need the
-        host's masks). A request that has just joined may get no token
+        host's masks), a constrained greedy speculative round's draft and verify (its
+        acceptance is walked on the host). A request that has just joined may get no token
         (``[]``) when the round the last call queued is run for the others: it sits this
         round out and is in the one queued behind it. ``plain``: a plain round whatever the
         batch size's tree (the engine's choice for a constrained batch,
@@ -306,7 +309,7 @@ class WorkerBase:
                 copy=lookahead and greedy and masks is None,
             )  # fmt: skip
         elif self.executor.captures(len(sts), max(seq_lens)):
-            launched = self._launch_phases(fn, rids, inputs, max(seq_lens), host)
+            launched = self._launch_phases(fn, rids, sts, inputs, host, lookahead, forward)
         else:  # the whole round eagerly, every draft level masked
             launched = self.executor.launch(
                 rids, fn.__name__, fn, inputs, max(seq_lens), host, eager=True
@@ -363,14 +366,16 @@ class WorkerBase:
         return out
 
     def _take_forward(self, rids: Sequence[int]) -> Launched | None:
-        """The constrained plain round's forward the last call queued, when it holds every
-        request of ``rids`` in the same order (the caller uses it if this round is a
-        constrained plain one of the same kind): as it is, or, where requests have left since
+        """The constrained round's first phase the last call queued, when it holds every
+        request of ``rids`` in the same order (the caller uses it if this round is of the
+        same kind): as it is, or, for a plain round's forward where requests have left since
         (finished), its logits rows of those that remain, each row its own request's (the
         forward is row-invariant). Either way it is gone."""
         queued, self._forward = self._forward, None
         if queued is None or queued.key == tuple(rids):
             return queued
+        if not queued.name.endswith(".forward"):  # a draft-and-verify phase: its batch only
+            return None
         at = {r: i for i, r in enumerate(queued.key)}
         rows = [at.get(r, -1) for r in rids]
         if min(rows) < 0 or rows != sorted(rows):  # a request joined, or the order changed
@@ -379,25 +384,29 @@ class WorkerBase:
         # (``key`` the requests it served before: the caller counts a use by fewer)
         return dataclasses.replace(queued, outputs=(logits,), rows=len(rows))
 
-    def _launch_phases(self, fn: SpecRound, rids, inputs, max_prefix: int, host) -> Launched:
+    def _launch_phases(
+        self, fn: SpecRound, rids, sts, inputs, host, lookahead: bool = False, forward=None
+    ) -> Launched:
         """A constrained speculative round where the batch replays graphs: its phases
         (:meth:`SpecRound.phases`), each replayed, the host's work between them: the root's
         mask before the draft, each level's lanes' masks after it (the device waits for
         them), and the tree's node masks while the device verifies (the tree starts towards
         the host as the verify is queued), or greedy acceptance walked on the host after the
         verify (where the host reads nothing in between, draft and verify are one phase).
-        -> the accept phase, as the round's."""
+        ``forward``: that one phase, queued by the last call behind its round for these
+        requests (:meth:`_queue_draft_verify`, with ``lookahead``). -> the accept phase, as
+        the round's."""
         *levels, verify, accept = fn.phases()
         if fn.verifies_in_draft:  # one phase: the whole draft, then the verify
             levels, verify = [*levels, verify], None
         masks, bs, K = host.masks, len(rids), fn.tree.topk
-        own = ("topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
-        state = {k: v for k, v in inputs.items() if k == "host" or k in own}
-        state["root_mask"] = masks.root()  # [bs, W] int32 (the phase takes the draft's vocab)
-        if not fn.mask_lanes and fn.tree.num_steps > 1:  # [bs, S-1, W] int32, the same
-            state["level_masks"] = masks.draft_levels(fn.tree.num_steps, draft_vocab=False)
+        max_prefix = max(s.seq_len for s in sts)
         launch = functools.partial(self.executor.launch, rids, max_prefix=max_prefix, host=host)
-        out = launch(levels[0].__name__, levels[0], state)
+        if forward is not None and forward.name == levels[0].__name__ and len(levels) == 1:
+            out = forward  # queued behind the last round, under the same masks
+            self.queued_forwards["used"] += 1
+        else:
+            out = launch(levels[0].__name__, levels[0], self._draft_inputs(fn, inputs, masks))
         for i, phase in enumerate(levels[1:], start=1):
             keys = level_keys(i, fn.stop_below > 0)
             level = {k: t[:bs] for k, t in zip(keys, out.outputs)}
@@ -420,16 +429,74 @@ class WorkerBase:
         # hidden states, or logits and their top where the round walks the tree (walk_tree)
         first, feats, *top = (t.view(second.rows, -1, t.shape[-1])[:bs] for t in verified)
         self._lap("draft")
+        queue = False
         if top:  # greedy acceptance walked on the host, from the target's top logits
             node = {"node_choice": masks.greedy_walk(top[0], first.flatten(0, 1)).view(bs, -1)}
+            queue = lookahead and verify is None and self._draft_verify_queues(fn.tree, sts)
         else:  # every node's mask, while the device verifies
             node = {"node_masks": masks.tree().view(bs, -1, masks.width)}
         self._lap("verify")
-        sampled = {k: v for k, v in inputs.items() if k not in state}  # sampling, coins
+        own = ("host", "topk_p", "topk_index", "hidden")  # the draft's inputs, not the accept's
+        sampled = {k: v for k, v in inputs.items() if k not in own}  # sampling, coins
         last = {**tree, **sampled, ("logits" if top else "hidden"): first, "features": feats,
                 **node, "drafted": drafted}  # fmt: skip
-        out = launch(accept.__name__, accept, last)
-        return dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
+        # (its outputs copied where the next round's first phase is queued behind it)
+        out = launch(accept.__name__, accept, last, copy=queue)
+        out = dataclasses.replace(out, name=fn.__name__, fn=fn, inputs=dict(inputs))
+        if queue:
+            self._queue_draft_verify(fn, rids, sts, out, masks, levels[0])
+        return out
+
+    def _draft_inputs(self, fn: SpecRound, inputs, masks: RoundMasks) -> dict:
+        """A phased round's first phase's inputs: the requests' table and the draft state of
+        ``inputs``, the roots' masks and, where the draft's levels take the forced tokens,
+        theirs."""
+        own = ("host", "topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
+        state = {k: v for k, v in inputs.items() if k in own}
+        state["root_mask"] = masks.root()  # [bs, W] int32 (the phase takes the draft's vocab)
+        if not fn.mask_lanes and fn.tree.num_steps > 1:  # [bs, S-1, W] int32, the same
+            state["level_masks"] = masks.draft_levels(fn.tree.num_steps, draft_vocab=False)
+        return state
+
+    def _draft_verify_queues(self, tree: Tree, sts) -> bool:
+        """Whether the next round's draft-and-verify phase may be queued behind this greedy
+        round's accept phase, once its walk has committed the round's tokens: the batch
+        stays (no request can reach its token limit in this round, no request's output ended
+        in the walk), the next round runs the same tree, and its batch replays graphs that
+        need no host lengths."""
+        depth = tree.num_steps + 1
+        if tree != self.tree_for(len(sts)) or self.graphs is None or self.graphs.needs_prepare:
+            return False
+        if any(s.seq_len + depth >= self._end_len(s) for s in sts):
+            return False
+        if any(s.matcher is not None and s.matcher.walk_ended for s in sts):
+            return False
+        return self.executor.captures(len(sts), max(s.seq_len for s in sts) + depth)
+
+    def _queue_draft_verify(self, fn: SpecRound, rids, sts, launched, masks, phase) -> None:
+        """Queue the next round's draft-and-verify phase behind ``launched`` (this round's
+        accept phase), from its outputs on the device (the prefixes grown by the accepted
+        tokens, the bonus tokens as roots, the draft extend's state) and the next roots'
+        masks, which the walk's committed tokens settle: the device drafts and verifies the
+        next round while the host reads this one's result, commits it and schedules. The
+        next call takes it for the same requests in the same order (:meth:`_take_forward`)
+        and drops it otherwise (its writes lie past every committed prefix)."""
+        tree, depth = fn.tree, fn.tree.num_steps + 1
+        masks.next_roots(0 if fn.mask_lanes else tree.num_steps)  # (the caller's finds them)
+        width = _round_width(tree)
+        need = [s.seq_len + depth + width for s in sts]
+        self.kv.ensure([s.row for s in sts], need, self.kv_lookahead)
+        nxt = next_round_inputs(tree, launched.inputs, launched.outputs, launched.rows)
+        masks = self._round_masks(sts)
+        try:
+            state = self._draft_inputs(fn, {**launched.inputs, **nxt}, masks)
+        except ConstraintViolation:  # a dead end: the next call fails that request alone
+            return
+        finally:
+            self.mask_seconds += masks.seconds
+        max_prefix = max(s.seq_len for s in sts) + depth
+        self._forward = self.executor.queue(tuple(rids), phase.__name__, phase, state, max_prefix)
+        self.queued_forwards["queued"] += self._forward is not None
 
     def _round_masks(self, sts: Sequence[SeqState]) -> RoundMasks | None:
         """The mask builder of a round with a constrained request, else None."""

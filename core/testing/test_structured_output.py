@@ -280,6 +280,51 @@ def test_constrained_plain_rounds_queue_their_forward(
     assert llm.kv_slots_free == free_before, "KV slots leaked"
 
 
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_constrained_speculative_rounds_queue_their_draft_and_verify(
+    backend, backend_name, tiny_models, plain, batch_size
+):
+    """``overlap_rounds`` with the draft masked at its root: once a greedy constrained
+    round's walk has committed its tokens, the next round's draft-and-verify phase is queued
+    behind its accept phase, under the next roots' masks, before the host reads the round's
+    result. Long outputs of one or three requests (the batch stays), then the mixed batch of
+    :func:`_batch` (requests stop at their grammar's end or their token limit, so the batch
+    changes and queued phases are dropped): outputs equal eager plain decoding's and satisfy
+    their constraints, queued phases are used, and no KV slot leaks."""
+    require(backend.capabilities.static_metadata, "static_metadata (captured forwards)")
+    require(backend.capabilities.tree_attention, "tree_attention (topk > 1)")
+    require(
+        not backend.capabilities.graph_needs_prepare,
+        "graphs without prepare (a queued phase's lengths are not on the host yet)",
+    )
+    llm = _llm(
+        backend, backend_name, tiny_models, "eagle3", graphs="on", overlap_rounds="on",
+        constrained_draft="root", topk=2, num_steps=3,
+    )  # fmt: skip
+    free_before = llm.kv_slots_free
+    prompts = PROMPTS[:batch_size]
+    params = [SamplingParams(max_new_tokens=60, regex=LONG_REGEX) for _ in prompts]
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for o in got:
+        assert o.finish_reason == "stop" and re.fullmatch(LONG_REGEX, o.text), o.text
+    queued = dict(llm.worker.queued_forwards)
+    assert 0 < queued["used"] <= queued["queued"], queued
+    names = {name for name, _, _ in llm.worker.graphs.captured}
+    assert "round_greedy_constrained.draft_verify" in names, names
+    # a schema's forced tokens: the queued draft takes them under the next roots' masks
+    params = [SamplingParams(max_new_tokens=90, json_schema=SCHEMAS[0]) for _ in prompts]
+    want = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for p, o in zip(params, got):
+        _check_output(p, o.text, o.finish_reason)
+    assert llm.worker.queued_forwards["used"] > queued["used"], llm.worker.queued_forwards
+    _mixed_batch_equals_plain(llm, plain)
+    assert llm.kv_slots_free == free_before, "KV slots leaked"
+
+
 FORCED = r"\{\"name\": \"(ab|cd)\", \"level\": \"[xy]\"\}"
 """A regex whose literal runs the grammar forces (a tiny random draft would not guess them)."""
 

@@ -436,8 +436,7 @@ class WorkerBase:
         else:  # every node's mask, while the device verifies
             node = {"node_masks": masks.tree().view(bs, -1, masks.width)}
         self._lap("verify")
-        own = ("host", "topk_p", "topk_index", "hidden")  # the draft's inputs, not the accept's
-        sampled = {k: v for k, v in inputs.items() if k not in own}  # sampling, coins
+        sampled = {k: v for k, v in inputs.items() if k not in self._draft_keys}  # coins...
         last = {**tree, **sampled, ("logits" if top else "hidden"): first, "features": feats,
                 **node, "drafted": drafted}  # fmt: skip
         # (its outputs copied where the next round's first phase is queued behind it)
@@ -447,12 +446,14 @@ class WorkerBase:
             self._queue_draft_verify(fn, rids, sts, out, masks, levels[0])
         return out
 
+    _draft_keys = ("host", "topk_p", "topk_index", "hidden")
+    """A phased round's inputs its draft reads: the requests' table, an EAGLE head's state."""
+
     def _draft_inputs(self, fn: SpecRound, inputs, masks: RoundMasks) -> dict:
         """A phased round's first phase's inputs: the requests' table and the draft state of
         ``inputs``, the roots' masks and, where the draft's levels take the forced tokens,
         theirs."""
-        own = ("host", "topk_p", "topk_index", "hidden")  # an EAGLE head's draft state
-        state = {k: v for k, v in inputs.items() if k in own}
+        state = {k: v for k, v in inputs.items() if k in self._draft_keys}
         state["root_mask"] = masks.root()  # [bs, W] int32 (the phase takes the draft's vocab)
         if not fn.mask_lanes and fn.tree.num_steps > 1:  # [bs, S-1, W] int32, the same
             state["level_masks"] = masks.draft_levels(fn.tree.num_steps, draft_vocab=False)
@@ -487,13 +488,13 @@ class WorkerBase:
         need = [s.seq_len + depth + width for s in sts]
         self.kv.ensure([s.row for s in sts], need, self.kv_lookahead)
         nxt = next_round_inputs(tree, launched.inputs, launched.outputs, launched.rows)
-        masks = self._round_masks(sts)
+        walked = self._round_masks(sts)  # the next round's, from the walked matchers
         try:
-            state = self._draft_inputs(fn, {**launched.inputs, **nxt}, masks)
+            state = self._draft_inputs(fn, {**launched.inputs, **nxt}, walked)
         except ConstraintViolation:  # a dead end: the next call fails that request alone
             return
         finally:
-            self.mask_seconds += masks.seconds
+            self.mask_seconds += walked.seconds
         max_prefix = max(s.seq_len for s in sts) + depth
         self._forward = self.executor.queue(tuple(rids), phase.__name__, phase, state, max_prefix)
         self.queued_forwards["queued"] += self._forward is not None
